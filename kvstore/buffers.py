@@ -1,0 +1,89 @@
+"""Caller buffers: host (bytes-like, numpy, torch CPU) and device (torch CUDA) alike.
+
+The data path never converts a buffer to ``bytes``; it takes a flat ``uint8`` view of
+the caller's memory and copies into or out of it once.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from kvstore.errors import BufferSizeError, InvalidArgumentError
+
+
+def is_torch(buf: Any) -> bool:
+    return type(buf).__module__.startswith("torch") and hasattr(buf, "data_ptr")
+
+
+def is_device(buf: Any) -> bool:
+    """True for tensors that live outside host memory (e.g. CUDA)."""
+    return is_torch(buf) and buf.device.type != "cpu"
+
+
+def nbytes_of(buf: Any) -> int:
+    if is_torch(buf):
+        return buf.numel() * buf.element_size()
+    if isinstance(buf, np.ndarray):
+        return buf.nbytes
+    return memoryview(buf).nbytes
+
+
+def host_view(buf: Any, *, writable: bool = False) -> np.ndarray:
+    """A flat ``uint8`` numpy view of a contiguous host buffer (no copy).
+
+    Accepts bytes/bytearray/memoryview/mmap, numpy arrays and torch CPU tensors.
+    Raises :class:`InvalidArgumentError` for device tensors, non-contiguous memory, or a
+    read-only buffer where ``writable`` is asked.
+    """
+    if is_torch(buf):
+        if buf.device.type != "cpu":
+            raise InvalidArgumentError(f"expected a host buffer, got a tensor on {buf.device}")
+        if not buf.is_contiguous():
+            raise InvalidArgumentError("tensor buffers must be contiguous")
+        arr = buf.detach().reshape(-1).view(__import__("torch").uint8).numpy()
+    elif isinstance(buf, np.ndarray):
+        if not buf.flags.c_contiguous:
+            raise InvalidArgumentError("numpy buffers must be C-contiguous")
+        arr = buf.reshape(-1).view(np.uint8)
+    else:
+        try:
+            mv = memoryview(buf)
+        except TypeError as exc:
+            raise InvalidArgumentError(f"not a buffer: {type(buf).__name__}") from exc
+        if not mv.contiguous:
+            raise InvalidArgumentError("buffers must be contiguous")
+        arr = np.frombuffer(mv.cast("B") if mv.format != "B" or mv.ndim != 1 else mv, dtype=np.uint8)
+    if writable and not arr.flags.writeable:
+        raise InvalidArgumentError(f"destination buffer of type {type(buf).__name__} is read-only")
+    return arr
+
+
+def device_view(buf: Any):
+    """A flat ``torch.uint8`` view of a contiguous tensor on any device."""
+    import torch
+
+    if not buf.is_contiguous():
+        raise InvalidArgumentError("tensor buffers must be contiguous")
+    return buf.detach().reshape(-1).view(torch.uint8)
+
+
+def copy_bytes(dst: Any, src: Any) -> None:
+    """Copy all bytes of ``src`` into ``dst`` (same size), host or device, once."""
+    if is_device(dst) or is_device(src):
+        import torch
+
+        d = device_view(dst) if is_torch(dst) else torch.from_numpy(host_view(dst, writable=True))
+        s = device_view(src) if is_torch(src) else torch.from_numpy(host_view(src))
+        if d.numel() != s.numel():
+            raise BufferSizeError(f"buffer has {d.numel()} bytes, block has {s.numel()}")
+        d.copy_(s, non_blocking=False)
+        return
+    d, s = host_view(dst, writable=True), host_view(src)
+    if d.nbytes != s.nbytes:
+        raise BufferSizeError(f"buffer has {d.nbytes} bytes, block has {s.nbytes}")
+    np.copyto(d, s, casting="no")
+
+
+__all__ = ["copy_bytes", "device_view", "host_view", "is_device", "is_torch", "nbytes_of"]

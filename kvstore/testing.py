@@ -1,0 +1,160 @@
+"""The tier conformance suite. Every tier's tests subclass :class:`TierConformance` and
+provide a ``tier`` fixture (a fresh, empty tier of ``CAPACITY`` bytes) — see
+``tests/test_tier_dram.py``. Shipped in the package so third-party tiers can run it too.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import numpy as np
+import pytest
+
+from kvstore.errors import BufferSizeError
+from kvstore.keys import BlockKey, Namespace
+
+BLOCK = 64 * 1024
+CAPACITY = 16 * BLOCK
+
+
+def make_keys(n: int, *, salt: str = "") -> list[BlockKey]:
+    ns = Namespace(model="conformance", dtype="uint8", chunk_tokens=1, salt=salt)
+    return ns.chunk_keys(np.arange(n, dtype=np.int64))
+
+
+def payload(i: int, nbytes: int = BLOCK) -> np.ndarray:
+    rng = np.random.default_rng(i)
+    return rng.integers(0, 256, nbytes, dtype=np.uint8)
+
+
+class TierConformance:
+    """Behaviour every tier must have. Subclasses set ``CAPACITY``/``BLOCK`` if their
+    fixture differs, and may set ``CONCURRENCY_ROUNDS`` lower for slow media."""
+
+    CAPACITY = CAPACITY
+    BLOCK = BLOCK
+    CONCURRENCY_ROUNDS = 50
+
+    def test_round_trip(self, tier):
+        keys = make_keys(4)
+        srcs = [payload(i, self.BLOCK) for i in range(4)]
+        assert tier.write(keys, srcs) == [True] * 4
+        dsts = [np.zeros(self.BLOCK, np.uint8) for _ in keys]
+        assert tier.read_into(keys, dsts) == [True] * 4
+        for s, d in zip(srcs, dsts):
+            assert np.array_equal(s, d)
+
+    def test_buffer_types(self, tier):
+        torch = pytest.importorskip("torch")
+        key = make_keys(1)
+        src = payload(7, self.BLOCK)
+        assert tier.write(key, [bytearray(src.tobytes())]) == [True]
+        for dst in (bytearray(self.BLOCK), np.zeros(self.BLOCK, np.uint8),
+                    torch.zeros(self.BLOCK // 2, dtype=torch.float16), memoryview(bytearray(self.BLOCK))):
+            assert tier.read_into(key, [dst]) == [True]
+            got = dst.view(torch.uint8).numpy() if isinstance(dst, torch.Tensor) else np.frombuffer(dst, np.uint8)
+            assert np.array_equal(got, src)
+
+    def test_miss_is_false(self, tier):
+        keys = make_keys(2)
+        assert tier.write(keys[:1], [payload(0, self.BLOCK)]) == [True]
+        dst = np.zeros(self.BLOCK, np.uint8)
+        assert tier.read_into(keys[1:], [dst]) == [False]
+        assert tier.contains(keys) == [True, False]
+
+    def test_wrong_buffer_size_raises_and_keeps_data(self, tier):
+        key = make_keys(1)
+        src = payload(1, self.BLOCK)
+        tier.write(key, [src])
+        with pytest.raises(BufferSizeError):
+            tier.read_into(key, [np.zeros(self.BLOCK - 1, np.uint8)])
+        dst = np.zeros(self.BLOCK, np.uint8)
+        assert tier.read_into(key, [dst]) == [True] and np.array_equal(dst, src)
+
+    def test_capacity_never_exceeded(self, tier):
+        keys = make_keys(self.CAPACITY // self.BLOCK + 4)
+        results = tier.write(keys, [payload(i, self.BLOCK) for i in range(len(keys))])
+        assert tier.used_bytes <= tier.capacity_bytes
+        assert sum(results) * self.BLOCK == tier.used_bytes
+        assert not all(results)
+
+    def test_delete(self, tier):
+        keys = make_keys(3)
+        tier.write(keys, [payload(i, self.BLOCK) for i in range(3)])
+        assert tier.delete(keys[:2] + keys[:1]) == 2
+        assert tier.contains(keys) == [False, False, True]
+        assert tier.used_bytes == self.BLOCK
+        assert tier.delete(keys[:1]) == 0
+
+    def test_delete_frees_room(self, tier):
+        n = self.CAPACITY // self.BLOCK
+        first, second = make_keys(n, salt="a"), make_keys(n, salt="b")
+        assert all(tier.write(first, [payload(i, self.BLOCK) for i in range(n)]))
+        tier.delete(first)
+        assert all(tier.write(second, [payload(i, self.BLOCK) for i in range(n)]))
+        assert tier.used_bytes == n * self.BLOCK
+
+    def test_keys(self, tier):
+        keys = make_keys(5)
+        tier.write(keys, [payload(i, self.BLOCK) for i in range(5)])
+        tier.delete(keys[1:2])
+        assert set(tier.keys()) == set(keys) - {keys[1]}
+
+    def test_write_existing_key_is_kept(self, tier):
+        key = make_keys(1)
+        src = payload(3, self.BLOCK)
+        assert tier.write(key, [src]) == [True]
+        assert tier.write(key, [payload(4, self.BLOCK)]) == [True]
+        dst = np.zeros(self.BLOCK, np.uint8)
+        tier.read_into(key, [dst])
+        assert np.array_equal(dst, src)  # same key means same content: the first copy stays
+        assert tier.used_bytes == self.BLOCK
+
+    def test_buffer_ownership(self, tier):
+        key = make_keys(1)
+        src = payload(5, self.BLOCK)
+        expected = src.copy()
+        tier.write(key, [src])
+        src[:] = 0
+        dst = np.zeros(self.BLOCK, np.uint8)
+        assert tier.read_into(key, [dst]) == [True]
+        assert np.array_equal(dst, expected)
+
+    def test_concurrent_use(self, tier):
+        n_threads, per_thread = 4, 3
+        errors: list[BaseException] = []
+
+        def worker(t: int) -> None:
+            try:
+                keys = make_keys(per_thread, salt=f"t{t}")
+                srcs = [payload(100 * t + i, self.BLOCK) for i in range(per_thread)]
+                dst = np.zeros(self.BLOCK, np.uint8)
+                for r in range(self.CONCURRENCY_ROUNDS):
+                    tier.write(keys, srcs)
+                    for k, s in zip(keys, srcs):
+                        if tier.read_into([k], [dst])[0]:
+                            assert np.array_equal(dst, s), "wrong bytes under concurrency"
+                    if r % 3 == 2:
+                        tier.delete(keys[:1])
+                    assert tier.used_bytes <= tier.capacity_bytes
+            except BaseException as exc:  # surfaced below
+                errors.append(exc)
+
+        threads = [threading.Thread(target=worker, args=(t,)) for t in range(n_threads)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+        assert not errors, errors[0]
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+IN_CI = bool(os.environ.get("CI"))

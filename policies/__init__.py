@@ -1,0 +1,29 @@
+"""Eviction, admission and placement policies. Pure bookkeeping: no I/O, no storage."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from policies.base import AdmissionPolicy, Decision, EvictionPolicy
+
+
+def _eviction_classes() -> dict[str, Callable[[], EvictionPolicy]]:
+    from policies.fifo import FifoPolicy
+    from policies.lru import LruPolicy
+
+    classes: dict[str, Callable[[], EvictionPolicy]] = {"lru": LruPolicy, "fifo": FifoPolicy}
+    return classes
+
+
+EVICTION_NAMES = ("lru", "fifo", "lfu", "s3fifo", "sieve", "arc", "lineage")
+
+
+def make_eviction(name: str) -> EvictionPolicy:
+    """A new eviction policy by its config name (see ``EVICTION_NAMES``)."""
+    classes = _eviction_classes()
+    if name not in classes:
+        raise ValueError(f"unknown eviction policy {name!r}; choose one of {', '.join(sorted(classes))}")
+    return classes[name]()
+
+
+__all__ = ["AdmissionPolicy", "Decision", "EvictionPolicy", "EVICTION_NAMES", "make_eviction"]

@@ -1,0 +1,59 @@
+"""Policy interfaces. Policies order keys and decide admission; they do no I/O and own
+no storage. Not thread-safe: the Store calls them under its lock."""
+
+from __future__ import annotations
+
+import enum
+from abc import ABC, abstractmethod
+from typing import Hashable, Iterator
+
+
+class EvictionPolicy(ABC):
+    """Orders the keys of one tier for eviction.
+
+    The Store reports every insert, access and removal; ``victims()`` yields candidates,
+    best victim first. The Store may skip a candidate (leased, pinned) and keep
+    iterating; it calls ``on_remove`` for each key it actually evicts, and stops
+    iterating once it has room. A policy may reorganise itself while yielding (e.g.
+    S3-FIFO promotes as it scans) but must never yield a key it no longer holds.
+    """
+
+    name: str = "policy"
+
+    @abstractmethod
+    def on_insert(self, key: Hashable, nbytes: int, parent: Hashable | None = None) -> None:
+        """A key entered the tier. ``parent`` is the previous chunk's key, if any."""
+
+    @abstractmethod
+    def on_access(self, key: Hashable) -> None:
+        """A stored key was read (a hit) or saved again."""
+
+    @abstractmethod
+    def on_remove(self, key: Hashable) -> None:
+        """A key left the tier (evicted or deleted). Unknown keys are ignored."""
+
+    @abstractmethod
+    def victims(self) -> Iterator[Hashable]:
+        """Candidates for eviction, best first."""
+
+    @abstractmethod
+    def __len__(self) -> int: ...
+
+    @abstractmethod
+    def __contains__(self, key: object) -> bool: ...
+
+
+class Decision(enum.Enum):
+    """An admission outcome: a value, never an exception."""
+
+    ADMIT = "admit"
+    REJECT = "reject"      # not worth storing (e.g. seen too rarely)
+    THROTTLE = "throttle"  # worth storing, but the write budget is spent for now
+
+
+class AdmissionPolicy(ABC):
+    """Decides whether a block may enter a (slow, wear-sensitive) tier."""
+
+    @abstractmethod
+    def decide(self, key: Hashable, nbytes: int) -> Decision:
+        """Called once per offer of ``key`` to the tier; may count the offer."""

@@ -1,0 +1,35 @@
+"""Least recently used."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Hashable, Iterator
+
+from policies.base import EvictionPolicy
+
+
+class LruPolicy(EvictionPolicy):
+    name = "lru"
+
+    def __init__(self) -> None:
+        self._order: OrderedDict[Hashable, None] = OrderedDict()
+
+    def on_insert(self, key: Hashable, nbytes: int, parent: Hashable | None = None) -> None:
+        self._order[key] = None
+        self._order.move_to_end(key)
+
+    def on_access(self, key: Hashable) -> None:
+        if key in self._order:
+            self._order.move_to_end(key)
+
+    def on_remove(self, key: Hashable) -> None:
+        self._order.pop(key, None)
+
+    def victims(self) -> Iterator[Hashable]:
+        return iter(list(self._order))
+
+    def __len__(self) -> int:
+        return len(self._order)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._order

@@ -1,0 +1,1 @@
+"""Storage tiers: one module per medium, all implementing :class:`tiers.base.Tier`."""

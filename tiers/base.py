@@ -1,0 +1,111 @@
+"""The tier contract: a small, synchronous, batch-oriented interface.
+
+A tier stores opaque blocks of bytes under :class:`~kvstore.keys.BlockKey`. It does no
+eviction of its own choosing (the Store runs the policy) and never keeps a caller's
+buffer after a call returns. Every method is thread-safe unless it says otherwise.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Iterator, Sequence
+
+from kvstore.keys import BlockKey
+
+
+@dataclass(frozen=True)
+class TierCapabilities:
+    """What a tier is and can do; the Store plans transfers from this record."""
+
+    device: str = "cpu"          # where blocks live: "cpu", "cuda:0", "disk", "s3", "remote"
+    persistent: bool = False     # survives a process restart (then ``recover`` is meaningful)
+    alignment: int = 1           # byte alignment the tier prefers for caller buffers
+    max_concurrency: int = 1     # requests one batch may keep in flight
+    zero_copy_view: bool = False  # ``view()`` exposes stored bytes without a copy
+
+
+@dataclass(frozen=True)
+class RecoveredBlock:
+    """One block found by :meth:`Tier.recover`, oldest access first."""
+
+    key: BlockKey
+    nbytes: int
+    last_access: float = 0.0
+
+
+class Tier(ABC):
+    """Abstract tier. ``name`` is the configured tier name (for errors and stats)."""
+
+    name: str = "tier"
+    capabilities: TierCapabilities = TierCapabilities()
+
+    @property
+    @abstractmethod
+    def capacity_bytes(self) -> int:
+        """Configured capacity in payload bytes; ``used_bytes`` never exceeds it."""
+
+    @property
+    @abstractmethod
+    def used_bytes(self) -> int:
+        """Payload bytes currently stored (headers and padding not counted)."""
+
+    @abstractmethod
+    def contains(self, keys: Sequence[BlockKey]) -> list[bool]:
+        """Whether each key is stored. Can be stale by the time the caller acts on it."""
+
+    @abstractmethod
+    def read_into(self, keys: Sequence[BlockKey], dsts: Sequence[Any]) -> list[bool]:
+        """Copy each stored block into the caller-owned buffer beside its key.
+
+        A miss is ``False`` and leaves that buffer's contents unspecified. ``True`` only
+        when the bytes in ``dst`` are exactly what was written (verified where the
+        medium can corrupt them). A buffer whose size differs from the stored block's
+        raises :class:`~kvstore.errors.BufferSizeError` before anything is copied into it.
+        """
+
+    @abstractmethod
+    def write(self, keys: Sequence[BlockKey], srcs: Sequence[Any]) -> list[bool]:
+        """Store a copy of each source buffer; the tier keeps no reference to ``srcs``.
+
+        Returns per key whether it is stored now (``False``: no room). A key already
+        stored is left as it is and reported ``True``. Media failures raise
+        :class:`~kvstore.errors.TierIOError` / ``TierUnavailableError``.
+        """
+
+    @abstractmethod
+    def delete(self, keys: Sequence[BlockKey]) -> int:
+        """Remove the keys; returns how many were stored. Readers in flight finish first."""
+
+    @abstractmethod
+    def keys(self) -> Iterator[BlockKey]:
+        """Iterate over a snapshot of the stored keys."""
+
+    def nbytes(self, key: BlockKey) -> int | None:
+        """Payload size of a stored block, or ``None`` when absent."""
+        return None
+
+    def recover(self) -> list[RecoveredBlock]:
+        """Rebuild the tier's index after a restart; returns what it holds, oldest
+        access first, so the Store can rebuild usage and eviction order."""
+        return []
+
+    @contextmanager
+    def view(self, key: BlockKey) -> Iterator[Any]:
+        """Borrow a read-only view of a stored block (``None`` when absent or when the
+        tier cannot expose its memory). The block stays valid inside the ``with``."""
+        yield None
+
+    def stats(self) -> dict[str, Any]:
+        """Tier-specific counters (health, errors, I/O mode), merged into Store stats."""
+        return {}
+
+    def close(self) -> None:
+        """Release the medium. Idempotent."""
+
+    def __enter__(self) -> "Tier":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
