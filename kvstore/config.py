@@ -1,0 +1,279 @@
+"""The one place configuration is read: a YAML file (or dict) plus ``KVSTORE_…``
+environment overrides, validated into frozen, typed objects.
+
+Overrides name a path with double underscores: ``KVSTORE_TIERS__0__CAPACITY=2GiB``,
+``KVSTORE_TIERS__hot__EVICTION=arc`` (a tier by name), ``KVSTORE_SERVER__PORT=9000``.
+Values are parsed as YAML scalars. ``KVSTORE_CONFIG`` names the config file itself.
+Errors name the field and the bad value.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Annotated, Any, Literal, Mapping, Union
+
+import yaml
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from kvstore.errors import ConfigError
+
+_UNITS = {
+    "": 1, "b": 1,
+    "k": 1 << 10, "kib": 1 << 10, "kb": 10**3,
+    "m": 1 << 20, "mib": 1 << 20, "mb": 10**6,
+    "g": 1 << 30, "gib": 1 << 30, "gb": 10**9,
+    "t": 1 << 40, "tib": 1 << 40, "tb": 10**12,
+}
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_size(value: Any) -> int:
+    """Bytes from ``4096``, ``"64GiB"``, ``"1.5 GB"``, ``"512M"``; binary for K/M/G/T
+    and KiB/MiB/GiB/TiB, decimal for KB/MB/GB/TB."""
+    if isinstance(value, bool):
+        raise ValueError(f"not a size: {value!r}")
+    if isinstance(value, int):
+        if value < 0:
+            raise ValueError(f"size must not be negative, got {value}")
+        return value
+    if isinstance(value, float) and value.is_integer() and value >= 0:
+        return int(value)
+    if isinstance(value, str):
+        m = _SIZE_RE.match(value)
+        if not m:
+            if value.strip().startswith("-"):
+                raise ValueError(f"size must not be negative, got {value!r}")
+            raise ValueError(f"not a size: {value!r} (use e.g. 4096, '512MiB', '64GiB')")
+        number, unit = m.groups()
+        if unit.lower() not in _UNITS:
+            raise ValueError(f"unknown size unit {unit!r} in {value!r}; use B, KiB, MiB, GiB, TiB, KB, MB, GB or TB")
+        return int(float(number) * _UNITS[unit.lower()])
+    raise ValueError(f"not a size: {value!r}")
+
+
+Size = Annotated[int, BeforeValidator(parse_size)]
+EvictionName = Literal["lru", "fifo", "lfu", "s3fifo", "sieve", "arc", "lineage"]
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class AdmissionConfig(_Frozen):
+    """``min_hits``: admit a block on its N-th offer; ``bytes_per_s``: write budget."""
+
+    min_hits: int = Field(1, ge=1)
+    bytes_per_s: Size | None = None
+
+
+class _TierBase(_Frozen):
+    name: str = Field(min_length=1)
+    capacity: Size = Field(gt=0)
+    eviction: EvictionName = "lru"
+    admission: AdmissionConfig = AdmissionConfig()
+
+
+class DramTierConfig(_TierBase):
+    kind: Literal["dram"]
+    shm_path: str | None = None     # back the arena with a shared-memory file
+    pin: bool | None = None         # register with CUDA; default: when CUDA is present
+
+
+class GpuTierConfig(_TierBase):
+    kind: Literal["gpu"]
+    device: str = "cuda:0"
+
+
+class NvmeTierConfig(_TierBase):
+    kind: Literal["nvme"]
+    path: str | list[str]           # one directory per drive; several stripe
+    direct_io: bool = True
+    file_bytes: Size = Field(1 << 30, gt=0)   # size of each preallocated data file
+    io_threads: int = Field(8, ge=1)
+
+    @property
+    def paths(self) -> list[str]:
+        return [self.path] if isinstance(self.path, str) else list(self.path)
+
+
+class S3TierConfig(_TierBase):
+    kind: Literal["s3"]
+    bucket: str = Field(min_length=1)
+    endpoint_url: str | None = None
+    prefix: str = "kvstore"
+    region: str | None = None
+    addressing_style: Literal["auto", "path", "virtual"] = "auto"
+    profile: str | None = None
+    concurrency: int = Field(8, ge=1)
+    connect_timeout_s: float = Field(2.0, gt=0)
+    read_timeout_s: float = Field(10.0, gt=0)
+    max_attempts: int = Field(3, ge=1)
+    multipart_threshold: Size = Field(16 << 20, gt=0)
+    part_size: Size = Field(8 << 20, ge=5 << 20)
+
+
+class RemoteTierConfig(_TierBase):
+    kind: Literal["remote"]
+    address: str = Field(min_length=1)   # host:port or unix socket path
+    token: str | None = None
+    timeout_s: float = Field(10.0, gt=0)
+
+
+TierConfig = Annotated[
+    Union[DramTierConfig, GpuTierConfig, NvmeTierConfig, S3TierConfig, RemoteTierConfig],
+    Field(discriminator="kind"),
+]
+
+
+class PlacementConfig(_Frozen):
+    write: Literal["back", "through", "selective"] = "back"
+    promote_on_hit: bool = True
+    prefetch_depth: int = Field(0, ge=0)
+    selective_threshold: int = Field(2, ge=1)
+
+
+class ServerConfig(_Frozen):
+    host: str = "127.0.0.1"
+    port: int = Field(7480, ge=0, le=65535)
+    admin_port: int | None = Field(7481, ge=0, le=65535)
+    socket_path: str | None = None
+    token: str | None = None
+    transport: Literal["auto", "tcp", "shm", "nixl"] = "auto"
+    max_frame_bytes: Size = Field(256 << 20, gt=0)
+    max_batch: int = Field(4096, ge=1)
+    max_inflight_bytes: Size = Field(1 << 30, gt=0)
+    idle_timeout_s: float = Field(300.0, gt=0)
+
+
+class StoreConfig(_Frozen):
+    tiers: list[TierConfig] = Field(min_length=1)
+    placement: PlacementConfig = PlacementConfig()
+    io_threads: int = Field(4, ge=1)
+    server: ServerConfig = ServerConfig()
+
+    @field_validator("tiers")
+    @classmethod
+    def _unique_names(cls, tiers: list[Any]) -> list[Any]:
+        names = [t.name for t in tiers]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ValueError(f"tier names must be unique, repeated: {', '.join(dupes)}")
+        return tiers
+
+    @model_validator(mode="after")
+    def _gpu_first(self) -> "StoreConfig":
+        kinds = [t.kind for t in self.tiers]
+        if "gpu" in kinds[1:]:
+            raise ValueError("a gpu tier must be the first (fastest) tier")
+        return self
+
+
+DEFAULT_CONFIG: dict[str, Any] = {
+    "tiers": [
+        {"name": "hot", "kind": "dram", "capacity": "1GiB", "eviction": "lru"},
+    ],
+    "placement": {"write": "back", "promote_on_hit": True},
+}
+
+
+def load_config(source: str | os.PathLike | Mapping[str, Any] | StoreConfig | None = None,
+                *, env: Mapping[str, str] | None = None) -> StoreConfig:
+    """Validate a config from a YAML path, a dict, or ``None`` (``$KVSTORE_CONFIG`` or
+    the built-in default), applying ``KVSTORE_…`` overrides from ``env``
+    (default ``os.environ``). Raises :class:`ConfigError` naming the bad field."""
+    if isinstance(source, StoreConfig):
+        return source
+    env = os.environ if env is None else env
+    if source is None:
+        source = env.get("KVSTORE_CONFIG") or DEFAULT_CONFIG
+    if isinstance(source, Mapping):
+        raw = _deep_copy(source)
+        origin = "config"
+    else:
+        path = Path(source)
+        try:
+            raw = yaml.safe_load(path.read_text()) or {}
+        except OSError as exc:
+            raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from exc
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"config file {path} is not valid YAML: {exc}") from exc
+        if not isinstance(raw, dict):
+            raise ConfigError(f"config file {path} must hold a mapping, got {type(raw).__name__}")
+        origin = str(path)
+    _apply_env(raw, env)
+    try:
+        return StoreConfig.model_validate(raw)
+    except ValidationError as exc:
+        raise ConfigError(f"invalid {origin}:\n" + _describe(exc)) from None
+
+
+def _describe(exc: ValidationError) -> str:
+    lines = []
+    for err in exc.errors():
+        parts = list(err["loc"])
+        if len(parts) > 3 and parts[0] == "tiers":
+            del parts[2]  # the union's tag (the tier kind) is noise in a field path
+        loc = ".".join(str(p) for p in parts)
+        msg = err["msg"].removeprefix("Value error, ")
+        if err["type"] == "extra_forbidden":
+            msg = "unknown field"
+        got = err.get("input")
+        got_text = "" if err["type"] in ("missing",) or isinstance(got, (dict, list)) else f" (got {got!r})"
+        lines.append(f"  {loc or '<root>'}: {msg}{got_text}")
+    return "\n".join(lines)
+
+
+def _deep_copy(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return {k: _deep_copy(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_deep_copy(v) for v in value]
+    return value
+
+
+def _apply_env(raw: dict[str, Any], env: Mapping[str, str]) -> None:
+    for var, text in sorted(env.items()):
+        if not var.startswith("KVSTORE_") or var == "KVSTORE_CONFIG":
+            continue
+        parts = [p.lower() for p in var[len("KVSTORE_"):].split("__")]
+        if parts[0] not in StoreConfig.model_fields:
+            raise ConfigError(f"environment override {var}: unknown field {parts[0]!r}")
+        try:
+            value = yaml.safe_load(text)
+        except yaml.YAMLError:
+            value = text
+        node: Any = raw
+        for i, part in enumerate(parts):
+            last = i == len(parts) - 1
+            if isinstance(node, list):
+                index = _list_index(node, part, var)
+                if last:
+                    node[index] = value
+                else:
+                    node = node[index]
+            else:
+                if last:
+                    node[part] = value
+                else:
+                    node = node.setdefault(part, {})
+
+
+def _list_index(items: list[Any], part: str, var: str) -> int:
+    if part.isdigit() and int(part) < len(items):
+        return int(part)
+    for i, item in enumerate(items):
+        if isinstance(item, Mapping) and str(item.get("name", "")).lower() == part:
+            return i
+    raise ConfigError(f"environment override {var}: no list entry {part!r}")
+
+
+def dump_config(config: StoreConfig) -> str:
+    """The effective config as YAML (what ``kvstore config show`` prints)."""
+    return yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False)
+
+
+__all__ = ["AdmissionConfig", "DEFAULT_CONFIG", "DramTierConfig", "GpuTierConfig", "NvmeTierConfig",
+           "PlacementConfig", "RemoteTierConfig", "S3TierConfig", "ServerConfig", "StoreConfig",
+           "TierConfig", "dump_config", "load_config", "parse_size"]
