@@ -1,0 +1,36 @@
+"""The ``kvstore`` command line. Each subcommand lives in ``kvstore/commands/<name>.py``
+and exposes ``register(subparsers)``; the handler it sets returns an exit code."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+
+from kvstore.errors import KVStoreError
+
+COMMANDS = ("config", "bench")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvstore", description="Tiered KV-cache block store")
+    parser.add_argument("--log-level", default="WARNING", help="logging level (default WARNING)")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name in COMMANDS:
+        importlib.import_module(f"kvstore.commands.{name}").register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return int(args.handler(args) or 0)
+    except KVStoreError as exc:
+        print(f"kvstore: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,538 @@
+"""The Store: the one object connectors and the server talk to.
+
+It owns the index (which tier holds which key), byte accounting, leases and pins, runs
+each tier's eviction and admission policy, and moves blocks between tiers: a full tier
+spills its victims into the next one (write-back), hits in a lower tier are promoted.
+
+Thread-safety: every public method may be called from any thread. Metadata changes run
+under one lock; copies and tier I/O run outside it. ``save``/``load``/``prefetch`` run on
+a worker pool and return futures; call ``.result()`` for a synchronous answer.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+from kvstore._build import build_admission, build_eviction, build_tier
+from kvstore.buffers import nbytes_of
+from kvstore.config import StoreConfig, TierConfig, load_config
+from kvstore.errors import BufferSizeError, InvalidArgumentError, StoreClosedError, TierError
+from kvstore.keys import BlockKey
+from policies.base import AdmissionPolicy, Decision, EvictionPolicy
+from policies.placement import Placement, WriteMode
+from tiers.base import Tier
+
+log = logging.getLogger(__name__)
+_COUNTERS = ("hits", "misses", "writes", "bytes_written", "bytes_read", "evictions", "spills",
+             "promotions", "rejected", "throttled", "full", "errors", "corruptions")
+
+
+@dataclass
+class _Level:
+    """One tier with its policies and counters."""
+
+    tier: Tier
+    policy: EvictionPolicy
+    admission: AdmissionPolicy
+    kind: str
+    counters: dict[str, int] = field(default_factory=lambda: dict.fromkeys(_COUNTERS, 0))
+    pending_free: int = 0   # bytes of chosen victims not yet deleted from the tier
+
+    @property
+    def name(self) -> str:
+        return self.tier.name
+
+
+class Store:
+    """A hierarchy of tiers, fastest first. Build it with :meth:`from_config`."""
+
+    def __init__(self, config: StoreConfig, *, tiers: Sequence[Tier] | None = None) -> None:
+        self.config = config
+        p = config.placement
+        self.placement = Placement(WriteMode(p.write), p.promote_on_hit, p.prefetch_depth)
+        self._selective_threshold = p.selective_threshold
+        built: list[Tier] = []
+        try:
+            for i, tcfg in enumerate(config.tiers):
+                built.append(tiers[i] if tiers is not None else build_tier(tcfg))
+        except BaseException:
+            for t in built:
+                t.close()
+            raise
+        self._levels = [_Level(t, build_eviction(c), build_admission(c.admission), c.kind)
+                        for t, c in zip(built, config.tiers)]
+        self._where: dict[BlockKey, int] = {}     # key -> bitmask of levels holding it
+        self._sizes: dict[BlockKey, int] = {}
+        self._leases: dict[BlockKey, float] = {}  # key -> monotonic expiry
+        self._pins: dict[BlockKey, int] = {}
+        self._hit_counts: dict[BlockKey, int] = {}  # selective write-through only
+        self._ops = dict.fromkeys(("saves", "loads", "lookups", "lookup_hits", "prefetches"), 0)
+        self._lock = threading.Lock()
+        self._local = threading.local()
+        self._closed = False
+        self._pool = ThreadPoolExecutor(config.io_threads, thread_name_prefix="kvstore-io")
+        self._recover()
+
+    @classmethod
+    def from_config(cls, source: str | Mapping[str, Any] | StoreConfig | None = None) -> "Store":
+        """A Store from a YAML path, a dict, a :class:`StoreConfig`, or ``None`` for the
+        built-in default (DRAM). ``KVSTORE_…`` environment overrides apply."""
+        return cls(load_config(source))
+
+    # -- public API ---------------------------------------------------------------------
+
+    def save(self, keys: Sequence[BlockKey], srcs: Sequence[Any]) -> "Future[list[bool]]":
+        """Store a copy of each buffer under its key. The future resolves to whether each
+        block is stored (``False``: rejected by admission or no room). Callers must not
+        modify ``srcs`` until the future is done; nothing keeps them after that."""
+        self._check_open()
+        self._check_pairs(keys, srcs)
+        return self._pool.submit(self._save, list(keys), list(srcs))
+
+    def load(self, keys: Sequence[BlockKey], dsts: Sequence[Any]) -> "Future[list[bool]]":
+        """Copy blocks into caller-owned buffers. Fail-closed: ``True`` only where the
+        bytes in ``dst`` are verified. A size mismatch with a stored block raises
+        :class:`BufferSizeError` here, before anything is copied."""
+        self._check_open()
+        self._check_pairs(keys, dsts)
+        with self._lock:
+            for key, dst in zip(keys, dsts):
+                size = self._sizes.get(key)
+                if size is not None and nbytes_of(dst) != size:
+                    raise BufferSizeError(f"buffer for {key!r} has {nbytes_of(dst)} bytes, block has {size}")
+        return self._pool.submit(self._load, list(keys), list(dsts))
+
+    def lookup(self, keys: Sequence[BlockKey], lease_s: float | None = None) -> int:
+        """Length of the prefix of ``keys`` cached in any tier. With ``lease_s``, those
+        blocks cannot be evicted until loaded or until the lease expires."""
+        self._check_open()
+        where = self._where
+        with self._lock:
+            self._ops["lookups"] += 1
+            n = 0
+            for key in keys:
+                if not where.get(key):
+                    break
+                n += 1
+            self._ops["lookup_hits"] += n
+            if lease_s and n:
+                expiry = time.monotonic() + lease_s
+                leases = self._leases
+                for key in keys[:n]:
+                    if leases.get(key, 0.0) < expiry:
+                        leases[key] = expiry
+            depth = self.placement.prefetch_depth
+            lower = [k for k in keys[:n][:depth] if not where[k] & 1] if depth else []
+        if lower:
+            self._pool.submit(self._prefetch, lower, 0)
+        return n
+
+    def release(self, keys: Sequence[BlockKey]) -> None:
+        """Drop leases taken by :meth:`lookup` without loading (e.g. a cancelled request)."""
+        with self._lock:
+            for key in keys:
+                self._leases.pop(key, None)
+
+    def contains(self, keys: Sequence[BlockKey]) -> list[bool]:
+        """Whether each key is cached in any tier (may be stale on return)."""
+        where = self._where
+        return [bool(where.get(k)) for k in keys]
+
+    def prefetch(self, keys: Sequence[BlockKey], tier: int | str = 0) -> "Future[int]":
+        """Copy blocks held only in slower tiers up into ``tier`` (index or name).
+        Resolves to the number of blocks now there."""
+        self._check_open()
+        return self._pool.submit(self._prefetch, list(keys), self._level_index(tier))
+
+    def pin(self, keys: Sequence[BlockKey]) -> None:
+        """Protect keys from eviction until a matching :meth:`unpin` (counted)."""
+        with self._lock:
+            for key in keys:
+                self._pins[key] = self._pins.get(key, 0) + 1
+
+    def unpin(self, keys: Sequence[BlockKey]) -> None:
+        with self._lock:
+            for key in keys:
+                count = self._pins.get(key, 0) - 1
+                if count > 0:
+                    self._pins[key] = count
+                else:
+                    self._pins.pop(key, None)
+
+    def delete(self, keys: Sequence[BlockKey]) -> int:
+        """Remove keys from every tier; returns how many were cached."""
+        self._check_open()
+        with self._lock:
+            plan = []
+            for key in keys:
+                mask = self._where.pop(key, 0)
+                if mask:
+                    plan.append((key, mask))
+                    for i, lvl in enumerate(self._levels):
+                        if mask >> i & 1:
+                            lvl.policy.on_remove(key)
+                self._forget(key)
+        for i, lvl in enumerate(self._levels):
+            doomed = [k for k, m in plan if m >> i & 1]
+            if doomed:
+                self._tier_call(lvl, "delete", doomed)
+        return len(plan)
+
+    def clear(self) -> int:
+        """Remove every block from every tier."""
+        return self.delete(list(self._where))
+
+    def stats(self) -> dict[str, Any]:
+        """Counters per tier and for the Store; a consistent snapshot of each tier."""
+        with self._lock:
+            tiers = []
+            for lvl in self._levels:
+                entry = {"name": lvl.name, "kind": lvl.kind, "capacity_bytes": lvl.tier.capacity_bytes,
+                         "used_bytes": lvl.tier.used_bytes, "blocks": len(lvl.policy),
+                         "eviction": lvl.policy.name, **lvl.counters}
+                tiers.append(entry)
+            out = {**self._ops, "blocks": len(self._where), "leases": len(self._leases),
+                   "pins": len(self._pins), "tiers": tiers}
+        for entry, lvl in zip(tiers, self._levels):
+            extra = lvl.tier.stats()
+            entry.update(extra)
+            entry["corruptions"] += int(extra.get("corrupt_blocks", 0))
+        return out
+
+    @property
+    def tiers(self) -> list[Tier]:
+        return [lvl.tier for lvl in self._levels]
+
+    def close(self) -> None:
+        """Finish queued operations, then close every tier. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._pool.shutdown(wait=True)
+        for lvl in self._levels:
+            try:
+                lvl.tier.close()
+            except Exception:
+                log.exception("closing tier %s failed", lvl.name)
+
+    def __enter__(self) -> "Store":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- data path ----------------------------------------------------------------------
+
+    def _save(self, keys: list[BlockKey], srcs: list[Any]) -> list[bool]:
+        with self._lock:
+            self._ops["saves"] += len(keys)
+        stored = self._put(0, keys, srcs)
+        if self.placement.write is WriteMode.THROUGH:
+            for i in range(1, len(self._levels)):
+                below = self._put(i, keys, srcs)
+                stored = [a or b for a, b in zip(stored, below)]
+        elif len(self._levels) > 1:
+            # A block the first tier refused still goes to the next one that admits it.
+            missed = [j for j, ok in enumerate(stored) if not ok]
+            for i in range(1, len(self._levels)):
+                if not missed:
+                    break
+                got = self._put(i, [keys[j] for j in missed], [srcs[j] for j in missed])
+                for j, ok in zip(missed, got):
+                    stored[j] = ok
+                missed = [j for j, ok in zip(missed, got) if not ok]
+        return stored
+
+    def _load(self, keys: list[BlockKey], dsts: list[Any]) -> list[bool]:
+        n = len(keys)
+        done = [False] * n
+        source = [-1] * n
+        with self._lock:
+            self._ops["loads"] += n
+            masks = [self._where.get(k, 0) for k in keys]
+        for i, lvl in enumerate(self._levels):
+            todo = [j for j in range(n) if not done[j] and masks[j] >> i & 1]
+            if not todo:
+                continue
+            ok = self._tier_call(lvl, "read_into", [keys[j] for j in todo], [dsts[j] for j in todo])
+            if ok is None:
+                ok = [False] * len(todo)
+            with self._lock:
+                for j, hit in zip(todo, ok):
+                    key = keys[j]
+                    if hit:
+                        done[j], source[j] = True, i
+                        lvl.counters["hits"] += 1
+                        lvl.counters["bytes_read"] += self._sizes.get(key, 0)
+                        if self._where.get(key, 0) >> i & 1:
+                            lvl.policy.on_access(key)
+                    elif self._where.get(key, 0) >> i & 1:
+                        # Indexed but unreadable (corrupt, lost, evicted mid-read): drop it
+                        # here and try the next tier that claims it.
+                        self._drop(key, i)
+        with self._lock:
+            for j, key in enumerate(keys):
+                if done[j]:
+                    self._leases.pop(key, None)
+                else:
+                    self._levels[0].counters["misses"] += 1
+            promote = [j for j in range(n) if source[j] > 0] if self.placement.promote_on_hit else []
+            selective = self._selective_candidates(keys, done, source)
+        if promote:
+            got = self._put(0, [keys[j] for j in promote], [dsts[j] for j in promote])
+            with self._lock:
+                self._levels[0].counters["promotions"] += sum(got)
+        for i, idx in selective:
+            self._put(i, [keys[j] for j in idx], [dsts[j] for j in idx])
+        return done
+
+    def _selective_candidates(self, keys, done, source) -> list[tuple[int, list[int]]]:
+        """Selective write-through: a block hit ``selective_threshold`` times in the first
+        tier is written through to the tiers below. Caller holds the lock."""
+        if self.placement.write is not WriteMode.SELECTIVE or len(self._levels) < 2:
+            return []
+        hot = []
+        for j, key in enumerate(keys):
+            if done[j] and source[j] == 0:
+                count = self._hit_counts.get(key, 0) + 1
+                self._hit_counts[key] = count
+                if count == self._selective_threshold:
+                    hot.append(j)
+        return [(i, hot) for i in range(1, len(self._levels))] if hot else []
+
+    def _prefetch(self, keys: list[BlockKey], target: int) -> int:
+        with self._lock:
+            self._ops["prefetches"] += len(keys)
+            plan = [(k, self._where.get(k, 0)) for k in keys]
+        count = 0
+        for key, mask in plan:
+            if mask >> target & 1:
+                count += 1
+                continue
+            src = next((i for i in range(target + 1, len(self._levels)) if mask >> i & 1), None)
+            if src is not None and self._copy_between(key, src, target):
+                count += 1
+        return count
+
+    def _put(self, i: int, keys: list[BlockKey], srcs: list[Any]) -> list[bool]:
+        """Store blocks into level ``i``, evicting (and spilling) to make room."""
+        lvl = self._levels[i]
+        result = [False] * len(keys)
+        chosen: list[int] = []
+        with self._lock:
+            for j, key in enumerate(keys):
+                if self._where.get(key, 0) >> i & 1:
+                    lvl.policy.on_access(key)
+                    result[j] = True
+                    continue
+                decision = lvl.admission.decide(key, nbytes_of(srcs[j]))
+                if decision is Decision.ADMIT:
+                    chosen.append(j)
+                else:
+                    lvl.counters["rejected" if decision is Decision.REJECT else "throttled"] += 1
+            need = sum(nbytes_of(srcs[j]) for j in chosen)
+            victims = self._choose_victims(i, need)
+        self._evict(i, victims)
+        if not chosen:
+            return result
+        ok = self._tier_call(lvl, "write", [keys[j] for j in chosen], [srcs[j] for j in chosen])
+        if ok is not None and not all(ok):
+            # Fragmentation or a racing writer: make room for the rest once more.
+            retry = [j for j, good in zip(chosen, ok) if not good]
+            with self._lock:
+                victims = self._choose_victims(i, sum(nbytes_of(srcs[j]) for j in retry), force=True)
+            if victims:
+                self._evict(i, victims)
+                again = self._tier_call(lvl, "write", [keys[j] for j in retry], [srcs[j] for j in retry])
+                if again is not None:
+                    redo = dict(zip(retry, again))
+                    ok = [good or redo.get(j, False) for j, good in zip(chosen, ok)]
+        ok = ok or [False] * len(chosen)
+        with self._lock:
+            for j, good in zip(chosen, ok):
+                key = keys[j]
+                if not good:
+                    lvl.counters["full"] += 1
+                    continue
+                result[j] = True
+                mask = self._where.get(key, 0)
+                if not mask >> i & 1:
+                    self._where[key] = mask | 1 << i
+                    self._sizes[key] = nbytes_of(srcs[j])
+                    lvl.policy.on_insert(key, self._sizes[key], _parent_of(key))
+                    lvl.counters["writes"] += 1
+                    lvl.counters["bytes_written"] += self._sizes[key]
+        return result
+
+    def _choose_victims(self, i: int, need: int, *, force: bool = False) -> list[tuple[BlockKey, int]]:
+        """Pick victims in level ``i`` until ``need`` bytes are free. Caller holds the lock.
+        Victims leave the index now; their bytes leave the tier in :meth:`_evict`."""
+        lvl = self._levels[i]
+        free = lvl.tier.capacity_bytes - lvl.tier.used_bytes + lvl.pending_free
+        if need <= 0 or (free >= need and not force):
+            return []
+        if force:
+            free = min(free, 0)
+        now = time.monotonic()
+        victims = []
+        for key in lvl.policy.victims():
+            if free >= need:
+                break
+            if self._pins.get(key) or self._leases.get(key, 0.0) > now:
+                continue
+            size = self._sizes.get(key, 0)
+            lvl.policy.on_remove(key)
+            mask = self._where.get(key, 0) & ~(1 << i)
+            victims.append((key, mask))
+            if mask:
+                self._where[key] = mask
+            else:
+                self._where.pop(key, None)
+            free += size
+            lvl.pending_free += size
+            lvl.counters["evictions"] += 1
+        return victims
+
+    def _evict(self, i: int, victims: list[tuple[BlockKey, int]]) -> None:
+        """Spill victims down (write-back) and delete them from level ``i``."""
+        if not victims:
+            return
+        lvl = self._levels[i]
+        below = i + 1 if i + 1 < len(self._levels) else None
+        for key, mask in victims:
+            size = self._sizes.get(key, 0)
+            try:
+                if below is not None and not mask >> below & 1 and self._spill(key, i, below):
+                    lvl.counters["spills"] += 1
+                self._tier_call(lvl, "delete", [key])
+            finally:
+                with self._lock:
+                    lvl.pending_free -= size
+                    if not self._where.get(key):
+                        self._forget(key)
+
+    def _spill(self, key: BlockKey, src: int, dst: int) -> bool:
+        tier = self._levels[src].tier
+        with tier.view(key) as view:
+            if view is not None:
+                return self._put(dst, [key], [view])[0]
+        size = self._sizes.get(key)
+        if size is None:
+            return False
+        buf = self._staging(size)
+        ok = self._tier_call(self._levels[src], "read_into", [key], [buf])
+        return bool(ok and ok[0] and self._put(dst, [key], [buf])[0])
+
+    def _copy_between(self, key: BlockKey, src: int, dst: int) -> bool:
+        """Copy one block from a slower level up into ``dst`` (the source keeps it)."""
+        size = self._sizes.get(key)
+        if size is None:
+            return False
+        with self._levels[src].tier.view(key) as view:
+            if view is not None:
+                return self._put(dst, [key], [view])[0]
+        buf = self._staging(size)
+        ok = self._tier_call(self._levels[src], "read_into", [key], [buf])
+        if not ok or not ok[0]:
+            with self._lock:
+                self._drop(key, src)
+            return False
+        return self._put(dst, [key], [buf])[0]
+
+    def _staging(self, nbytes: int) -> np.ndarray:
+        """A per-thread scratch buffer, grown on demand and reused (no per-block alloc)."""
+        buf = getattr(self._local, "buf", None)
+        if buf is None or buf.nbytes < nbytes:
+            buf = np.empty(max(nbytes, 1 << 20), dtype=np.uint8)
+            self._local.buf = buf
+        return buf[:nbytes]
+
+    def _tier_call(self, lvl: _Level, method: str, *args: Any) -> Any:
+        """Call a tier; a tier failure is logged and counted, never raised to callers
+        of load/save (they see misses)."""
+        try:
+            return getattr(lvl.tier, method)(*args)
+        except BufferSizeError:
+            raise
+        except TierError as exc:
+            with self._lock:
+                lvl.counters["errors"] += 1
+            log.warning("tier %s %s failed: %s", lvl.name, method, exc)
+            return None
+        except OSError as exc:
+            with self._lock:
+                lvl.counters["errors"] += 1
+            log.warning("tier %s %s failed: %s", lvl.name, method, exc)
+            return None
+
+    def _drop(self, key: BlockKey, i: int) -> None:
+        """Forget that level ``i`` holds ``key``. Caller holds the lock."""
+        mask = self._where.get(key, 0)
+        if not mask >> i & 1:
+            return
+        self._levels[i].policy.on_remove(key)
+        mask &= ~(1 << i)
+        if mask:
+            self._where[key] = mask
+        else:
+            self._where.pop(key, None)
+            self._forget(key)
+
+    def _forget(self, key: BlockKey) -> None:
+        """Drop per-key metadata once no tier holds the key. Caller holds the lock."""
+        self._sizes.pop(key, None)
+        self._leases.pop(key, None)
+        self._hit_counts.pop(key, None)
+
+    # -- start-up and checks -------------------------------------------------------------
+
+    def _recover(self) -> None:
+        """Rebuild the index from persistent tiers, oldest access first, so usage and
+        eviction order continue where the last process left off."""
+        for i, lvl in enumerate(self._levels):
+            if not lvl.tier.capabilities.persistent:
+                continue
+            for block in lvl.tier.recover():
+                self._where[block.key] = self._where.get(block.key, 0) | 1 << i
+                self._sizes[block.key] = block.nbytes
+                lvl.policy.on_insert(block.key, block.nbytes, _parent_of(block.key))
+
+    def _level_index(self, tier: int | str) -> int:
+        if isinstance(tier, int) and 0 <= tier < len(self._levels):
+            return tier
+        for i, lvl in enumerate(self._levels):
+            if lvl.name == tier:
+                return i
+        raise InvalidArgumentError(f"no tier {tier!r}; tiers are {[lvl.name for lvl in self._levels]}")
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StoreClosedError("the Store is closed")
+
+    @staticmethod
+    def _check_pairs(keys: Sequence[BlockKey], bufs: Sequence[Any]) -> None:
+        if len(keys) != len(bufs):
+            raise InvalidArgumentError(f"{len(keys)} keys but {len(bufs)} buffers")
+        for key in keys:
+            if not isinstance(key, BlockKey):
+                raise InvalidArgumentError(f"keys must be BlockKey, got {type(key).__name__}")
+        seen = set()
+        for key in keys:
+            if key in seen:
+                raise InvalidArgumentError(f"key {key!r} appears twice in one batch")
+            seen.add(key)
+
+
+def _parent_of(key: BlockKey) -> BlockKey | None:
+    return BlockKey(key.parent, None, key.namespace) if key.parent else None
+
+
+__all__ = ["Store", "TierConfig"]
