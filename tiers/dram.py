@@ -16,22 +16,16 @@ from typing import Any, Iterator, Sequence
 
 import numpy as np
 
-from kvstore.buffers import copy_bytes, host_view, is_device, nbytes_of
+from kvstore._transfer import copier_for
+from kvstore.buffers import host_view, is_device, nbytes_of
 from kvstore.errors import BufferSizeError, InvalidArgumentError
 from kvstore.keys import BlockKey
-from tiers._extents import ExtentAllocator
+from tiers._arena import SlotIndex
 from tiers.base import Tier, TierCapabilities
 
 log = logging.getLogger(__name__)
 PAGE = mmap.PAGESIZE
 SLOT_ALIGN = 4096  # slots stay O_DIRECT-aligned so NVMe I/O can use them in place
-
-
-class _Slot:
-    __slots__ = ("offset", "nbytes", "readers", "dead")
-
-    def __init__(self, offset: int, nbytes: int) -> None:
-        self.offset, self.nbytes, self.readers, self.dead = offset, nbytes, 0, False
 
 
 class DramTier(Tier):
@@ -63,9 +57,7 @@ class DramTier(Tier):
             self._mmap = mmap.mmap(-1, size, flags=flags)
         self.arena = np.frombuffer(self._mmap, dtype=np.uint8)
         self.pinned = self._pin() if pin is not False else False
-        self._alloc = ExtentAllocator(size, SLOT_ALIGN)
-        self._slots: dict[BlockKey, _Slot] = {}
-        self._used = 0
+        self._index = SlotIndex(self._capacity, size, SLOT_ALIGN)
         self._lock = threading.Lock()
         self.capabilities = TierCapabilities(device="cpu", alignment=SLOT_ALIGN, max_concurrency=1,
                                              zero_copy_view=True)
@@ -89,134 +81,109 @@ class DramTier(Tier):
 
     @property
     def used_bytes(self) -> int:
-        return self._used
+        return self._index.used_bytes
 
     def nbytes(self, key: BlockKey) -> int | None:
-        slot = self._slots.get(key)
-        return slot.nbytes if slot else None
+        return self._index.nbytes(key)
 
     def contains(self, keys: Sequence[BlockKey]) -> list[bool]:
-        slots = self._slots
-        return [k in slots for k in keys]
+        return self._index.contains(keys)
 
     def offset_of(self, key: BlockKey) -> tuple[int, int] | None:
         """``(offset, nbytes)`` of a stored block inside the arena, for same-host sharing."""
-        slot = self._slots.get(key)
-        return (slot.offset, slot.nbytes) if slot else None
+        return self._index.offset_of(key)
 
     def read_into(self, keys: Sequence[BlockKey], dsts: Sequence[Any]) -> list[bool]:
-        out = []
-        for key, dst in zip(keys, dsts, strict=True):
-            slot = self._acquire(key)
-            if slot is None:
-                out.append(False)
-                continue
-            try:
-                if nbytes_of(dst) != slot.nbytes:
+        index = self._index
+        slots = [index.acquire(k) for k in keys]
+        try:
+            for slot, dst in zip(slots, dsts, strict=True):
+                if slot is not None and nbytes_of(dst) != slot.nbytes:
                     raise BufferSizeError(
                         f"[{self.name}] buffer has {nbytes_of(dst)} bytes, block has {slot.nbytes}")
-                src = self.arena[slot.offset:slot.offset + slot.nbytes]
-                if is_device(dst):
-                    copy_bytes(dst, src)
-                else:
-                    np.copyto(host_view(dst, writable=True), src, casting="no")
-            finally:
-                self._release(slot)
-            out.append(True)
-        return out
+            device = [j for j, (slot, dst) in enumerate(zip(slots, dsts)) if slot and is_device(dst)]
+            for slot, dst in zip(slots, dsts):
+                if slot is not None and not is_device(dst):
+                    np.copyto(host_view(dst, writable=True), self._span(slot.offset, slot.nbytes), casting="no")
+            if device:
+                self._device_copies([(dsts[j], self._span(slots[j].offset, slots[j].nbytes)) for j in device])
+        finally:
+            for slot in slots:
+                if slot is not None:
+                    index.release(slot)
+        return [slot is not None for slot in slots]
 
     def write(self, keys: Sequence[BlockKey], srcs: Sequence[Any]) -> list[bool]:
-        out = []
-        for key, src in zip(keys, srcs, strict=True):
-            n = nbytes_of(src)
-            with self._lock:
-                if key in self._slots:
-                    out.append(True)
-                    continue
-                if self._used + n > self._capacity:
-                    out.append(False)
-                    continue
-                offset = self._alloc.alloc(n)
+        index = self._index
+        out: list[bool] = []
+        placed: list[tuple[BlockKey, int, int]] = []
+        device: list[tuple[np.ndarray, Any]] = []
+        try:
+            for key, src in zip(keys, srcs, strict=True):
+                n = nbytes_of(src)
+                stored, offset = index.reserve(key, n)
+                out.append(stored or offset is not None)
                 if offset is None:
-                    out.append(False)
                     continue
-                self._used += n  # reserved now; visible once the bytes are in place
-            try:
-                dst = self.arena[offset:offset + n]
+                placed.append((key, offset, n))
                 if is_device(src):
-                    copy_bytes(dst, src)
+                    device.append((self._span(offset, n), src))
                 else:
-                    np.copyto(dst, host_view(src), casting="no")
-            except BaseException:
-                with self._lock:
-                    self._alloc.free(offset, n)
-                    self._used -= n
-                raise
-            with self._lock:
-                if key in self._slots:  # a concurrent writer won; keep its copy
-                    self._alloc.free(offset, n)
-                    self._used -= n
-                else:
-                    self._slots[key] = _Slot(offset, n)
-            out.append(True)
+                    np.copyto(self._span(offset, n), host_view(src), casting="no")
+            if device:
+                self._device_copies(device)
+        except BaseException:
+            for _, offset, n in placed:
+                index.abort(offset, n)
+            raise
+        for key, offset, n in placed:
+            index.commit(key, offset, n)  # visible only once the bytes are in place
         return out
 
     def delete(self, keys: Sequence[BlockKey]) -> int:
-        removed = 0
-        with self._lock:
-            for key in keys:
-                slot = self._slots.pop(key, None)
-                if slot is None:
-                    continue
-                removed += 1
-                self._used -= slot.nbytes
-                if slot.readers:
-                    slot.dead = True  # freed by the last reader
-                else:
-                    self._alloc.free(slot.offset, slot.nbytes)
-        return removed
+        return self._index.delete(keys)
 
     def keys(self) -> Iterator[BlockKey]:
-        with self._lock:
-            snapshot = list(self._slots)
-        return iter(snapshot)
+        return self._index.keys()
 
     @contextmanager
     def view(self, key: BlockKey) -> Iterator[np.ndarray | None]:
-        slot = self._acquire(key)
+        slot = self._index.acquire(key)
         if slot is None:
             yield None
             return
         try:
-            v = self.arena[slot.offset:slot.offset + slot.nbytes]
+            v = self._span(slot.offset, slot.nbytes)
             v.flags.writeable = False
             yield v
         finally:
-            self._release(slot)
+            self._index.release(slot)
 
-    def _acquire(self, key: BlockKey) -> _Slot | None:
-        with self._lock:
-            slot = self._slots.get(key)
-            if slot is not None:
-                slot.readers += 1
-            return slot
+    def _span(self, offset: int, nbytes: int) -> np.ndarray:
+        return self.arena[offset:offset + nbytes]
 
-    def _release(self, slot: _Slot) -> None:
-        with self._lock:
-            slot.readers -= 1
-            if slot.dead and slot.readers == 0:
-                self._alloc.free(slot.offset, slot.nbytes)
+    def _device_copies(self, pairs: list[tuple[Any, Any]]) -> None:
+        """Copy (dst, src) pairs where one side is a device tensor, as one batch on that
+        device's copy stream (see kvstore._transfer); the arena side is pinned when
+        ``self.pinned``, so no staging is needed then."""
+        by_device: dict[str, list[tuple[Any, Any]]] = {}
+        for dst, src in pairs:
+            dev = dst.device if is_device(dst) else src.device
+            by_device.setdefault(str(dev), []).append((dst, src))
+        for dev, group in by_device.items():
+            with copier_for(dev).batch() as batch:
+                for dst, src in group:
+                    batch.copy(dst, src, pinned=self.pinned)
 
     def stats(self) -> dict[str, Any]:
         return {"pinned": self.pinned, "shared_memory": bool(self.shm_path),
-                "largest_free_bytes": self._alloc.largest_free()}
+                "largest_free_bytes": self._index.largest_free()}
 
     def close(self) -> None:
         with self._lock:
             if self._mmap is None:
                 return
-            self._slots.clear()
-            self._used = 0
+            self._index.clear()
             mm, self._mmap = self._mmap, None
         self.arena = np.empty(0, dtype=np.uint8)
         try:
