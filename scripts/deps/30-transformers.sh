@@ -7,4 +7,4 @@ if python -c "import transformers, sys; v = tuple(int(x) for x in transformers._
 fi
 python -m pip install -q --disable-pip-version-check --no-deps "transformers==5.19.0"
 python -m pip install -q --disable-pip-version-check "tokenizers>=0.23.2,<0.24" "safetensors>=0.4" \
-    "huggingface_hub>=1.31,<3" "regex" "packaging" "filelock" "tqdm" "pyyaml" "numpy"
+    "huggingface_hub>=1.31,<3" "regex" "packaging" "typer" "filelock" "tqdm" "pyyaml" "numpy"
