@@ -94,3 +94,19 @@ def test_partial_hit_recomputes_the_rest(model, store):
     got = T.run_load(model, store, ns, prompt, layout, NEW)
     assert got.cached_tokens == 3 * CHUNK
     assert got.tokens == ref.tokens
+
+
+def test_demo_command(capsys):
+    from kvstore.cli import main
+
+    rc = main(["demo", "--model", "tiny", "--tokens", "96", "--chunk-tokens", "16", "--new-tokens", "8"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "generated tokens identical: yes" in out and "5 blocks of 16 tokens" in out
+
+
+def test_demo_rejects_a_prompt_shorter_than_two_chunks(capsys):
+    from kvstore.cli import main
+
+    assert main(["demo", "--model", "tiny", "--tokens", "20", "--chunk-tokens", "16"]) == 2
+    assert "--tokens must be at least" in capsys.readouterr().err
