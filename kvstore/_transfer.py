@@ -184,7 +184,7 @@ class DeviceCopier:
             done = _torch().cuda.Event()
             done.record(self._stream)
             done.synchronize()
-        # Staging slots settle in issue order: the oldest is the one after the next.
+        # Staging slots settle in issue order, oldest first: the next one to be claimed.
         for i in range(self.num_slots):
             if self._stage_t:
                 self._settle((self._next + i) % self.num_slots)
