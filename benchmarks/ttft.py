@@ -153,6 +153,8 @@ def table(result: dict) -> str:
             lo = result["load"][name][i]["ttft_s"]
             row += f"{lo:>13.3f}{rc / lo:>7.1f}"
         lines.append(row)
+    lines.append("a tier beats recompute when it delivers KV faster than (GB/s): " + ", ".join(
+        f"{n}: {g:.3f}" for n, g in zip(lengths, result["break_even_gbps"])))
     lines.append("tokens identical to recompute in every run: " + ("yes" if result["identical"] else "NO"))
     for name, text in result["break_even"].items():
         lines.append(f"break-even {name}: {text}")
@@ -165,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="small", choices=sorted(T.MODEL_SIZES))
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--lengths", default="256,1024,4096,16384", help="prompt lengths, comma-separated")
+    parser.add_argument("--lengths", default="128,256,1024,4096,16384", help="prompt lengths, comma-separated")
     parser.add_argument("--chunk-tokens", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=2, help="load runs per tier and length (best is kept)")
@@ -221,6 +223,12 @@ def main(argv: list[str] | None = None) -> int:
     for name, rows in result["load"].items():
         result["break_even"][name] = break_even(lengths, [r["ttft_s"] for r in result["recompute"]],
                                                 [r["ttft_s"] for r in rows])
+    # A tier wins when it delivers the cached KV faster than recompute produces it:
+    # KV bytes / (recompute TTFT - the last chunk's compute, which both paths pay).
+    dram = result["load"]["dram"]
+    result["break_even_gbps"] = [
+        (r["cached_tokens"] // layout.chunk_tokens) * layout.block_bytes
+        / max(rc["ttft_s"] - r["last_chunk_s"], 1e-9) / 1e9 for rc, r in zip(result["recompute"], dram)]
     if 4096 in lengths:
         i = lengths.index(4096)
         result["speedup_dram_4k"] = result["recompute"][i]["ttft_s"] / result["load"]["dram"][i]["ttft_s"]
