@@ -36,7 +36,7 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
-from kvstore.buffers import device_view, host_view, is_torch
+from kvstore.buffers import device_view, host_view, is_device, is_torch
 from kvstore.errors import BufferSizeError, InvalidArgumentError, TierIOError
 
 DEFAULT_CHUNK_BYTES = 4 << 20
@@ -304,4 +304,18 @@ def copier_for(device: Any) -> DeviceCopier:
         return c
 
 
-__all__ = ["DeviceCopier", "copier_for", "cuda_available", "resolve_device"]
+def copy_device_pairs(pairs: list[tuple[Any, Any]], *, pinned: bool = False) -> None:
+    """Copy ``(dst, src)`` pairs in which one side is a device tensor: one batch per
+    device, batches one after another (never two copier locks held at once), all
+    complete on return. ``pinned``: the host sides are page-locked."""
+    by_device: dict[str, list[tuple[Any, Any]]] = {}
+    for dst, src in pairs:
+        dev = dst.device if is_device(dst) else src.device
+        by_device.setdefault(str(dev), []).append((dst, src))
+    for dev, group in by_device.items():
+        with copier_for(dev).batch() as batch:
+            for dst, src in group:
+                batch.copy(dst, src, pinned=pinned)
+
+
+__all__ = ["DeviceCopier", "copy_device_pairs", "copier_for", "cuda_available", "resolve_device"]

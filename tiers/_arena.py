@@ -1,4 +1,8 @@
-"""Slot bookkeeping shared by the tiers that carve one arena (host DRAM, GPU HBM).
+"""Slot bookkeeping for a tier that carves one arena into slots (the GPU tier).
+
+It is the DRAM tier's design (same allocator, same reader counts) lifted out of the
+tier so arenas on any device can share it; DramTier can move onto it once the
+concurrent changes to its internals (in-place reservations) have landed.
 
 :class:`SlotIndex` knows which key lives at which ``(offset, nbytes)`` of the arena,
 counts payload bytes against the configured capacity and keeps a reader count per

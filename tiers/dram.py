@@ -16,16 +16,23 @@ from typing import Any, Iterator, Sequence
 
 import numpy as np
 
-from kvstore._transfer import copier_for
+from kvstore._transfer import copy_device_pairs
 from kvstore.buffers import host_view, is_device, nbytes_of
 from kvstore.errors import BufferSizeError, InvalidArgumentError
 from kvstore.keys import BlockKey
-from tiers._arena import SlotIndex
+from tiers._extents import ExtentAllocator
 from tiers.base import Tier, TierCapabilities
 
 log = logging.getLogger(__name__)
 PAGE = mmap.PAGESIZE
 SLOT_ALIGN = 4096  # slots stay O_DIRECT-aligned so NVMe I/O can use them in place
+
+
+class _Slot:
+    __slots__ = ("offset", "nbytes", "readers", "dead")
+
+    def __init__(self, offset: int, nbytes: int) -> None:
+        self.offset, self.nbytes, self.readers, self.dead = offset, nbytes, 0, False
 
 
 class DramTier(Tier):
@@ -57,7 +64,9 @@ class DramTier(Tier):
             self._mmap = mmap.mmap(-1, size, flags=flags)
         self.arena = np.frombuffer(self._mmap, dtype=np.uint8)
         self.pinned = self._pin() if pin is not False else False
-        self._index = SlotIndex(self._capacity, size, SLOT_ALIGN)
+        self._alloc = ExtentAllocator(size, SLOT_ALIGN)
+        self._slots: dict[BlockKey, _Slot] = {}
+        self._used = 0
         self._lock = threading.Lock()
         self.capabilities = TierCapabilities(device="cpu", alignment=SLOT_ALIGN, max_concurrency=1,
                                              zero_copy_view=True)
@@ -81,109 +90,146 @@ class DramTier(Tier):
 
     @property
     def used_bytes(self) -> int:
-        return self._index.used_bytes
+        return self._used
 
     def nbytes(self, key: BlockKey) -> int | None:
-        return self._index.nbytes(key)
+        slot = self._slots.get(key)
+        return slot.nbytes if slot else None
 
     def contains(self, keys: Sequence[BlockKey]) -> list[bool]:
-        return self._index.contains(keys)
+        slots = self._slots
+        return [k in slots for k in keys]
 
     def offset_of(self, key: BlockKey) -> tuple[int, int] | None:
         """``(offset, nbytes)`` of a stored block inside the arena, for same-host sharing."""
-        return self._index.offset_of(key)
+        slot = self._slots.get(key)
+        return (slot.offset, slot.nbytes) if slot else None
 
     def read_into(self, keys: Sequence[BlockKey], dsts: Sequence[Any]) -> list[bool]:
-        index = self._index
-        slots = [index.acquire(k) for k in keys]
+        out = []
+        held: list[_Slot] = []   # released once every copy, device ones included, is done
+        device: list[tuple[Any, np.ndarray]] = []
         try:
-            for slot, dst in zip(slots, dsts, strict=True):
-                if slot is not None and nbytes_of(dst) != slot.nbytes:
+            for key, dst in zip(keys, dsts, strict=True):
+                slot = self._acquire(key)
+                if slot is None:
+                    out.append(False)
+                    continue
+                held.append(slot)
+                if nbytes_of(dst) != slot.nbytes:
                     raise BufferSizeError(
                         f"[{self.name}] buffer has {nbytes_of(dst)} bytes, block has {slot.nbytes}")
-            device = [j for j, (slot, dst) in enumerate(zip(slots, dsts)) if slot and is_device(dst)]
-            for slot, dst in zip(slots, dsts):
-                if slot is not None and not is_device(dst):
-                    np.copyto(host_view(dst, writable=True), self._span(slot.offset, slot.nbytes), casting="no")
-            if device:
-                self._device_copies([(dsts[j], self._span(slots[j].offset, slots[j].nbytes)) for j in device])
+                src = self.arena[slot.offset:slot.offset + slot.nbytes]
+                if is_device(dst):
+                    device.append((dst, src))
+                else:
+                    np.copyto(host_view(dst, writable=True), src, casting="no")
+                out.append(True)
+            # One batch per device on its copy stream; the arena is pinned where CUDA is.
+            copy_device_pairs(device, pinned=self.pinned)
         finally:
-            for slot in slots:
-                if slot is not None:
-                    index.release(slot)
-        return [slot is not None for slot in slots]
+            for slot in held:
+                self._release(slot)
+        return out
 
     def write(self, keys: Sequence[BlockKey], srcs: Sequence[Any]) -> list[bool]:
-        index = self._index
-        out: list[bool] = []
-        placed: list[tuple[BlockKey, int, int]] = []
+        out = []
+        placed: list[tuple[BlockKey, int, int]] = []   # reserved, bytes copied or in flight
         device: list[tuple[np.ndarray, Any]] = []
         try:
             for key, src in zip(keys, srcs, strict=True):
                 n = nbytes_of(src)
-                stored, offset = index.reserve(key, n)
-                out.append(stored or offset is not None)
-                if offset is None:
-                    continue
+                with self._lock:
+                    if key in self._slots:
+                        out.append(True)
+                        continue
+                    if self._used + n > self._capacity:
+                        out.append(False)
+                        continue
+                    offset = self._alloc.alloc(n)
+                    if offset is None:
+                        out.append(False)
+                        continue
+                    self._used += n  # reserved now; visible once the bytes are in place
                 placed.append((key, offset, n))
+                dst = self.arena[offset:offset + n]
                 if is_device(src):
-                    device.append((self._span(offset, n), src))
+                    device.append((dst, src))
                 else:
-                    np.copyto(self._span(offset, n), host_view(src), casting="no")
-            if device:
-                self._device_copies(device)
+                    np.copyto(dst, host_view(src), casting="no")
+                out.append(True)
+            copy_device_pairs(device, pinned=self.pinned)
         except BaseException:
-            for _, offset, n in placed:
-                index.abort(offset, n)
+            with self._lock:
+                for _, offset, n in placed:
+                    self._alloc.free(offset, n)
+                    self._used -= n
             raise
-        for key, offset, n in placed:
-            index.commit(key, offset, n)  # visible only once the bytes are in place
+        with self._lock:
+            for key, offset, n in placed:
+                if key in self._slots:  # a concurrent writer won; keep its copy
+                    self._alloc.free(offset, n)
+                    self._used -= n
+                else:
+                    self._slots[key] = _Slot(offset, n)
         return out
 
     def delete(self, keys: Sequence[BlockKey]) -> int:
-        return self._index.delete(keys)
+        removed = 0
+        with self._lock:
+            for key in keys:
+                slot = self._slots.pop(key, None)
+                if slot is None:
+                    continue
+                removed += 1
+                self._used -= slot.nbytes
+                if slot.readers:
+                    slot.dead = True  # freed by the last reader
+                else:
+                    self._alloc.free(slot.offset, slot.nbytes)
+        return removed
 
     def keys(self) -> Iterator[BlockKey]:
-        return self._index.keys()
+        with self._lock:
+            snapshot = list(self._slots)
+        return iter(snapshot)
 
     @contextmanager
     def view(self, key: BlockKey) -> Iterator[np.ndarray | None]:
-        slot = self._index.acquire(key)
+        slot = self._acquire(key)
         if slot is None:
             yield None
             return
         try:
-            v = self._span(slot.offset, slot.nbytes)
+            v = self.arena[slot.offset:slot.offset + slot.nbytes]
             v.flags.writeable = False
             yield v
         finally:
-            self._index.release(slot)
+            self._release(slot)
 
-    def _span(self, offset: int, nbytes: int) -> np.ndarray:
-        return self.arena[offset:offset + nbytes]
+    def _acquire(self, key: BlockKey) -> _Slot | None:
+        with self._lock:
+            slot = self._slots.get(key)
+            if slot is not None:
+                slot.readers += 1
+            return slot
 
-    def _device_copies(self, pairs: list[tuple[Any, Any]]) -> None:
-        """Copy (dst, src) pairs where one side is a device tensor, as one batch on that
-        device's copy stream (see kvstore._transfer); the arena side is pinned when
-        ``self.pinned``, so no staging is needed then."""
-        by_device: dict[str, list[tuple[Any, Any]]] = {}
-        for dst, src in pairs:
-            dev = dst.device if is_device(dst) else src.device
-            by_device.setdefault(str(dev), []).append((dst, src))
-        for dev, group in by_device.items():
-            with copier_for(dev).batch() as batch:
-                for dst, src in group:
-                    batch.copy(dst, src, pinned=self.pinned)
+    def _release(self, slot: _Slot) -> None:
+        with self._lock:
+            slot.readers -= 1
+            if slot.dead and slot.readers == 0:
+                self._alloc.free(slot.offset, slot.nbytes)
 
     def stats(self) -> dict[str, Any]:
         return {"pinned": self.pinned, "shared_memory": bool(self.shm_path),
-                "largest_free_bytes": self._index.largest_free()}
+                "largest_free_bytes": self._alloc.largest_free()}
 
     def close(self) -> None:
         with self._lock:
             if self._mmap is None:
                 return
-            self._index.clear()
+            self._slots.clear()
+            self._used = 0
             mm, self._mmap = self._mmap, None
         self.arena = np.empty(0, dtype=np.uint8)
         try:
