@@ -31,6 +31,7 @@ the stream and the staging ring are shared; copies of different devices run in p
 from __future__ import annotations
 
 import threading
+import warnings
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator
 
@@ -88,6 +89,18 @@ def _side(buf: Any, *, writable: bool):
 
 def _on_host(side) -> bool:
     return isinstance(side, np.ndarray) or side.device.type == "cpu"
+
+
+def _tensor(side):
+    """A tensor over a side of a copy. Read-only numpy views (a tier's ``view()``) are
+    wrapped too: torch warns that it could write through them, but sources are only read."""
+    if not isinstance(side, np.ndarray):
+        return side
+    if side.flags.writeable:
+        return _torch().from_numpy(side)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return _torch().from_numpy(side)
 
 
 def _np(side) -> np.ndarray:
@@ -190,11 +203,8 @@ class DeviceCopier:
                 self._settle((self._next + i) % self.num_slots)
 
     def _is_pinned(self, host) -> bool:
-        t = _torch().from_numpy(host) if isinstance(host, np.ndarray) and host.flags.writeable else host
-        if isinstance(t, np.ndarray):
-            return False
         try:
-            return bool(t.is_pinned())
+            return bool(_tensor(host).is_pinned())
         except RuntimeError:
             return False
 
@@ -221,10 +231,8 @@ class DeviceCopier:
         host = d if d_host else s
         if self.cuda and not self.force_staging and (pinned or self._is_pinned(host)):
             self.counters["direct_copies"] += 1
-            dt = torch.from_numpy(d) if isinstance(d, np.ndarray) else d
-            st = torch.from_numpy(s) if isinstance(s, np.ndarray) else s
             with torch.cuda.stream(self._stream):
-                dt.copy_(st, non_blocking=True)
+                _tensor(d).copy_(_tensor(s), non_blocking=True)
             return
         # Staging: the device side is a tensor; with force_staging on host-only copies,
         # the tensor side plays the device.
