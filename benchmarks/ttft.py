@@ -19,7 +19,6 @@ import argparse
 import contextlib
 import importlib.util
 import json
-import os
 import re
 import subprocess
 import sys
