@@ -106,7 +106,8 @@ class LineagePolicy(EvictionPolicy):
 
     def victims(self) -> Iterator[Hashable]:
         self._unpark()
-        skipped: set[Hashable] = set()
+        skipped_leaves: list[Hashable] = []
+        offered_interior: set[Hashable] = set()
         try:
             while self._heap:
                 entry = heapq.heappop(self._heap)
@@ -117,14 +118,18 @@ class LineagePolicy(EvictionPolicy):
                 yield key
                 if key in self._parent and self._stamp.get(key) == entry[1]:
                     self._parked.append(entry)  # skipped: keep it for the next walk
-                    skipped.add(key)
-            # Every leaf was skipped: offer the interior keys, coldest first, rather
-            # than report a full tier that still holds evictable keys.
-            for key in sorted((k for k in self._parent if k not in skipped),
-                              key=self._priority.__getitem__):
-                if key in self._parent:
+                    skipped_leaves.append(key)
+            # Every leaf was skipped: offer their ancestors, nearest first, rather than
+            # report a full tier that still holds evictable keys. Every held interior
+            # key is an ancestor of some held leaf, so this reaches all of them.
+            for leaf in skipped_leaves:
+                key = self._parent.get(leaf)
+                while key is not None and key in self._parent and key not in offered_interior:
+                    offered_interior.add(key)
+                    above = self._parent[key]
                     self._offered = key
                     yield key
+                    key = above
         finally:
             self._unpark()
 
