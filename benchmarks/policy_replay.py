@@ -232,6 +232,9 @@ def plot(results: dict, policies: Sequence[str], path: Path) -> None:
                       marker="o", linestyle="--" if name == "belady" else "-",
                       linewidth=2.5 if name == "lineage" else 1.2, label=name)
         axis.set_xscale("log")
+        percents = sorted({100 * r["capacity_fraction"] for r in results["rows"]})
+        axis.set_xticks(percents, [f"{p:g}" for p in percents])
+        axis.minorticks_off()
         axis.set_xlabel("cache size (% of distinct blocks)")
         axis.set_ylabel("prefix hit rate (% of block references)")
         axis.set_title(trace_name)
