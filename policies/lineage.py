@@ -7,17 +7,24 @@ every leaf was skipped (leased, pinned) does it offer the skipped leaves' ancest
 nearest first.
 
 Among leaves it uses **GreedyDual-Size-Frequency** (Cherkasova, 1998) with unit cost
-per byte, so the size term cancels: a key's priority is ``L + count``, where ``count``
-is how many times the key was inserted or accessed and ``L`` is an inflation clock set
-to the priority of each victim. The least priority goes first. A key that is not used
-again sinks below the clock as it rises (aging); a key used ``n`` times survives about
-``n`` times as many evictions as a key used once, so one-off prompts (most blocks of a
-conversation trace) leave before the prefixes many requests share, and before
-conversations that already came back once.
+per byte, so the size term cancels: a key's priority is ``L + 1 + beta * (count - 1)``,
+where ``count`` is how many times the key was inserted or accessed and ``L`` is an
+inflation clock set to the priority of each victim. The least priority goes first. A
+key that is not used again sinks below the clock as it rises (aging); with
+``beta = 1`` a key used ``n`` times survives about ``n`` times as many evictions as a
+key used once, so one-off prompts leave before the prefixes many requests share and
+before conversations that already came back; with ``beta = 0`` the order is plain
+recency (every touch sets ``L + 1``, and ``L`` only grows).
 
-Counts survive eviction in a ghost list of recently evicted keys, sized to the number
-of keys held (the ghost size of ARC and S3-FIFO): a block that returns soon after it
-was evicted comes back with its history, which is what lets a second sighting count.
+Counts survive eviction in two ghost lists of recently evicted keys, together as long
+as the number of keys held (ARC's directory size): keys evicted after one use and keys
+evicted after more. A returning key gets its count back, which is what lets a second
+sighting count, and moves ``beta`` the way ARC moves its target: a key that returns
+after being evicted with one use means recency was under-weighted (``beta`` goes down
+one step), one that returns after several uses means frequency was (``beta`` goes up).
+A step is ``1/n`` for ``n`` keys held, times the ratio of the ghost lists when the other
+list is larger, and ``beta`` stays within [0, 1], starting at 1: between LRU and GDSF,
+chosen by the workload, with no constant fitted to a trace.
 
 A touch refreshes the ancestors: when a child leaves, its parent's priority becomes at
 least the child's, so a prefix is never ranked colder than its most recently used
@@ -30,8 +37,8 @@ of ~400 requests later, the user's think time), so a probation queue or a
 second-sighting filter throws most first reuses away (S3-FIFO, at 5% of the distinct
 blocks, ends below LRU). Ranking by count with aging gives a first-time block a
 lifetime of the same order as LRU's, and a block that came back a multiple of it. ``python
-benchmarks/policy_replay.py --ttl-bound`` measures it: 21.8% prefix hits at 5% against
-LRU's 19.5% (1.12x), where the best policy ranking by count and recency alone is
+benchmarks/policy_replay.py --ttl-bound`` measures it: 22.4% prefix hits at 5% against
+LRU's 19.5% (1.15x), where the best policy ranking by count and recency alone is
 estimated at 22.6%; the rest of the way to Belady (36.6%) needs knowing which
 conversations will come back, which the keys do not tell.
 
@@ -66,7 +73,10 @@ class LineagePolicy(EvictionPolicy):
         self._stamp: dict[Hashable, int] = {}        # stamp of each leaf's live heap entry
         self._heap: list[_Entry] = []
         self._parked: list[_Entry] = []              # entries popped while the Store skipped them
-        self._ghost: OrderedDict[Hashable, int] = OrderedDict()  # evicted key -> count
+        # Evicted key -> its count, split by whether it had been used once or more.
+        self._ghost_once: OrderedDict[Hashable, int] = OrderedDict()
+        self._ghost_again: OrderedDict[Hashable, int] = OrderedDict()
+        self.frequency_weight = 1.0                  # beta: 0 ranks by recency, 1 is GDSF
         self._clock = 0.0                            # GDSF's L
         self._next_stamp = 0
         self._offered: Hashable | None = None
@@ -80,8 +90,8 @@ class LineagePolicy(EvictionPolicy):
             self._children[parent] = self._children.get(parent, 0) + 1
             if parent in self._stamp:
                 del self._stamp[parent]  # no longer a leaf; its heap entry goes stale
-        self._count[key] = self._ghost.pop(key, 0) + 1
-        self._priority[key] = self._clock + self._count[key]
+        self._count[key] = self._returning_count(key) + 1
+        self._priority[key] = self._clock + self._value(self._count[key])
         if not self._children.get(key):
             self._push(key)
 
@@ -89,7 +99,7 @@ class LineagePolicy(EvictionPolicy):
         if key not in self._parent:
             return
         self._count[key] += 1
-        self._priority[key] = max(self._priority[key], self._clock + self._count[key])
+        self._priority[key] = max(self._priority[key], self._clock + self._value(self._count[key]))
         if key in self._stamp:
             self._push(key)
 
@@ -102,9 +112,11 @@ class LineagePolicy(EvictionPolicy):
         if key == self._offered:
             self._clock = max(self._clock, priority)
             self._offered = None
-        self._ghost[key] = self._count.pop(key)
-        while len(self._ghost) > len(self._parent):
-            self._ghost.popitem(last=False)
+        count = self._count.pop(key)
+        (self._ghost_once if count == 1 else self._ghost_again)[key] = count
+        while len(self._ghost_once) + len(self._ghost_again) > len(self._parent):
+            larger = self._ghost_once if len(self._ghost_once) >= len(self._ghost_again) else self._ghost_again
+            larger.popitem(last=False)
         if parent is None:
             return
         remaining = self._children[parent] - 1
@@ -146,7 +158,8 @@ class LineagePolicy(EvictionPolicy):
             self._unpark()
 
     def priority(self, key: Hashable) -> float | None:
-        """The key's current GDSF priority (None if not held); lower goes first."""
+        """The key's current GDSF priority (None if not held); lower goes first. Between
+        two touches of the same key it only changes by inheriting a child's."""
         return self._priority.get(key)
 
     def is_leaf(self, key: Hashable) -> bool:
@@ -158,6 +171,24 @@ class LineagePolicy(EvictionPolicy):
 
     def __contains__(self, key: object) -> bool:
         return key in self._parent
+
+    def _value(self, count: int) -> float:
+        return 1.0 + self.frequency_weight * (count - 1)
+
+    def _returning_count(self, key: Hashable) -> int:
+        """The count a key had when it was evicted (0 if forgotten), adapting the
+        frequency weight as ARC adapts its target: by one step of 1/n (n keys held),
+        times the ratio of the ghost lists when the other one is larger."""
+        step = 1.0 / max(len(self._parent), 1)
+        if key in self._ghost_once:
+            ratio = max(1.0, len(self._ghost_again) / len(self._ghost_once))
+            self.frequency_weight = max(0.0, self.frequency_weight - ratio * step)
+            return self._ghost_once.pop(key)
+        if key in self._ghost_again:
+            ratio = max(1.0, len(self._ghost_once) / len(self._ghost_again))
+            self.frequency_weight = min(1.0, self.frequency_weight + ratio * step)
+            return self._ghost_again.pop(key)
+        return 0
 
     def _push(self, key: Hashable) -> None:
         self._next_stamp += 1

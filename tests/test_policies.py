@@ -285,6 +285,20 @@ def test_lineage_counts_survive_eviction():
     assert policy.priority("x") > policy.priority("y")
 
 
+def test_lineage_adapts_frequency_weight_on_ghost_hits():
+    policy = fill(make_eviction("lineage"), "abcd")
+    assert policy.frequency_weight == 1.0
+    assert evict(policy, 1) == ["a"]     # evicted after one use
+    fill(policy, "a")                    # ...and back: recency deserved more weight
+    assert policy.frequency_weight == pytest.approx(0.75)  # one step of 1/4 keys
+    policy.on_access("b")
+    policy.on_access("b")
+    assert evict(policy, 1, skip=frozenset("acd")) == ["b"]
+    fill(policy, "b")                    # evicted after three uses and back
+    assert policy.frequency_weight == pytest.approx(1.0)
+    assert policy.priority("b") > policy.priority("c")
+
+
 def test_lineage_offers_interior_keys_once_every_leaf_is_skipped():
     policy = make_eviction("lineage")
     fill(policy, "abc", {"b": "a", "c": "b"})
