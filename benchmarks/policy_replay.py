@@ -42,8 +42,8 @@ from pathlib import Path
 from typing import Hashable, Sequence
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-if str(REPO_ROOT) not in sys.path:
-    sys.path.insert(0, str(REPO_ROOT))  # this checkout, not an installed copy
+if sys.path[:1] != [str(REPO_ROOT)]:
+    sys.path.insert(0, str(REPO_ROOT))  # this checkout first, not an installed copy
 
 from kvstore.keys import BlockKey, Namespace  # noqa: E402
 from policies import EVICTION_NAMES, make_eviction  # noqa: E402
