@@ -1,6 +1,7 @@
 """First in, first out: insertion order, accesses change nothing.
 
-O(1) per insert, access and removal, O(1) per victim yielded (an ``OrderedDict``).
+O(1) per insert, access and removal, O(1) per victim yielded (an ``OrderedDict``);
+a key the Store skips stays where it is and the walk steps over it.
 Not thread-safe: the Store calls it under its lock.
 """
 

@@ -1,6 +1,7 @@
 """Least recently used: evict the key whose last insert or access is oldest.
 
-O(1) per insert, access and removal, O(1) per victim yielded (an ``OrderedDict``).
+O(1) per insert, access and removal, O(1) per victim yielded (an ``OrderedDict``);
+a key the Store skips stays where it is and the walk steps over it.
 Not thread-safe: the Store calls it under its lock.
 """
 
