@@ -32,7 +32,8 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from kvstore import _ttft as T  # noqa: E402
-from kvstore.errors import ConfigError  # noqa: E402
+from kvstore._transfer import resolve_device  # noqa: E402
+from kvstore.errors import ConfigError, KVStoreError  # noqa: E402
 from kvstore.store import Store  # noqa: E402
 
 TARGET_SPEEDUP_4K = 10.0
@@ -179,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     torch.set_num_threads(args.threads)
-    device = torch.device(args.device)
+    device = resolve_device(args.device)  # a clear error when CUDA is asked for but absent
     lengths = [int(x) for x in args.lengths.split(",")]
     model = T.build_model(args.model, device=device, max_positions=max(lengths) + args.new_tokens + 64)
     T.warm_up(model, device)
@@ -241,4 +242,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except KVStoreError as exc:
+        print(f"ttft: error: {exc}", file=sys.stderr)
+        sys.exit(2)

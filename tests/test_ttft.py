@@ -110,3 +110,12 @@ def test_demo_rejects_a_prompt_shorter_than_two_chunks(capsys):
 
     assert main(["demo", "--model", "tiny", "--tokens", "20", "--chunk-tokens", "16"]) == 2
     assert "--tokens must be at least" in capsys.readouterr().err
+
+
+def test_demo_without_cuda_says_so(capsys):
+    if torch.cuda.is_available():
+        pytest.skip("CUDA present")
+    from kvstore.cli import main
+
+    assert main(["demo", "--model", "tiny", "--tokens", "64", "--chunk-tokens", "16", "--device", "cuda:0"]) == 2
+    assert "needs CUDA" in capsys.readouterr().err

@@ -25,6 +25,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from kvstore import _ttft as T
+    from kvstore._transfer import resolve_device
     from kvstore.config import load_config
     from kvstore.errors import InvalidArgumentError
     from kvstore.store import Store
@@ -33,7 +34,7 @@ def run(args: argparse.Namespace) -> int:
         raise InvalidArgumentError(f"--tokens must be at least 2 x --chunk-tokens ({2 * args.chunk_tokens})")
     T.require_transformers()
     torch.set_num_threads(args.threads)
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = resolve_device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     config = load_config(args.config) if args.config else load_config(
         {"tiers": [{"name": "dram", "kind": "dram", "capacity": "1GiB"}]})
     steps = ["build model", "recompute prefill + generate", "save prompt KV", "load KV + generate"]
@@ -57,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
         bar.update()
     params = sum(p.numel() for p in model.parameters()) / 1e6
     same = got.tokens == ref.tokens
-    print(f"model: {args.model} Llama, {params:.0f}M parameters, random weights, on {device}")
+    print(f"model: {args.model} Llama, {params:.3g}M parameters, random weights, on {device}")
     print(f"prompt: {args.tokens} tokens; {saved} blocks of {layout.chunk_tokens} tokens "
           f"({layout.block_bytes} B each) saved to tiers {[t.name for t in config.tiers]}")
     print(f"{'':<22}{'TTFT s':>10}{f'{args.new_tokens} tokens s':>14}")
