@@ -79,6 +79,8 @@ class KVStoreHiCacheStorage(HiCacheStorage):
             raise ConfigError(f"sglang extra_config 'lease_s' must be a number, got {extra['lease_s']!r}") from None
         self.is_writer = storage_config.is_storage_writer
         self._store = open_store(extra, owner="sglang extra_config")
+        self._server = extra.get("server")
+        self._embedded = self._server is None
         self._lock = threading.Lock()
         self._counters = dict.fromkeys(("pages_loaded", "pages_missed", "pages_saved", "pages_save_failed",
                                         "store_failures"), 0)
@@ -202,9 +204,13 @@ class KVStoreHiCacheStorage(HiCacheStorage):
     # -- management ---------------------------------------------------------------------
 
     def clear(self) -> None:
-        """Remove every block from the Store behind this backend. Against a shared
-        server that is every tenant's data: SGLang calls this on ``/flush_cache``."""
-        self._store.clear()
+        """Remove every block from an embedded Store (SGLang calls this on
+        ``/flush_cache``). A shared server is left alone: one engine's cache flush
+        must not wipe what other engines and tenants stored there."""
+        if self._embedded:
+            self._store.clear()
+        else:
+            log.info("sglang: clear() leaves the shared kvstore server %s as it is", self._server)
 
     def get_stats(self) -> Any:
         """SGLang's ``StorageMetrics`` for the batches since the last call (drained),
@@ -222,12 +228,15 @@ class KVStoreHiCacheStorage(HiCacheStorage):
             getattr(metrics, name).extend(values)
         return metrics
 
+    @property
+    def counters(self) -> dict[str, int]:
+        """A snapshot of the connector's page counters."""
+        with self._lock:
+            return dict(self._counters)
+
     def stats(self) -> dict[str, Any]:
         """Connector counters plus the Store's own ``stats()``."""
-        with self._lock:
-            out: dict[str, Any] = dict(self._counters)
-        out["store"] = self._store.stats()
-        return out
+        return {**self.counters, "store": self._store.stats()}
 
     def close(self) -> None:
         """Close the Store/Client this backend opened. Idempotent."""

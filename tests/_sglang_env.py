@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import importlib.abc
 import importlib.machinery
-import importlib.util
 import os
+import shutil
 import sys
 import tempfile
 from types import ModuleType
@@ -39,30 +39,41 @@ class _TorchvisionPlaceholder(importlib.abc.MetaPathFinder, importlib.abc.Loader
         return None
 
 
-def _install_torchvision_placeholder() -> None:
-    if any(isinstance(f, _TorchvisionPlaceholder) for f in sys.meta_path):
-        return
-    try:
-        import torchvision  # noqa: F401  (a working torchvision needs no placeholder)
-        return
-    except Exception:
-        for name in [n for n in sys.modules if n == "torchvision" or n.startswith("torchvision.")]:
-            del sys.modules[name]
-    meta = tempfile.mkdtemp(prefix="kvstore-tv-meta-")
-    info = os.path.join(meta, "torchvision-0.28.0.dist-info")
-    os.makedirs(info)
-    with open(os.path.join(info, "METADATA"), "w") as f:
-        f.write("Metadata-Version: 2.1\nName: torchvision\nVersion: 0.28.0\n")
-    sys.path.append(meta)
-    sys.meta_path.insert(0, _TorchvisionPlaceholder())
+def _drop_torchvision_modules() -> None:
+    for name in [n for n in sys.modules if n == "torchvision" or n.startswith("torchvision.")]:
+        del sys.modules[name]
 
 
 def import_host_pool():
-    """(MHATokenToKVPoolHost, MHABufferInfo, KVBuffers, KVBufferLayout) from SGLang."""
-    _install_torchvision_placeholder()
-    from sglang.srt.mem_cache.device_pool_info import KVBufferLayout, KVBuffers, MHABufferInfo
-    from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
+    """(MHATokenToKVPoolHost, MHABufferInfo, KVBuffers, KVBufferLayout) from SGLang.
 
+    The placeholder is in place only while SGLang's modules import, then removed
+    again, so later tests in the same session (other engines) see no torchvision.
+    """
+    try:
+        import torchvision  # noqa: F401  (a working torchvision needs no placeholder)
+        placeholder = None
+    except Exception:
+        _drop_torchvision_modules()
+        placeholder = _TorchvisionPlaceholder()
+    meta = None
+    if placeholder is not None:
+        meta = tempfile.mkdtemp(prefix="kvstore-tv-meta-")
+        info = os.path.join(meta, "torchvision-0.28.0.dist-info")
+        os.makedirs(info)
+        with open(os.path.join(info, "METADATA"), "w") as f:
+            f.write("Metadata-Version: 2.1\nName: torchvision\nVersion: 0.28.0\n")
+        sys.path.append(meta)
+        sys.meta_path.insert(0, placeholder)
+    try:
+        from sglang.srt.mem_cache.device_pool_info import KVBufferLayout, KVBuffers, MHABufferInfo
+        from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
+    finally:
+        if placeholder is not None:
+            sys.meta_path.remove(placeholder)
+            sys.path.remove(meta)
+            shutil.rmtree(meta, ignore_errors=True)
+            _drop_torchvision_modules()
     return MHATokenToKVPoolHost, MHABufferInfo, KVBuffers, KVBufferLayout
 
 
