@@ -115,3 +115,43 @@ def test_pages_survive_a_server_restart(tmp_path):
         second.close()
     finally:
         _stop(proc)
+
+
+@pytest.mark.slow
+def test_corrupt_pages_on_disk_are_not_loaded(tmp_path):
+    """Fail closed: after the NVMe data files are scribbled over while the server is
+    down, no page is reported loaded."""
+    port = free_port()
+    config = _config(tmp_path, port)
+    log_path = tmp_path / "serve.log"
+    pool = make_mha_host_pool("page_first", layers=2)
+    pool.kv_buffer.fill_(1.5)
+    P, keys = pool.page_size, page_hashes(3, "corrupt")
+
+    proc = _start(config, port, log_path)
+    try:
+        first = _backend(port, pool)
+        assert first.batch_set_v1(keys, torch.arange(0, 3 * P)) == [True] * 3
+        first.close()
+    finally:
+        _stop(proc)
+
+    data_files = sorted((tmp_path / "nvme").rglob("*.kvd"))
+    assert data_files, f"no NVMe data files under {tmp_path / 'nvme'}"
+    for path in data_files:
+        with open(path, "r+b") as f:
+            raw = bytearray(f.read())
+            for i in range(0, len(raw), 64):
+                raw[i] ^= 0xFF
+            f.seek(0)
+            f.write(raw)
+
+    proc = _start(config, port, log_path)
+    try:
+        fresh_pool = make_mha_host_pool("page_first", layers=2)
+        second = _backend(port, fresh_pool)
+        assert second.batch_get_v1(keys, torch.arange(8 * P, 11 * P)) == [False] * 3
+        assert second.batch_exists(keys) == 0   # the unreadable copies are dropped
+        second.close()
+    finally:
+        _stop(proc)
