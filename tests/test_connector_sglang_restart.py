@@ -8,9 +8,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import subprocess
-import sys
-import time
 
 import pytest
 
@@ -27,10 +24,8 @@ if _missing:
 import torch  # noqa: E402
 
 from tests._sglang_env import make_mha_host_pool  # noqa: E402
+from tests._serve import start_server as _start, stop_server as _stop  # noqa: E402
 from tests.test_connector_sglang import DYNAMIC, page_hashes  # noqa: E402
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
 
 def _config(tmp_path, port: int) -> str:
     path = tmp_path / "serve.yaml"
@@ -42,34 +37,6 @@ tiers:
   - {{name: disk, kind: nvme, path: {tmp_path / 'nvme'}, capacity: 64MiB, file_bytes: 16MiB}}
 """)
     return str(path)
-
-
-def _start(config: str, port: int, log_path) -> subprocess.Popen:
-    log = open(log_path, "ab")
-    proc = subprocess.Popen([sys.executable, "-m", "kvstore", "serve", "--config", config], cwd=ROOT,
-                            stdout=log, stderr=subprocess.STDOUT)
-    from kvstore.client import Client
-
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise AssertionError(f"kvstore serve exited with {proc.returncode}: {open(log_path).read()[-2000:]}")
-        try:
-            Client(f"127.0.0.1:{port}").close()
-            return proc
-        except Exception:
-            time.sleep(0.2)
-    proc.kill()
-    raise AssertionError(f"kvstore serve did not accept connections: {open(log_path).read()[-2000:]}")
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    proc.terminate()
-    try:
-        proc.wait(timeout=20)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
 
 
 def _backend(port: int, pool):
