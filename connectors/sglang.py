@@ -47,7 +47,8 @@ from kvstore.errors import (BufferSizeError, ConfigError, InvalidArgumentError, 
 
 log = logging.getLogger(__name__)
 
-_SGLANG_KEYS = {"backend_name", "module_path", "class_name", "interface_v1"}
+# SGLang passes its own keys through; file_storage_path is added when --file-storage-path is set.
+_SGLANG_KEYS = {"backend_name", "module_path", "class_name", "interface_v1", "file_storage_path"}
 _OUR_KEYS = {"store", "server", "token", "namespace", "model", "lease_s"}
 # Failures of the store behind us: reported as misses / failed saves, never raised
 # into SGLang's I/O threads. Bad arguments (InvalidArgumentError) still raise.
