@@ -7,7 +7,6 @@ host pool; needs the NVMe tier and the cache server client in this build."""
 from __future__ import annotations
 
 import importlib.util
-import os
 
 import pytest
 
