@@ -23,6 +23,9 @@ from types import ModuleType
 from unittest import mock
 
 
+_POOL_BUDGET_BYTES = 4 << 30
+
+
 class _TorchvisionPlaceholder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     def find_spec(self, name, path=None, target=None):
         if name == "torchvision" or name.startswith("torchvision."):
@@ -93,7 +96,13 @@ def make_mha_host_pool(layout: str, *, layers: int = 2, heads: int = 2, head_dim
                                         layout=layout_cls.NHD),
                     page_size=page_size, head_num=heads, head_dim=head_dim, v_head_dim=head_dim,
                     dtype=dtype, device=torch.device("cpu"))
-    pool = pool_cls(info, 2.0, 0, page_size, layout, pin_memory=False, device="cpu",
-                    device_capacity_tokens=device_tokens, start_layer=0, end_layer=layers)
+    from sglang.srt.mem_cache.pool_host.base import host_memory_budget_scope
+
+    # SGLang refuses a host pool when free RAM minus a fixed reserve of several GiB is
+    # short, which on a shared 24 GiB test VM depends on what else runs. Book these
+    # small pools against an explicit budget instead (SGLang's own mechanism).
+    with host_memory_budget_scope(_POOL_BUDGET_BYTES):
+        pool = pool_cls(info, 2.0, 0, page_size, layout, pin_memory=False, device="cpu",
+                        device_capacity_tokens=device_tokens, start_layer=0, end_layer=layers)
     pool._kvstore_device_kv = (k, v)  # keep the device-side tensors alive with the pool
     return pool
