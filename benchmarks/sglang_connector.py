@@ -10,6 +10,7 @@ then ``batch_set``; ``batch_get`` into fresh flat pages then
 to compare across machines.
 
 Usage: python benchmarks/sglang_connector.py [--pages 64] [--layers 16] [--rounds 5]
+       [--server HOST:PORT]   (through a running kvstore serve instead of an embedded Store)
 Writes benchmarks/results/sglang_connector.json and .png.
 """
 
@@ -35,11 +36,14 @@ from tests._sglang_env import make_mha_host_pool  # noqa: E402  (torchvision pla
 RESULTS = os.path.join(ROOT, "benchmarks", "results")
 
 
-def _storage_config(layout: str, v1: bool, capacity: int):
+def _storage_config(layout: str, v1: bool, capacity: int, server: str | None):
     from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
 
-    extra = {"backend_name": "kvstore", "module_path": "connectors.sglang", "class_name": "KVStoreHiCacheStorage",
-             "store": {"tiers": [{"name": "hot", "kind": "dram", "capacity": capacity}]}}
+    extra = {"backend_name": "kvstore", "module_path": "connectors.sglang", "class_name": "KVStoreHiCacheStorage"}
+    if server:
+        extra["server"] = server
+    else:
+        extra["store"] = {"tiers": [{"name": "hot", "kind": "dram", "capacity": capacity}]}
     if v1:
         extra["interface_v1"] = 1
     return HiCacheStorageConfig(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
@@ -56,20 +60,49 @@ def _segments(pool, indices) -> list[np.ndarray]:
     return [arena[p - base:p - base + s] for p, s in zip(ptrs, sizes)]
 
 
-def _timed(fn, rounds: int, before=None) -> list[float]:
-    out = []
-    for _ in range(rounds):
-        if before is not None:
-            before()
-        start = time.perf_counter()
-        fn()
-        out.append(time.perf_counter() - start)
-    return out
+def _clock(fn, *args) -> float:
+    start = time.perf_counter()
+    fn(*args)
+    return time.perf_counter() - start
+
+
+class _Path:
+    """One storage path (v0 or v1) through its own backend on the shared pool."""
+
+    def __init__(self, name: str, pool, layout: str, capacity: int, args, src_idx, dst_idx) -> None:
+        from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
+
+        self.name, self.pool, self.layout, self.n = name, pool, layout, args.pages
+        self.src_idx, self.dst_idx, self.P = src_idx, dst_idx, args.page_tokens
+        cfg = _storage_config(layout, name == "v1", capacity, args.server)
+        self.backend = StorageBackendFactory.create_backend("dynamic", cfg, pool)
+        self.backend.register_mem_pool_host(pool)
+
+    def keys(self, tag) -> list[str]:
+        # A stored key is not written again, so each timed save gets fresh keys.
+        return [hashlib.sha256(f"{self.layout}/{self.name}/{tag}/{i}".encode()).hexdigest() for i in range(self.n)]
+
+    def save(self, keys) -> None:
+        b, pool, P = self.backend, self.pool, self.P
+        if self.name == "v1":
+            ok = b.batch_set_v1(keys, self.src_idx)
+        else:   # what SGLang's controller does on the generic path
+            ok = [b.batch_set(keys, [pool.get_data_page(int(self.src_idx[i * P])) for i in range(self.n)])]
+        assert all(ok), f"{self.name} save failed"
+
+    def load(self, keys) -> None:
+        b, pool, P = self.backend, self.pool, self.P
+        if self.name == "v1":
+            ok = b.batch_get_v1(keys, self.dst_idx)
+        else:
+            pages = b.batch_get(keys, [pool.get_dummy_flat_data_page() for _ in range(self.n)])
+            ok = [p is not None for p in pages]
+            for i, page in enumerate(pages):
+                pool.set_from_flat_data_page(int(self.dst_idx[i * P]), page)
+        assert all(ok), f"{self.name} load missed pages"
 
 
 def bench_layout(layout: str, args) -> dict:
-    from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
-
     P, n = args.page_tokens, args.pages
     pool = make_mha_host_pool(layout, layers=args.layers, heads=args.heads, head_dim=args.head_dim,
                               page_size=P, device_tokens=n * P)
@@ -77,8 +110,6 @@ def bench_layout(layout: str, args) -> dict:
     src_idx, dst_idx = torch.arange(0, n * P), torch.arange(n * P, 2 * n * P)
     page_bytes = pool.get_data_page(0).numel() * pool.dtype.itemsize
     total = n * page_bytes
-    keys = [hashlib.sha256(f"{layout}/{i}".encode()).hexdigest() for i in range(n)]
-    capacity = 2 * total + (64 << 20)
 
     # Raw copy of the same segments to/from a pre-touched staging area.
     src_segs, dst_segs = _segments(pool, src_idx), _segments(pool, dst_idx)
@@ -94,35 +125,26 @@ def bench_layout(layout: str, args) -> dict:
         for d, s in zip(dst_segs, stage_views):
             np.copyto(d, s)
 
-    row = {"layout": layout, "page_bytes": page_bytes, "pages": n,
-           "segments_per_page": len(src_segs) // n, "total_bytes": total}
-    row["raw_save_s"] = _timed(raw_save, args.rounds)
-    row["raw_load_s"] = _timed(raw_load, args.rounds)
+    paths = [_Path(name, pool, layout, total + (64 << 20), args, src_idx, dst_idx) for name in ("v0", "v1")]
+    for path in paths:                      # warm-up: touch each store's memory once
+        path.save(path.keys("warm-up"))
+    times: dict[str, list[float]] = {f"{c}_{op}_s": [] for c in ("raw", "v0", "v1") for op in ("save", "load")}
+    # Interleaved rounds, so load from other processes on the machine hits all alike.
+    for r in range(args.rounds):
+        times["raw_save_s"].append(_clock(raw_save))
+        times["raw_load_s"].append(_clock(raw_load))
+        for path in paths:
+            path.backend.clear()            # embedded Store: bounded memory; a server keeps all rounds
+            keys = path.keys(r)
+            times[f"{path.name}_save_s"].append(_clock(path.save, keys))
+            times[f"{path.name}_load_s"].append(_clock(path.load, keys))
+            assert torch.equal(pool.get_data_page(int(dst_idx[0])), pool.get_data_page(int(src_idx[0])))
+    for path in paths:
+        path.backend.close()
 
-    for v1 in (False, True):
-        name = "v1" if v1 else "v0"
-        backend = StorageBackendFactory.create_backend("dynamic", _storage_config(layout, v1, capacity), pool)
-        backend.register_mem_pool_host(pool)
-        if v1:
-            save = lambda: backend.batch_set_v1(keys, src_idx)  # noqa: E731
-            load = lambda: backend.batch_get_v1(keys, dst_idx)  # noqa: E731
-        else:
-            def save():
-                return backend.batch_set(keys, [pool.get_data_page(int(src_idx[i * P])) for i in range(n)])
-
-            def load():
-                pages = backend.batch_get(keys, [pool.get_dummy_flat_data_page() for _ in range(n)])
-                for i, page in enumerate(pages):
-                    pool.set_from_flat_data_page(int(dst_idx[i * P]), page)
-        save()              # warm-up: touches the store's arena once
-        backend.clear()
-        row[f"{name}_save_s"] = _timed(save, args.rounds, before=backend.clear)
-        got = load()
-        assert (all(got) if v1 else True), f"{name} load missed pages"
-        row[f"{name}_load_s"] = _timed(load, args.rounds)
-        assert torch.equal(pool.get_data_page(int(dst_idx[0])), pool.get_data_page(int(src_idx[0])))
-        backend.close()
-
+    row = {"layout": layout, "page_bytes": page_bytes, "pages": n, "segments_per_page": len(src_segs) // n,
+           "total_bytes": total, "store": f"server {args.server}" if args.server else "embedded DRAM Store",
+           **times}
     for op in ("save", "load"):
         raw = total / statistics.median(row[f"raw_{op}_s"]) / 1e9
         row[f"raw_{op}_gbps"] = raw
@@ -142,12 +164,13 @@ def main() -> int:
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--layouts", default="layer_first,page_first")
+    parser.add_argument("--server", help="host:port of a running kvstore serve (default: an embedded Store)")
     args = parser.parse_args()
 
     rows = [bench_layout(layout, args) for layout in args.layouts.split(",")]
     print(f"\nSGLang connector, {args.pages} pages x {rows[0]['page_bytes'] / 2**20:.1f} MiB "
           f"({args.layers} layers, {args.heads} heads x {args.head_dim}, page {args.page_tokens} tokens, fp16), "
-          f"median of {args.rounds}; GB/s and ratio to a raw copy of the same pages")
+          f"{rows[0]['store']}, median of {args.rounds}; GB/s and ratio to a raw copy of the same pages")
     print(f"{'layout':<12} {'op':<5} {'raw copy':>9} {'v0':>8} {'v0/raw':>7} {'v1':>8} {'v1/raw':>7}")
     for r in rows:
         for op in ("save", "load"):

@@ -64,8 +64,9 @@ class PageKeys:
 
     ``segments`` is 1 for v0 and the number of pool segments per page for v1. Keys
     are stable across processes; the parent link (the previous page's key) only
-    guides lineage eviction and does not enter the digest. Thread-safe: the cache is
-    a bounded dict guarded by the GIL's atomic operations, a race only recomputes.
+    guides lineage eviction and does not enter the digest. SGLang's page hashes are
+    a chain, so a page's parent never changes and keys are cached with it once
+    known. Thread-safe: the cache is a bounded dict; a race only recomputes.
     """
 
     _CACHE_PAGES = 1 << 16
@@ -73,37 +74,41 @@ class PageKeys:
     def __init__(self, ns: Namespace, segments: int) -> None:
         self.ns = ns
         self.segments = segments
-        self._cache: OrderedDict[str, list[bytes]] = OrderedDict()
+        self._cache: OrderedDict[str, list[BlockKey]] = OrderedDict()
 
-    def _digests(self, page_hash: str) -> list[bytes]:
+    def _page(self, page_hash: str, prev: list[BlockKey] | None) -> list[BlockKey]:
         got = self._cache.get(page_hash)
+        if got is not None and (prev is None or got[0].parent is not None):
+            return got
         if got is None:
             if not isinstance(page_hash, str) or not page_hash:
                 raise InvalidArgumentError(f"SGLang page keys must be non-empty strings, got {page_hash!r}")
             if self.segments == 1:
-                got = [self.ns.key_for(page_hash).digest]
+                digests = [self.ns.key_for(page_hash).digest]
             else:
-                got = [self.ns.key_for(f"{page_hash}/{s}").digest for s in range(self.segments)]
-            self._cache[page_hash] = got
-            if len(self._cache) > self._CACHE_PAGES:
-                try:
-                    self._cache.popitem(last=False)
-                except KeyError:
-                    pass
+                digests = [self.ns.key_for(f"{page_hash}/{s}").digest for s in range(self.segments)]
+        else:
+            digests = [k.digest for k in got]
+        ns = self.ns.digest
+        if prev is None:
+            got = [BlockKey(d, None, ns) for d in digests]
+        else:
+            got = [BlockKey(d, p.digest, ns) for d, p in zip(digests, prev)]
+        self._cache[page_hash] = got
+        if len(self._cache) > self._CACHE_PAGES:
+            try:
+                self._cache.popitem(last=False)
+            except KeyError:
+                pass
         return got
 
     def keys(self, pages: Sequence[str], prefix: Sequence[str] | None = None) -> list[BlockKey]:
         """All segment keys of ``pages``, page-major (page 0's segments first)."""
-        ns = self.ns.digest
-        prev = self._digests(prefix[-1]) if prefix else None
+        prev = self._page(prefix[-1], None) if prefix else None
         out: list[BlockKey] = []
         for page in pages:
-            cur = self._digests(page)
-            if prev is None:
-                out.extend(BlockKey(d, None, ns) for d in cur)
-            else:
-                out.extend(BlockKey(d, p, ns) for d, p in zip(cur, prev))
-            prev = cur
+            prev = self._page(page, prev)
+            out.extend(prev)
         return out
 
 
@@ -118,8 +123,12 @@ class PoolSegments:
     """In-place views of a host pool's pages, as the pool reports them.
 
     Built once at registration from ``pool.kv_buffer`` (one contiguous host tensor).
-    The views alias pool memory: the pool owns it; callers must not keep views past
-    the batch. Thread-safe (read-only state).
+    Segment offsets of SGLang's MHA/MLA layouts are affine in the page's first token
+    slot; that is checked here against ``get_page_buffer_meta`` at three pages, and
+    then offsets are computed in bulk (the pool's own per-page Python loop otherwise
+    costs as much as a small page's copy). Pools whose offsets are not affine are
+    asked page by page. The views alias pool memory: the pool owns it; callers must
+    not keep views past the batch. Thread-safe (read-only state).
     """
 
     def __init__(self, pool: Any) -> None:
@@ -133,8 +142,21 @@ class PoolSegments:
         self.page_size = int(pool.page_size)
         self._arena = host_view(buf, writable=True)
         self._base = int(buf.data_ptr())
-        probe = self._meta(np.arange(self.page_size, dtype=np.int64))
-        self.per_page = len(probe)
+        first = self._meta_at(0)
+        self.per_page = len(first)
+        self._sizes = [size for _, size in first]
+        self._const = np.array([off for off, _ in first], dtype=np.int64)
+        self._slope: np.ndarray | None = None
+        slots = int(getattr(pool, "size", 0))
+        if slots >= 3 * self.page_size:
+            second = np.array([off for off, _ in self._meta_at(self.page_size)], dtype=np.int64)
+            slope = (second - self._const) // self.page_size
+            last = (slots // self.page_size - 1) * self.page_size
+            if np.array_equal(np.array([off for off, _ in self._meta_at(last)]), self._const + slope * last):
+                self._slope = slope
+
+    def _meta_at(self, slot: int) -> list[tuple[int, int]]:
+        return [(off - self._base, size) for off, size in self._meta(np.arange(slot, slot + self.page_size))]
 
     def _meta(self, indices: Any) -> list[tuple[int, int]]:
         import torch
@@ -149,14 +171,21 @@ class PoolSegments:
         if len(host_indices) != n_pages * self.page_size:
             raise InvalidArgumentError(
                 f"host_indices has {len(host_indices)} slots, expected {n_pages} pages x {self.page_size}")
-        meta = self._meta(host_indices)
-        if len(meta) != n_pages * self.per_page:
-            raise InvalidArgumentError(f"pool reported {len(meta)} segments for {n_pages} pages, "
-                                       f"expected {self.per_page} per page")
-        arena, base, out = self._arena, self._base, []
-        for ptr, size in meta:
-            off = int(ptr) - base
-            if off < 0 or off + size > arena.nbytes:
+        if self._slope is not None:
+            starts = np.asarray(host_indices[::self.page_size], dtype=np.int64)
+            offsets = (self._const[None, :] + starts[:, None] * self._slope[None, :]).ravel().tolist()
+            sizes = self._sizes * n_pages
+        else:
+            meta = self._meta(host_indices)
+            if len(meta) != n_pages * self.per_page:
+                raise InvalidArgumentError(f"pool reported {len(meta)} segments for {n_pages} pages, "
+                                           f"expected {self.per_page} per page")
+            offsets = [int(ptr) - self._base for ptr, _ in meta]
+            sizes = [size for _, size in meta]
+        arena, limit = self._arena, self._arena.nbytes
+        out = []
+        for off, size in zip(offsets, sizes):
+            if off < 0 or off + size > limit:
                 raise InvalidArgumentError(f"pool segment at offset {off} (+{size}) lies outside kv_buffer")
             out.append(arena[off:off + size])
         return out

@@ -319,3 +319,25 @@ def test_clear_and_close(make_backend):
     assert backend.batch_exists(keys) == 0
     backend.close()
     backend.close()
+
+
+@pytest.mark.parametrize("layout", ["layer_first", "page_first", "page_first_direct", "page_head"])
+def test_segment_views_match_the_pools_own_metadata(host_pool_factory, layout):
+    """The bulk offset computation gives exactly the segments SGLang's
+    get_page_buffer_meta reports, for scattered pages; so does the per-page fallback."""
+    from connectors._sglang_pages import PoolSegments
+
+    pool = host_pool_factory(layout, layers=3)
+    P = pool.page_size
+    pages = [7, 2, 11, 0]
+    idx = torch.cat([torch.arange(p * P, (p + 1) * P) for p in pages])
+    ptrs, sizes = pool.get_page_buffer_meta(idx)
+    base = pool.kv_buffer.data_ptr()
+    segs = PoolSegments(pool)
+    assert segs._slope is not None            # SGLang's MHA layouts take the bulk path
+    for bulk in (True, False):
+        if not bulk:
+            segs._slope = None
+        views = segs.views(idx, len(pages))
+        got = [(v.__array_interface__["data"][0] - base, v.nbytes) for v in views]
+        assert got == [(p - base, s) for p, s in zip(ptrs, sizes)]
