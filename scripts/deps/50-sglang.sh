@@ -8,10 +8,11 @@ set -euo pipefail
 PIP=(python -m pip install -q --disable-pip-version-check)
 
 if python - <<'PY' 2>/dev/null
-import importlib.metadata as md, sys
+import importlib.metadata as md, importlib.util as iu
 assert md.version("sglang") == "0.5.23"
-import orjson, psutil, pybase64, requests, triton, PIL, starlette, msgspec, zmq, tqdm, IPython, aiohttp  # noqa
-import transformers, sentencepiece, gguf, tvm_ffi, loguru, dill, compressed_tensors  # noqa
+mods = ("orjson psutil pybase64 requests triton PIL starlette msgspec zmq tqdm IPython aiohttp "
+        "transformers sentencepiece gguf tvm_ffi loguru dill compressed_tensors").split()
+assert all(iu.find_spec(m) for m in mods)
 PY
 then
     exit 0
