@@ -341,3 +341,42 @@ def test_segment_views_match_the_pools_own_metadata(host_pool_factory, layout):
         views = segs.views(idx, len(pages))
         got = [(v.__array_interface__["data"][0] - base, v.nbytes) for v in views]
         assert got == [(p - base, s) for p, s in zip(ptrs, sizes)]
+
+
+def test_prefetch_and_backup_threads_at_once(make_backend, host_pool_factory):
+    """SGLang calls a backend from its prefetch and backup threads concurrently."""
+    import threading
+
+    pool = host_pool_factory("page_first", layers=2, device_tokens=256)
+    fill(pool, 6)
+    backend = make_backend(storage_config(store=SMALL_STORE, interface_v1=1), pool)
+    P = pool.page_size
+    stored = page_hashes(8, "stored")
+    assert backend.batch_set_v1(stored, torch.arange(0, 8 * P)) == [True] * 8
+    expect = [pool.get_data_page(i * P).clone() for i in range(8)]
+    errors: list[BaseException] = []
+
+    def backup() -> None:
+        try:
+            for r in range(20):
+                keys = page_hashes(8, f"backup{r}")
+                assert backend.batch_set_v1(keys, torch.arange(8 * P, 16 * P)) == [True] * 8
+        except BaseException as exc:
+            errors.append(exc)
+
+    def prefetch() -> None:
+        try:
+            for _ in range(20):
+                assert backend.batch_exists(stored) == 8
+                assert backend.batch_get_v1(stored, torch.arange(16 * P, 24 * P)) == [True] * 8
+                for i in range(8):
+                    assert torch.equal(pool.get_data_page((16 + i) * P), expect[i])
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=backup), threading.Thread(target=prefetch)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[0]
