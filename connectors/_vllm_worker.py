@@ -163,10 +163,11 @@ class WorkerSide:
                 skip = load.spec.skip_blocks if c == 0 else 0
                 self._errors.update(load.spec.block_ids[c][skip:])
         good = _prefix_len(load.ok)
+        if load.buf is None:
+            return                      # finished earlier, or abandoned after a timeout
         if good == 0:
-            if load.buf is not None:
-                self._pool.give(load.buf)
-                load.buf = None
+            self._pool.give(load.buf)
+            load.buf = None
             return
         todo = range(pages.num_layers) if layers is None else layers
         ids, keep = load.ids[:good], _keep_mask(good, self.shape.blocks_per_chunk, load.spec.skip_blocks)
