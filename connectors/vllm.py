@@ -55,6 +55,11 @@ class KVStoreConnector(KVConnectorBase_V1):
         self.shape = KVShape(vllm_config, kv_cache_config, self.config.chunk_tokens, self.config.model_id)
         do_save = self.config.save if self.config.save is not None else tc.is_kv_producer
         do_load = self.config.load if self.config.load is not None else tc.is_kv_consumer
+        if self.config.store is not None and self.shape.world_size > 1:
+            # Workers of a TP/PP group are separate processes: each would get its own
+            # Store, and the scheduler's lookups would never see what workers saved.
+            raise ConfigError("the embedded 'store' is for single-process serving (TP=1, PP=1); "
+                              f"this engine has {self.shape.world_size} workers: use 'server'")
         self.store, self._handle = open_store(self.config.store, self.config.server, self.config.token)
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None

@@ -91,7 +91,7 @@ def test_fast_path_is_one_matrix_for_shared_allocations():
 def test_single_tensor_helpers_and_page_dim():
     cache = torch.randn(2, B, N, H, C)            # older vLLM: (K/V, blocks, ...)
     assert page_bytes_of(cache, 1) == 2 * N * H * C * 4
-    assert page_view(cache, 1).dtype == torch.float32  # K and V halves are not one run
+    assert page_view(cache, 1).dim() == 5  # K and V halves are not one run
     ids = torch.tensor([5, 0, 9])
     out = torch.empty(3 * page_bytes_of(cache, 1), dtype=torch.uint8)
     gather_pages(cache, 1, ids, out)
@@ -99,7 +99,7 @@ def test_single_tensor_helpers_and_page_dim():
     scatter_pages(other, 1, torch.tensor([1, 2, 3]), out)
     assert torch.equal(other[:, 1:4], cache[:, [5, 0, 9]])
     dense = torch.randn(B, H, N, C)
-    assert page_view(dense).dtype == torch.uint8 and page_view(dense).shape == (B, H * N * C * 4)
+    assert page_view(dense).dtype == torch.int64 and page_view(dense).shape == (B, H * N * C // 2)
 
 
 def test_bad_buffers_and_ids_raise():

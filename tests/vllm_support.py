@@ -36,7 +36,7 @@ def model_dir(root: Path) -> str:
     (d / "config.json").write_text(json.dumps({
         "architectures": ["OPTForCausalLM"], "model_type": "opt", "hidden_size": HEADS * HEAD_SIZE,
         "num_attention_heads": HEADS, "num_hidden_layers": LAYERS, "ffn_dim": 128, "vocab_size": 1000,
-        "max_position_embeddings": 4096, "word_embed_proj_dim": HEADS * HEAD_SIZE, "torch_dtype": "float16",
+        "max_position_embeddings": 1 << 18, "word_embed_proj_dim": HEADS * HEAD_SIZE, "torch_dtype": "float16",
         "do_layer_norm_before": True, "pad_token_id": 1, "bos_token_id": 2, "eos_token_id": 2}))
     return str(d)
 
@@ -47,14 +47,14 @@ def store_config(capacity: str = "64MiB", name: str = "hot") -> dict[str, Any]:
 
 def vllm_config(model: str, extra: dict[str, Any] | None, *, layout: str = "LBHNC",
                 connector: str = "KVStoreConnector", module: str | None = "connectors.vllm",
-                prefix_caching: bool = True, policy: str = "recompute"):
+                prefix_caching: bool = True, policy: str = "recompute", max_model_len: int = 4096):
     from vllm.config import (CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig,
                              VllmConfig)
 
-    mc = ModelConfig(model=model, skip_tokenizer_init=True, max_model_len=4096, dtype="float16")
+    mc = ModelConfig(model=model, skip_tokenizer_init=True, max_model_len=max_model_len, dtype="float16")
     cc = CacheConfig(block_size=BLOCK, enable_prefix_caching=prefix_caching)
     cc.kv_cache_layout = layout
-    sc = SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=1024, max_model_len=4096,
+    sc = SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=1024, max_model_len=max_model_len,
                          enable_chunked_prefill=True, is_encoder_decoder=False)
     kt = KVTransferConfig(kv_connector=connector, kv_connector_module_path=module, kv_role="kv_both",
                           kv_connector_extra_config=extra or {}, kv_load_failure_policy=policy)
@@ -62,15 +62,16 @@ def vllm_config(model: str, extra: dict[str, Any] | None, *, layout: str = "LBHN
                       kv_transfer_config=kt)
 
 
-def kv_cache_config(vc, num_blocks: int = 64):
+def kv_cache_config(vc, num_blocks: int = 64, *, layers: int = LAYERS, heads: int = HEADS,
+                    head_size: int = HEAD_SIZE):
     import torch
     from vllm.v1.core.kv_cache_planning import get_kv_cache_config_from_groups
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec
 
-    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD_SIZE, dtype=torch.float16)
-    names = [f"model.decoder.layers.{i}.self_attn.attn" for i in range(LAYERS)]
+    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=heads, head_size=head_size, dtype=torch.float16)
+    names = [f"model.decoder.layers.{i}.self_attn.attn" for i in range(layers)]
     return get_kv_cache_config_from_groups(vc, [KVCacheGroupSpec(names, spec)],
-                                           spec.page_size_bytes * LAYERS * num_blocks)
+                                           spec.page_size_bytes * layers * num_blocks)
 
 
 def kv_caches(kcc, layout: str, *, seed: int | None = None):
