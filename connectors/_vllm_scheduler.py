@@ -30,6 +30,7 @@ class _Req:
     had_saves: bool = False           # a worker was told to save chunks of this request
     load: ChunkTransfer | None = None  # planned, not yet handed to the workers
     leased: list[list[BlockKey]] | None = None
+    loading: tuple[int, list[list[int]]] | None = None  # last planned load: first chunk, block ids
 
 
 class SchedulerSide:
@@ -94,6 +95,7 @@ class SchedulerSide:
                                 [ids[i * p:(i + 1) * p] for i in range(first, last)],
                                 skip_blocks=(start - first * c) // bs,
                                 is_async=self.config.load_async)
+        st.loading = (first, st.load.block_ids)
         self._planned.append(st.load)
 
     def build_connector_meta(self, scheduler_output: Any) -> KVStoreConnectorMetadata:
@@ -125,6 +127,20 @@ class SchedulerSide:
                 st.block_ids.extend(new_ids[0])
             self._plan_save(meta, req_id, st, cached.num_computed_tokens[i] + counts.get(req_id, 0))
         return meta
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        """Chunks that failed to load are recomputed by vLLM; save them again."""
+        bad = connector_output.invalid_block_ids
+        if not bad:
+            return
+        for st in self._reqs.values():
+            if st.loading is None:
+                continue
+            first, blocks = st.loading
+            for i, ids in enumerate(blocks):
+                if not bad.isdisjoint(ids):
+                    st.saved_chunks = min(st.saved_chunks, first + i)
+                    break
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict | None]:
         """Forget the request. With async saves, keep its blocks until the workers

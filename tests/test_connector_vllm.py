@@ -156,6 +156,8 @@ def test_failed_chunk_is_recomputed_by_vllm(engines):
     assert req.num_computed_tokens == CHUNK               # only chunk 0 counts as loaded
     out = s2.schedule()
     assert out.num_scheduled_tokens["r2"] == 106 - CHUNK
+    (resave,) = out.kv_connector_metadata.saves           # the recomputed chunks heal the store
+    assert resave.keys[0] == load.keys[0][1:] and resave.block_ids == load.block_ids[1:]
 
 
 def test_bad_extra_config_names_the_problem(tmp_path):
