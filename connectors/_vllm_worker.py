@@ -10,6 +10,10 @@ it loaded (verified), and never after a chunk of the same request that failed; t
 blocks of every chunk not scattered are reported through
 :meth:`WorkerSide.take_load_errors` so vLLM recomputes them.
 
+Pages are gathered and scattered on the caches' own device; with device (CUDA) caches the
+chunks cross to host staging (pinned) in one copy per transfer, which the store reads
+or fills.
+
 Threading: vLLM calls every hook from the worker's main thread. Store futures complete
 on store threads; their callbacks only return staging buffers to the pool.
 """
@@ -33,11 +37,12 @@ log = logging.getLogger(__name__)
 
 
 class StagingPool:
-    """Reusable host buffers for chunks in flight (first-touching fresh memory is slow
-    on these VMs, so buffers are kept and reused). Thread-safe."""
+    """Reusable buffers for chunks in flight (first-touching fresh memory is slow, so
+    buffers are kept and reused); host buffers are pinned when ``pin``. Thread-safe."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, *, pin: bool = False) -> None:
         self.device = device
+        self.pin = pin
         self._free: list[torch.Tensor] = []
         self._lock = threading.Lock()
 
@@ -50,7 +55,8 @@ class StagingPool:
                 buf = min(fits, key=torch.Tensor.numel)
                 self._free.remove(buf)
                 return buf[:nbytes]
-        return torch.empty(max(nbytes, 1), dtype=torch.uint8, device=self.device)[:nbytes]
+        buf = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=self.device, pin_memory=self.pin)
+        return buf[:nbytes]
 
     def give(self, buf: torch.Tensor) -> None:
         base = buf._base if buf._base is not None else buf
@@ -62,17 +68,19 @@ class StagingPool:
 class _Load:
     spec: ChunkTransfer
     ids: torch.Tensor            # [n, blocks_per_chunk]
-    buf: torch.Tensor            # staging, n * chunk_bytes
+    buf: torch.Tensor            # host staging, n * chunk_bytes
     future: Future | None        # None: failed before submission
     ok: list[bool] | None = None
     layers_done: int = 0
+    dev: torch.Tensor | None = None   # device copy of the verified chunks (device caches)
 
 
 @dataclass
 class _Save:
     spec: ChunkTransfer
     ids: torch.Tensor
-    buf: torch.Tensor
+    buf: torch.Tensor            # host staging handed to the store
+    target: torch.Tensor         # where pages are gathered: ``buf``, or a device buffer
     layers: set[int]
 
 
@@ -84,7 +92,8 @@ class WorkerSide:
         self.rank = rank
         self.pages: PagedLayers | None = None
         self._layer_index: dict[str, int] = {}
-        self._pool: StagingPool | None = None
+        self._pool: StagingPool | None = None          # host staging
+        self._dev_pool: StagingPool | None = None      # device staging (device caches only)
         self._loads: list[_Load] = []            # sync loads of this step (layer-wise)
         self._async_loads: list[_Load] = []
         self._saves: list[_Save] = []            # saves gathered during this step
@@ -112,7 +121,9 @@ class WorkerSide:
         page_dim, ratio = _page_dim(tensors[0], num_blocks)
         self.pages = PagedLayers(tensors, blocks_per_chunk=self.shape.blocks_per_chunk,
                                  page_dim=page_dim, pages_per_block=ratio)
-        self._pool = StagingPool(torch.device("cpu"))
+        device = self.pages.device
+        self._pool = StagingPool(torch.device("cpu"), pin=device.type == "cuda")
+        self._dev_pool = StagingPool(device) if device.type != "cpu" else None
 
     # -- loads ----------------------------------------------------------------------------
 
@@ -172,6 +183,11 @@ class WorkerSide:
         todo = range(pages.num_layers) if layers is None else layers
         ids, keep = load.ids[:good], _keep_mask(good, self.shape.blocks_per_chunk, load.spec.skip_blocks)
         src = load.buf[: good * pages.chunk_bytes]
+        if self._dev_pool is not None:
+            if load.dev is None:
+                load.dev = self._dev_pool.take(src.numel())
+                load.dev.copy_(src)
+            src = load.dev
         if layers is None and load.layers_done == 0:
             pages.scatter(ids, src, keep=keep)
             load.layers_done = (1 << pages.num_layers) - 1
@@ -180,9 +196,12 @@ class WorkerSide:
                 if not load.layers_done >> layer & 1:
                     pages.scatter_layer(layer, ids, src, keep=keep)
                     load.layers_done |= 1 << layer
-        if load.layers_done == (1 << pages.num_layers) - 1 and load.buf is not None:
+        if load.layers_done == (1 << pages.num_layers) - 1:
             self._pool.give(load.buf)
             load.buf = None
+            if load.dev is not None:
+                self._dev_pool.give(load.dev)
+                load.dev = None
 
     def _load_result(self, load: _Load) -> list[bool]:
         n = len(load.spec.block_ids)
@@ -222,7 +241,7 @@ class WorkerSide:
             return
         for save in self._step_saves(meta):
             if layer not in save.layers:
-                self._pages().gather_layer(layer, save.ids, save.buf)
+                self._pages().gather_layer(layer, save.ids, save.target)
                 save.layers.add(layer)
 
     def wait_for_save(self, meta: KVStoreConnectorMetadata) -> None:
@@ -231,11 +250,14 @@ class WorkerSide:
         pages = self._pages()
         for save in self._step_saves(meta):
             if not save.layers:
-                pages.gather(save.ids, save.buf)
+                pages.gather(save.ids, save.target)
             else:
                 for layer in range(pages.num_layers):
                     if layer not in save.layers:
-                        pages.gather_layer(layer, save.ids, save.buf)
+                        pages.gather_layer(layer, save.ids, save.target)
+            if save.target is not save.buf:
+                save.buf.copy_(save.target)     # device -> host; the blocks are free after this
+                self._dev_pool.give(save.target)
             n, cb = len(save.spec.block_ids), pages.chunk_bytes
             try:
                 future = self.store.save(save.spec.keys_for(self.rank),
@@ -285,7 +307,8 @@ class WorkerSide:
                 n = len(spec.block_ids)
                 ids = torch.tensor(spec.block_ids, dtype=torch.long).view(n, self.shape.blocks_per_chunk)
                 buf = self._pool.take(n * pages.chunk_bytes)
-                self._saves.append(_Save(spec, ids, buf, set()))
+                target = buf if self._dev_pool is None else self._dev_pool.take(buf.numel())
+                self._saves.append(_Save(spec, ids, buf, target, set()))
         return self._saves
 
     def _pages(self) -> PagedLayers:
