@@ -93,8 +93,8 @@ def test_chunks_cascade_into_kvstore_and_promote_for_another_engine(engine):
 
 def test_unknown_prefix_is_a_miss(engine):
     s, tier = engine()
+    assert tier.store.stats()["blocks"] == 0
     s.add_request(vs.request("r", list(range(3000, 3100))))
     out = step(s)
     assert out.scheduled_new_reqs[0].num_computed_tokens == 0
     assert not out.kv_connector_metadata.load_jobs
-    assert tier.store.stats()["blocks"] == 0
