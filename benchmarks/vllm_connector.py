@@ -169,7 +169,7 @@ def bench_worker(model: str, layout: str, reps: int, quick: bool) -> dict:
     worker.shutdown()
     gbs = lambda s: nbytes / s / 1e9  # noqa: E731
     return {"layout": layout, "layers": layers, "blocks": int(ids.numel()), "chunks": n_chunks,
-            "bytes": nbytes, "fast_path": inner.pages._rows is not None,
+            "bytes": nbytes, "single_op": inner.pages.single_op,
             "raw_save_gbs": gbs(raw_s), "connector_save_gbs": gbs(con_s),
             "connector_save_step_blocked_gbs": gbs(blocked),
             "raw_load_gbs": gbs(raw_l), "connector_load_gbs": gbs(con_l),

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from kvstore.errors import BufferSizeError, InvalidArgumentError
-from kvstore.paged import PagedLayers, gather_pages, page_bytes_of, page_view, scatter_pages
+from kvstore.paged import PagedLayers, gather_pages, page_bytes_of, scatter_pages
 
 L, B, H, N, C = 3, 12, 2, 4, 8
 # Stride orders of the logical [L, B, H, N, C] cache (vLLM's KVCacheLayout values).
@@ -79,27 +79,33 @@ def test_keep_mask_leaves_blocks_untouched(name):
     assert all(bool((q == 0).all()) for q in pages(dst, [4, 7]))
 
 
-def test_fast_path_is_one_matrix_for_shared_allocations():
-    _, dense = layered(ORDERS["BLHNC"])
-    assert PagedLayers(dense, blocks_per_chunk=1)._rows is not None
-    _, split = layered(ORDERS["LHBNC"])
-    assert PagedLayers(split, blocks_per_chunk=1)._rows is None
+@pytest.mark.parametrize("name", list(ORDERS))
+def test_layers_of_one_allocation_move_in_one_op(name):
+    _, caches = layered(ORDERS[name])
+    assert PagedLayers(caches, blocks_per_chunk=1).single_op
     separate = [torch.zeros(B, H, N, C) for _ in range(2)]
-    assert PagedLayers(separate, blocks_per_chunk=1)._rows is None
+    assert not PagedLayers(separate, blocks_per_chunk=1).single_op
+
+
+def test_unaligned_cache_falls_back_to_typed_ops():
+    base = torch.randn(1 + B * H * N * C)
+    cache = base[1:].view(B, H, N, C)[:, :, :, : C - 1]   # page rows are not whole runs
+    other = torch.zeros_like(cache)
+    out = torch.empty(3 * page_bytes_of(cache), dtype=torch.uint8)
+    gather_pages(cache, 0, torch.tensor([4, 2, 0]), out)
+    scatter_pages(other, 0, torch.tensor([0, 1, 2]), out)
+    assert torch.equal(other[:3], cache[[4, 2, 0]])
 
 
 def test_single_tensor_helpers_and_page_dim():
     cache = torch.randn(2, B, N, H, C)            # older vLLM: (K/V, blocks, ...)
-    assert page_bytes_of(cache, 1) == 2 * N * H * C * 4
-    assert page_view(cache, 1).dim() == 5  # K and V halves are not one run
+    assert page_bytes_of(cache, 1) == 2 * N * H * C * 4   # K and V halves: two runs a page
     ids = torch.tensor([5, 0, 9])
     out = torch.empty(3 * page_bytes_of(cache, 1), dtype=torch.uint8)
     gather_pages(cache, 1, ids, out)
     other = torch.zeros_like(cache)
     scatter_pages(other, 1, torch.tensor([1, 2, 3]), out)
     assert torch.equal(other[:, 1:4], cache[:, [5, 0, 9]])
-    dense = torch.randn(B, H, N, C)
-    assert page_view(dense).dtype == torch.int64 and page_view(dense).shape == (B, H * N * C // 2)
 
 
 def test_bad_buffers_and_ids_raise():
