@@ -193,7 +193,7 @@ def main() -> int:
     print(f"{'prompt':>8} {'chunks':>7} {'hash keys (once) ms':>20} {'lookup ms':>10}")
     for r in lookup:
         print(f"{r['prompt_tokens']:>8} {r['chunks']:>7} {r['hash_keys_ms']:>20.2f} {r['lookup_ms']:>10.3f}")
-    print(f"\nWorker side, GB/s (raw = plain torch index_select/index_copy_ of the same blocks)")
+    print("\nWorker side, GB/s (raw = plain torch index_select/index_copy_ of the same blocks)")
     print(f"{'layout':>7} {'MiB':>5} {'raw save':>9} {'conn save':>10} {'save blocked*':>14} "
           f"{'raw load':>9} {'conn load':>10} {'save ovh':>9} {'blocked ovh':>12} {'load ovh':>9}")
     for r in worker:

@@ -21,13 +21,13 @@ on store threads; their callbacks only return staging buffers to the pool.
 from __future__ import annotations
 
 import logging
-import threading
 from concurrent.futures import Future, TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from connectors._staging import StagingPool, give_when_done
 from connectors._vllm_config import KVShape, VllmConnectorConfig
 from connectors._vllm_meta import ChunkTransfer, KVStoreConnectorMetadata
 from kvstore.errors import ConfigError, KVStoreError
@@ -36,40 +36,12 @@ from kvstore.paged import PagedLayers
 log = logging.getLogger(__name__)
 
 
-class StagingPool:
-    """Reusable buffers for chunks in flight (first-touching fresh memory is slow, so
-    buffers are kept and reused); host buffers are pinned when ``pin``. Thread-safe."""
-
-    def __init__(self, device: torch.device, *, pin: bool = False) -> None:
-        self.device = device
-        self.pin = pin
-        self._free: list[torch.Tensor] = []
-        self._lock = threading.Lock()
-
-    def take(self, nbytes: int) -> torch.Tensor:
-        """A buffer of exactly ``nbytes`` (a view of a pooled one); return it with
-        :meth:`give` once nothing reads or writes it."""
-        with self._lock:
-            fits = [b for b in self._free if b.numel() >= nbytes]
-            if fits:
-                buf = min(fits, key=torch.Tensor.numel)
-                self._free.remove(buf)
-                return buf[:nbytes]
-        buf = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=self.device, pin_memory=self.pin)
-        return buf[:nbytes]
-
-    def give(self, buf: torch.Tensor) -> None:
-        base = buf._base if buf._base is not None else buf
-        with self._lock:
-            self._free.append(base)
-
-
 @dataclass
 class _Load:
     spec: ChunkTransfer
     ids: torch.Tensor            # [n, blocks_per_chunk]
     buf: torch.Tensor            # host staging, n * chunk_bytes
-    future: Future | None        # None: failed before submission
+    groups: list[tuple[int, int, Future | None]]  # chunks [lo, hi) and their store load
     ok: list[bool] | None = None
     layers_done: int = 0
     dev: torch.Tensor | None = None   # device copy of the verified chunks (device caches)
@@ -151,28 +123,67 @@ class WorkerSide:
         self._loads = []
 
     def _submit_load(self, spec: ChunkTransfer) -> _Load:
-        pages = self._pages()
+        """Ask the store for the chunks in a few groups, so that scattering the first
+        group overlaps the store's copy of the next ones."""
+        cb = self._pages().chunk_bytes
         n = len(spec.block_ids)
         ids = torch.tensor(spec.block_ids, dtype=torch.long).view(n, self.shape.blocks_per_chunk)
-        buf = self._pool.take(n * pages.chunk_bytes)
+        buf = self._pool.take(n * cb)
         keys = spec.keys_for(self.rank)
-        try:
-            future = self.store.load(keys, [buf[i * pages.chunk_bytes:(i + 1) * pages.chunk_bytes] for i in range(n)])
-        except KVStoreError as exc:
-            log.warning("request %s: load of %d chunks refused: %s", spec.req_id, n, exc)
-            future = None
-        return _Load(spec, ids, buf, future)
+        groups = []
+        for lo, hi in _groups(n):
+            try:
+                future = self.store.load(keys[lo:hi], [buf[i * cb:(i + 1) * cb] for i in range(lo, hi)])
+            except KVStoreError as exc:
+                log.warning("request %s: load of %d chunks refused: %s", spec.req_id, hi - lo, exc)
+                future = None
+            groups.append((lo, hi, future))
+        return _Load(spec, ids, buf, groups)
+
+    def _stream_load(self, load: _Load) -> None:
+        """Scatter each group of a whole load as soon as the store has verified it; stop
+        at the first chunk that failed."""
+        pages, cb = self._pages(), self._pages().chunk_bytes
+        ok_all: list[bool] = []
+        stopped = False
+        for lo, hi, future in load.groups:
+            ok = self._wait_load(load, future, hi - lo)
+            ok_all += ok
+            good = 0 if stopped or load.buf is None else _prefix_len(ok)
+            stopped = stopped or good < hi - lo
+            if good == 0:
+                continue
+            src = load.buf[lo * cb:(lo + good) * cb]
+            dev = None
+            if self._dev_pool is not None:
+                dev = self._dev_pool.take(src.numel())
+                src = dev.copy_(src)
+            keep = _keep_mask(good, self.shape.blocks_per_chunk, load.spec.skip_blocks) if lo == 0 else None
+            pages.scatter(load.ids[lo:lo + good], src, keep=keep)
+            if dev is not None:
+                self._dev_pool.give(dev)
+        load.ok = ok_all
+        self._note_errors(load)
+        load.layers_done = (1 << pages.num_layers) - 1
+        if load.buf is not None:
+            self._pool.give(load.buf)
+            load.buf = None
+
+    def _note_errors(self, load: _Load) -> None:
+        for c in range(_prefix_len(load.ok), len(load.ok)):
+            skip = load.spec.skip_blocks if c == 0 else 0
+            self._errors.update(load.spec.block_ids[c][skip:])
 
     def _finish_load(self, load: _Load, layers: list[int] | None) -> None:
         """Wait for the store, then scatter verified chunks (the requested layers, or
         all remaining ones). Failed chunks and everything after them become load errors."""
         pages = self._pages()
+        if load.ok is None and layers is None:
+            self._stream_load(load)
+            return
         if load.ok is None:
-            load.ok = self._load_result(load)
-            good = _prefix_len(load.ok)
-            for c in range(good, len(load.ok)):
-                skip = load.spec.skip_blocks if c == 0 else 0
-                self._errors.update(load.spec.block_ids[c][skip:])
+            load.ok = [hit for lo, hi, f in load.groups for hit in self._wait_load(load, f, hi - lo)]
+            self._note_errors(load)
         good = _prefix_len(load.ok)
         if load.buf is None:
             return                      # finished earlier, or abandoned after a timeout
@@ -203,12 +214,11 @@ class WorkerSide:
                 self._dev_pool.give(load.dev)
                 load.dev = None
 
-    def _load_result(self, load: _Load) -> list[bool]:
-        n = len(load.spec.block_ids)
-        if load.future is None:
+    def _wait_load(self, load: _Load, future: Future | None, n: int) -> list[bool]:
+        if future is None:
             return [False] * n
         try:
-            ok = load.future.result(timeout=self.config.timeout_s)
+            ok = future.result(timeout=self.config.timeout_s)
         except FutureTimeout:
             # The store may still write into the buffer: never hand it out again.
             log.warning("request %s: load timed out after %.1f s", load.spec.req_id, self.config.timeout_s)
@@ -223,7 +233,7 @@ class WorkerSide:
         """Requests whose async loads are complete (scattered or reported as errors)."""
         done = set()
         for load in list(self._async_loads):
-            if load.future is None or load.future.done():
+            if all(f is None or f.done() for _, _, f in load.groups):
                 self._finish_load(load, layers=None)
                 self._async_loads.remove(load)
                 done.add(load.spec.req_id)
@@ -246,31 +256,36 @@ class WorkerSide:
 
     def wait_for_save(self, meta: KVStoreConnectorMetadata) -> None:
         """Gather this step's new chunks (layers not gathered yet) and hand them to the
-        store; with ``save_async`` off, wait until stored."""
+        store group by group, so the store copies one group while the next is gathered;
+        with ``save_async`` off, wait until stored. vLLM's blocks are free on return."""
         pages = self._pages()
+        cb = pages.chunk_bytes
         for save in self._step_saves(meta):
-            if not save.layers:
-                pages.gather(save.ids, save.target)
-            else:
-                for layer in range(pages.num_layers):
-                    if layer not in save.layers:
-                        pages.gather_layer(layer, save.ids, save.target)
+            for layer in range(pages.num_layers):
+                if save.layers and layer not in save.layers:
+                    pages.gather_layer(layer, save.ids, save.target)
+            keys, n = save.spec.keys_for(self.rank), len(save.spec.block_ids)
+            futures = []
+            for lo, hi in _groups(n):
+                if not save.layers:
+                    pages.gather(save.ids[lo:hi], save.target[lo * cb:hi * cb])
+                if save.target is not save.buf:     # device -> host
+                    save.buf[lo * cb:hi * cb].copy_(save.target[lo * cb:hi * cb])
+                try:
+                    futures.append(self.store.save(keys[lo:hi], [save.buf[i * cb:(i + 1) * cb] for i in range(lo, hi)]))
+                except KVStoreError as exc:
+                    log.warning("request %s: save refused: %s", save.spec.req_id, exc)
+                    break
             if save.target is not save.buf:
-                save.buf.copy_(save.target)     # device -> host; the blocks are free after this
                 self._dev_pool.give(save.target)
-            n, cb = len(save.spec.block_ids), pages.chunk_bytes
-            try:
-                future = self.store.save(save.spec.keys_for(self.rank),
-                                         [save.buf[i * cb:(i + 1) * cb] for i in range(n)])
-            except KVStoreError as exc:
-                log.warning("request %s: save refused: %s", save.spec.req_id, exc)
+            if not futures:
                 self._pool.give(save.buf)
                 continue
-            buf, pool = save.buf, self._pool
-            future.add_done_callback(lambda f, buf=buf, req=save.spec.req_id: _saved(f, buf, pool, req))
-            self._save_futures.setdefault(save.spec.req_id, []).append(future)
+            give_when_done(futures, save.buf, self._pool, save.spec.req_id)
+            self._save_futures.setdefault(save.spec.req_id, []).extend(futures)
             if not self.config.save_async:
-                _wait(future, self.config.timeout_s, save.spec.req_id)
+                for future in futures:
+                    _wait(future, self.config.timeout_s, save.spec.req_id)
         self._saves = []
 
     def finished_saves(self, finished_req_ids: set[str]) -> set[str]:
@@ -327,6 +342,12 @@ def _page_dim(t: torch.Tensor, num_blocks: int) -> tuple[int, int]:
                       f"for {num_blocks} blocks")
 
 
+def _groups(n: int, parts: int = 4) -> list[tuple[int, int]]:
+    """``n`` chunks split into up to ``parts`` consecutive groups."""
+    size = max(1, -(-n // parts))
+    return [(lo, min(n, lo + size)) for lo in range(0, n, size)]
+
+
 def _prefix_len(ok: list[bool]) -> int:
     n = 0
     for hit in ok:
@@ -344,12 +365,6 @@ def _keep_mask(n: int, per_chunk: int, skip: int) -> torch.Tensor | None:
     return keep
 
 
-def _saved(future: Future, buf: torch.Tensor, pool: StagingPool, req_id: str) -> None:
-    pool.give(buf)
-    if future.exception() is not None:
-        log.warning("request %s: save failed: %s", req_id, future.exception())
-
-
 def _wait(future: Future, timeout_s: float, what: str) -> None:
     try:
         future.result(timeout=timeout_s)
@@ -357,4 +372,4 @@ def _wait(future: Future, timeout_s: float, what: str) -> None:
         log.warning("%s: save did not complete: %s", what, exc)
 
 
-__all__ = ["StagingPool", "WorkerSide"]
+__all__ = ["WorkerSide"]
