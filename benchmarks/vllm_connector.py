@@ -128,6 +128,7 @@ def bench_worker(model: str, layout: str, reps: int, quick: bool) -> dict:
         for f in inner._save_futures.pop("s", []):
             f.result()
         worker.clear_connector_metadata()
+        time.sleep(0.02)   # let the store's done-callbacks return the staging buffer (steady state)
         return keys, blocked
 
     stored, _ = conn_save()

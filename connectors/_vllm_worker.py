@@ -66,6 +66,7 @@ class WorkerSide:
         self._layer_index: dict[str, int] = {}
         self._pool: StagingPool | None = None          # host staging
         self._dev_pool: StagingPool | None = None      # device staging (device caches only)
+        self._load_parts = 1
         self._loads: list[_Load] = []            # sync loads of this step (layer-wise)
         self._async_loads: list[_Load] = []
         self._saves: list[_Save] = []            # saves gathered during this step
@@ -96,6 +97,9 @@ class WorkerSide:
         device = self.pages.device
         self._pool = StagingPool(torch.device("cpu"), pin=device.type == "cuda")
         self._dev_pool = StagingPool(device) if device.type != "cpu" else None
+        # Device caches: scatter group i on the device while the store copies group
+        # i + 1 on the host. Host caches: both are CPU copies and would only compete.
+        self._load_parts = 1 if device.type == "cpu" else 4
 
     # -- loads ----------------------------------------------------------------------------
 
@@ -123,15 +127,15 @@ class WorkerSide:
         self._loads = []
 
     def _submit_load(self, spec: ChunkTransfer) -> _Load:
-        """Ask the store for the chunks in a few groups, so that scattering the first
-        group overlaps the store's copy of the next ones."""
+        """Ask the store for the chunks (in groups for device caches, so that
+        scattering one group overlaps the store's copy of the next)."""
         cb = self._pages().chunk_bytes
         n = len(spec.block_ids)
         ids = torch.tensor(spec.block_ids, dtype=torch.long).view(n, self.shape.blocks_per_chunk)
         buf = self._pool.take(n * cb)
         keys = spec.keys_for(self.rank)
         groups = []
-        for lo, hi in _groups(n):
+        for lo, hi in _groups(n, self._load_parts):
             try:
                 future = self.store.load(keys[lo:hi], [buf[i * cb:(i + 1) * cb] for i in range(lo, hi)])
             except KVStoreError as exc:
@@ -256,21 +260,25 @@ class WorkerSide:
 
     def wait_for_save(self, meta: KVStoreConnectorMetadata) -> None:
         """Gather this step's new chunks (layers not gathered yet) and hand them to the
-        store group by group, so the store copies one group while the next is gathered;
-        with ``save_async`` off, wait until stored. vLLM's blocks are free on return."""
+        store; with ``save_async`` off, wait until stored. vLLM's blocks are free on
+        return."""
         pages = self._pages()
         cb = pages.chunk_bytes
-        for save in self._step_saves(meta):
+        saves = self._step_saves(meta)
+        for save in saves:
             for layer in range(pages.num_layers):
                 if save.layers and layer not in save.layers:
                     pages.gather_layer(layer, save.ids, save.target)
+            if not save.layers:
+                pages.gather(save.ids, save.target)
+            if save.target is not save.buf:         # device -> host
+                save.buf.copy_(save.target)
+        # Gather everything first, then hand the store groups it copies in parallel:
+        # copying while gathering would slow down the gather that the step waits for.
+        for save in saves:
             keys, n = save.spec.keys_for(self.rank), len(save.spec.block_ids)
             futures = []
             for lo, hi in _groups(n):
-                if not save.layers:
-                    pages.gather(save.ids[lo:hi], save.target[lo * cb:hi * cb])
-                if save.target is not save.buf:     # device -> host
-                    save.buf[lo * cb:hi * cb].copy_(save.target[lo * cb:hi * cb])
                 try:
                     futures.append(self.store.save(keys[lo:hi], [save.buf[i * cb:(i + 1) * cb] for i in range(lo, hi)]))
                 except KVStoreError as exc:
@@ -278,6 +286,7 @@ class WorkerSide:
                     break
             if save.target is not save.buf:
                 self._dev_pool.give(save.target)
+                save.target = save.buf
             if not futures:
                 self._pool.give(save.buf)
                 continue

@@ -123,10 +123,13 @@ def test_partial_first_chunk_keeps_blocks_the_request_holds(make_worker):
 
 
 @pytest.mark.parametrize("is_async", [False, True])
-def test_missing_chunk_fails_closed(make_worker, is_async):
+@pytest.mark.parametrize("groups", [1, 3])
+def test_missing_chunk_fails_closed(make_worker, is_async, groups):
     """Chunk 1 of 3 is gone between the plan and the load: its blocks and those after
-    it are reported as load errors and not a byte of them is written; chunk 0 loads."""
+    it are reported as load errors and not a byte of them is written; chunk 0 loads.
+    (``groups``: the store is asked in one batch, or per chunk as for device caches.)"""
     worker, caches, *_ = make_worker(load_async=is_async)
+    worker._worker._load_parts = groups
     keys = keys_for(worker, 3)
     src, dst = [[1, 2], [3, 4], [5, 6]], [[20, 21], [22, 23], [24, 25]]
     save(worker, keys, src)
