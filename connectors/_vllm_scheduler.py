@@ -13,6 +13,7 @@ from typing import Any
 
 from connectors._vllm_config import KVShape, VllmConnectorConfig, request_salt, token_array
 from connectors._vllm_meta import ChunkTransfer, KVStoreConnectorMetadata
+from kvstore.errors import KVStoreError
 from kvstore.keys import BlockKey
 
 log = logging.getLogger(__name__)
@@ -80,9 +81,9 @@ class SchedulerSide:
         first, last = start // c, end // c
         ids = blocks.get_block_ids()[0]
         if len(ids) < end // bs:
-            log.warning("request %s: %d blocks allocated for %d loaded tokens; not loading",
-                        request.request_id, len(ids), end)
-            return
+            # vLLM now counts these tokens as computed: never leave them unloaded.
+            raise KVStoreError(f"request {request.request_id}: {len(ids)} blocks allocated for "
+                               f"{end} loaded tokens; vLLM's allocation contract changed")
         keys = [k[first:last] for k in st.keys]
         got = [self.store.lookup(k, lease_s=self.config.lease_s) for k in keys]
         if min(got) < len(keys[0]):

@@ -173,3 +173,23 @@ def test_bad_extra_config_names_the_problem(tmp_path):
         vc = vs.vllm_config(model, extra)
         with pytest.raises(ConfigError, match=words):
             KVStoreConnector(vc, KVConnectorRole.SCHEDULER, vs.kv_cache_config(vc))
+    vc = vs.vllm_config(model, {"store": vs.store_config(), "chunk_tokens": 32})
+    vc.parallel_config.tensor_parallel_size = 2      # workers in other processes
+    with pytest.raises(ConfigError, match="use 'server'"):
+        KVStoreConnector(vc, KVConnectorRole.SCHEDULER, vs.kv_cache_config(vc))
+
+
+def test_server_mode_without_a_client_module_is_a_clear_error(tmp_path):
+    """Until kvstore.client lands in this install, 'server' names what is missing."""
+    import importlib.util
+
+    from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole
+
+    from connectors.vllm import KVStoreConnector
+    from kvstore.errors import ConfigError
+
+    if importlib.util.find_spec("kvstore.client") is not None:
+        pytest.skip("kvstore.client is installed; server mode is tested with the server")
+    vc = vs.vllm_config(vs.model_dir(tmp_path), {"server": "127.0.0.1:1", "chunk_tokens": 32})
+    with pytest.raises(ConfigError, match="kvstore client is not available"):
+        KVStoreConnector(vc, KVConnectorRole.SCHEDULER, vs.kv_cache_config(vc))
