@@ -60,7 +60,8 @@ class KVStoreConnector(KVConnectorBase_V1):
             # Store, and the scheduler's lookups would never see what workers saved.
             raise ConfigError("the embedded 'store' is for single-process serving (TP=1, PP=1); "
                               f"this engine has {self.shape.world_size} workers: use 'server'")
-        self.store, self._handle = open_store(self.config.store, self.config.server, self.config.token)
+        self.store, self._handle = open_store(self.config.store, self.config.server, self.config.token,
+                                              self.config.timeout_s)
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
