@@ -15,7 +15,6 @@ Usage: ``python benchmarks/vllm_connector.py [--quick]``; writes
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import tempfile
@@ -29,20 +28,10 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from benchmarks._common import median_time, print_table, write_json  # noqa: E402
 from tests import vllm_support as vs  # noqa: E402
 
 CHUNK = 256
-
-
-def timed(fn, reps: int) -> float:
-    """Median seconds of ``reps`` calls (after one warm-up call)."""
-    fn()
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
 
 
 
@@ -71,7 +60,7 @@ def bench_lookup(model: str, reps: int) -> list[dict]:
             return time.perf_counter() - t
 
         hashing = statistics.median(hash_keys() for _ in range(3 * reps))
-        lookup = timed(lambda: conn.get_num_new_matched_tokens(req, 0), reps * 10)
+        lookup = median_time(lambda: conn.get_num_new_matched_tokens(req, 0), repeat=reps * 10)
         hit, _ = conn.get_num_new_matched_tokens(req, 0)
         assert hit == len(keys) * CHUNK
         rows.append({"prompt_tokens": n, "chunks": len(keys), "hash_keys_ms": hashing * 1e3,
@@ -181,7 +170,7 @@ def bench_worker(model: str, layout: str, reps: int, quick: bool) -> dict:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="smaller caches, fewer repetitions")
-    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "vllm_connector.json"))
+    parser.add_argument("--name", default="vllm_connector", help="result file benchmarks/results/NAME.json")
     args = parser.parse_args()
     vs.require_vllm()
     reps = 3 if args.quick else 7
@@ -191,22 +180,19 @@ def main() -> int:
         worker = [bench_worker(model, layout, reps, args.quick) for layout in ("LBHNC", "BLHNC", "LHBNC")]
 
     print(f"\nScheduler side ({CHUNK}-token chunks, prompt fully cached)")
-    print(f"{'prompt':>8} {'chunks':>7} {'hash keys (once) ms':>20} {'lookup ms':>10}")
-    for r in lookup:
-        print(f"{r['prompt_tokens']:>8} {r['chunks']:>7} {r['hash_keys_ms']:>20.2f} {r['lookup_ms']:>10.3f}")
-    print("\nWorker side, GB/s (raw = plain torch index_select/index_copy_ of the same blocks)")
-    print(f"{'layout':>7} {'MiB':>5} {'raw save':>9} {'conn save':>10} {'save blocked*':>14} "
-          f"{'raw load':>9} {'conn load':>10} {'save ovh':>9} {'blocked ovh':>12} {'load ovh':>9}")
-    for r in worker:
-        print(f"{r['layout']:>7} {r['bytes'] >> 20:>5} {r['raw_save_gbs']:>9.2f} {r['connector_save_gbs']:>10.2f} "
-              f"{r['connector_save_step_blocked_gbs']:>14.2f} {r['raw_load_gbs']:>9.2f} {r['connector_load_gbs']:>10.2f} "
-              f"{r['save_overhead']:>+9.0%} {r['save_step_overhead']:>+12.0%} {r['load_overhead']:>+9.0%}")
+    print_table(["prompt tokens", "chunks", "hash keys, once (ms)", "lookup (ms)"],
+                [[r["prompt_tokens"], r["chunks"], r["hash_keys_ms"], r["lookup_ms"]] for r in lookup])
+    print("\nWorker side, GB/s; raw = plain torch index_select / index_copy_ of the same blocks")
+    print_table(["layout", "MiB", "raw save", "conn save", "save blocked*", "raw load", "conn load",
+                 "save ovh", "blocked ovh", "load ovh"],
+                [[r["layout"], r["bytes"] >> 20, r["raw_save_gbs"], r["connector_save_gbs"],
+                  r["connector_save_step_blocked_gbs"], r["raw_load_gbs"], r["connector_load_gbs"],
+                  f"{r['save_overhead']:+.0%}", f"{r['save_step_overhead']:+.0%}", f"{r['load_overhead']:+.0%}"]
+                 for r in worker])
     print("* save_async: the step waits for the gather only; the store copy runs on its threads")
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"chunk_tokens": CHUNK, "lookup": lookup, "worker": worker,
-                               "torch_threads": torch.get_num_threads()}, indent=2))
-    print(f"wrote {out}")
+    path = write_json(args.name, {"chunk_tokens": CHUNK, "lookup": lookup, "worker": worker,
+                                  "torch_threads": torch.get_num_threads(), "quick": args.quick})
+    print(f"wrote {path}")
     return 0
 
 
