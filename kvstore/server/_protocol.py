@@ -276,9 +276,26 @@ def decode_request(header: Header, body: Any, limits: Limits) -> Any:
     return args
 
 
+def parse_requests(data: Any, limits: Limits) -> tuple[list[tuple[Header, Any]], int]:
+    """Every complete request frame at the start of ``data``, decoded, and the number of
+    bytes they span (a trailing partial frame is left). The server reads frames from its
+    socket piecewise with the same :func:`parse_header` and :func:`decode_request`; this
+    whole-buffer form serves tools and the fuzz tests."""
+    mv = memoryview(data).cast("B")
+    out, pos = [], 0
+    while mv.nbytes - pos >= HEADER_BYTES:
+        header = parse_header(mv[pos:pos + HEADER_BYTES], limits)
+        end = pos + HEADER_BYTES + header.body_len
+        if mv.nbytes < end + (header.payload_len if header.op == Op.PUT else 0):
+            break
+        out.append((header, decode_request(header, mv[pos + HEADER_BYTES:end], limits)))
+        pos = end + header.payload_len
+    return out, pos
+
+
 __all__ = ["HEADER", "HEADER_BYTES", "Header", "Limits", "MAGIC", "MISS", "NO_REPLY", "Op", "PLACED",
            "SIZED", "SIZE_MISMATCH", "STAGED", "Status", "VERSION", "WHERE_ARENA", "WHERE_SOCKET",
            "WHERE_STAGING", "decode_flags", "decode_json", "decode_keys", "decode_lookup",
            "decode_placed", "decode_records", "decode_request", "decode_sizes", "decode_u32",
-           "decode_u64", "encode_json", "encode_keys", "encode_lookup", "encode_placed",
+           "decode_u64", "encode_json", "parse_requests", "encode_keys", "encode_lookup", "encode_placed",
            "encode_records", "encode_sizes", "encode_u32", "encode_u64", "pack_header", "parse_header"]
