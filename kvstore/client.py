@@ -17,6 +17,7 @@ block whose bytes did not fully arrive.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -33,6 +34,7 @@ from kvstore.server import _protocol as P
 from kvstore._wire import Address, ArenaMap, Conn
 
 DEFAULT_STAGING_BYTES = 64 << 20
+_PARALLEL_COPY_BYTES = 8 << 20  # below this a batch is copied by the calling thread alone
 
 
 class Client:
@@ -69,6 +71,11 @@ class Client:
         else:
             first.close()
         self._pool = ThreadPoolExecutor(self._pool_size, thread_name_prefix="kvstore-client")
+        # Same-host copies of a large batch are split over a few threads: one memcpy
+        # stream does not saturate memory bandwidth, and numpy/torch copies drop the GIL.
+        self._copy_threads = min(4, os.cpu_count() or 1) if self._arena is not None else 1
+        self._copier = ThreadPoolExecutor(self._copy_threads - 1, thread_name_prefix="kvstore-copy") \
+            if self._copy_threads > 1 else None
 
     @property
     def transport(self) -> str:
@@ -213,13 +220,14 @@ class Client:
 
     def _shm_put(self, conn: Conn, keys: list[BlockKey], srcs: list[Any]) -> list[bool]:
         staging = conn.attach_staging(self._staging_bytes)
-        sizes, offsets, pos = [], [], 0
+        sizes, offsets, pairs, pos = [], [], [], 0
         for src in srcs:
             n = nbytes_of(src)
-            copy_bytes(staging.array[pos:pos + n], src)
+            pairs.append((staging.array[pos:pos + n], src))
             sizes.append(n)
             offsets.append(pos)
             pos += n
+        self._copy_all(pairs, pos)
         _, body = conn.call(P.Op.SHM_PUT, P.encode_records(P.STAGED, keys, sizes, offsets))
         return P.decode_flags(body, len(keys))
 
@@ -228,7 +236,7 @@ class Client:
         _, body = conn.call(P.Op.SHM_GET, P.encode_records(P.SIZED, keys, sizes))
         lid, placed = P.decode_placed(body, len(keys))
         out = [False] * len(keys)
-        socket_idx = []
+        socket_idx, pairs, total = [], [], 0
         try:
             arena = self._arena.array
             for i, (n, off, where) in enumerate(placed.tolist()):
@@ -242,8 +250,10 @@ class Client:
                 src = arena if where == P.WHERE_ARENA else conn.staging.array if conn.staging else None
                 if src is None or off + n > src.nbytes:
                     raise RemoteError(f"server {conn.addr}: SHM_GET placement outside the shared region")
-                copy_bytes(dsts[i], src[off:off + n])
+                pairs.append((dsts[i], src[off:off + n]))
+                total += n
                 out[i] = True
+            self._copy_all(pairs, total)
         finally:
             if lid:
                 conn.send(P.Op.SHM_DONE, P.encode_u64(lid))
@@ -253,6 +263,27 @@ class Client:
             for i, ok in zip(socket_idx, got):
                 out[i] = ok
         return out
+
+    def _copy_all(self, pairs: list[tuple[Any, Any]], total: int) -> None:
+        """Copy each ``(dst, src)``; large batches in parallel, split by bytes."""
+        if self._copier is None or total < _PARALLEL_COPY_BYTES or len(pairs) < 2:
+            for dst, src in pairs:
+                copy_bytes(dst, src)
+            return
+        k = min(self._copy_threads, len(pairs))
+        groups: list[list[tuple[Any, Any]]] = [[] for _ in range(k)]
+        acc, share, g = 0, total / k, 0
+        for pair in pairs:
+            groups[g].append(pair)
+            acc += nbytes_of(pair[1])
+            if acc >= share * (g + 1) and g < k - 1:
+                g += 1
+        futures = [self._copier.submit(_copy_group, grp) for grp in groups[1:] if grp]
+        try:
+            _copy_group(groups[0])
+        finally:
+            for f in futures:
+                f.result()
 
     # -- batching ---------------------------------------------------------------------------------
 
@@ -280,6 +311,8 @@ class Client:
             return
         self._closed = True
         self._pool.shutdown(wait=True)
+        if self._copier is not None:
+            self._copier.shutdown(wait=True)
         with self._lock:
             idle, self._idle = self._idle, []
         for c in idle:
@@ -307,6 +340,11 @@ def _check_pairs(keys: Sequence[BlockKey], bufs: Sequence[Any]) -> tuple[list, l
     if len(set(keys)) != len(keys):
         raise InvalidArgumentError("a key appears twice in one batch")
     return list(keys), list(bufs)
+
+
+def _copy_group(pairs: list[tuple[Any, Any]]) -> None:
+    for dst, src in pairs:
+        copy_bytes(dst, src)
 
 
 def _host_copy(buf: Any) -> np.ndarray:
