@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from kvstore.server._server import Server
 
 log = logging.getLogger("kvstore.server")
+_KEEP_BUFFER_BYTES = 256 << 20  # scratch buffers up to this size are kept for the next request
 
 
 class _Disconnected(Exception):
@@ -109,6 +110,8 @@ class Connection:
                 await self._recv_exact(body)
                 args = P.decode_request(header, body, server.limits)
                 status = await self._dispatch(op, rid, args, header)
+                if self.buf.nbytes > _KEEP_BUFFER_BYTES:  # a rare huge request: do not hold its memory
+                    self.buf = np.empty(0, np.uint8)
                 metrics.latency.labels(op.name).observe(time.perf_counter() - t0)
                 metrics.requests.labels(op.name, status.name).inc()
                 self.busy = False
