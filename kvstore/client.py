@@ -267,8 +267,7 @@ class Client:
     def _copy_all(self, pairs: list[tuple[Any, Any]], total: int) -> None:
         """Copy each ``(dst, src)``; large batches in parallel, split by bytes."""
         if self._copier is None or total < _PARALLEL_COPY_BYTES or len(pairs) < 2:
-            for dst, src in pairs:
-                copy_bytes(dst, src)
+            _copy_group(pairs)
             return
         k = min(self._copy_threads, len(pairs))
         groups: list[list[tuple[Any, Any]]] = [[] for _ in range(k)]
@@ -343,8 +342,13 @@ def _check_pairs(keys: Sequence[BlockKey], bufs: Sequence[Any]) -> tuple[list, l
 
 
 def _copy_group(pairs: list[tuple[Any, Any]]) -> None:
+    copyto, ndarray = np.copyto, np.ndarray
     for dst, src in pairs:
-        copy_bytes(dst, src)
+        if type(dst) is ndarray and type(src) is ndarray and dst.dtype == src.dtype and dst.shape == src.shape \
+                and dst.flags.c_contiguous:
+            copyto(dst, src)  # the common case, without per-block view plumbing
+        else:
+            copy_bytes(dst, src)
 
 
 def _host_copy(buf: Any) -> np.ndarray:
