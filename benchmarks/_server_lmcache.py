@@ -42,6 +42,7 @@ class LmcachePeer(Peer):
         _wait_port(self.port, self.procs[-1], "lmcache server", timeout_s=120)
         _wait_port(self.http_port, self.procs[-1], "lmcache server http", timeout_s=120)
         self._done: dict[int, dict] = {}
+        self.client_counts: set[int] = {1, 4}
 
     def describe(self) -> str:
         return f"tcp://127.0.0.1:{self.port} (shm transfers)"
@@ -49,7 +50,10 @@ class LmcachePeer(Peer):
     def run(self, system: str, block: int, clients: int, seconds: float, tmp: Path, cell: int) -> dict:
         if clients in self._done:  # its request shape ignores our block size: measured once per count
             return {**self._done[clients], "note": "same LMCache run as the other block size"}
-        requests = 4 if clients <= 4 else 2
+        if clients not in self.client_counts:
+            return {"error": [f"skipped: LMCache runs with {sorted(self.client_counts)} clients "
+                              f"(--lmcache-clients); each of its clients loads torch"]}
+        requests = 3
         procs, outs = [], []
         for w in range(clients):
             out = tmp / f"lmcache-{cell}-{w}.json"
@@ -60,13 +64,21 @@ class LmcachePeer(Peer):
                  "--url", f"http://127.0.0.1:{self.http_port}", "--num-tokens", "512", "--start", str(start),
                  "--end", str(start + requests), "--interval", "0", "--format", "json", "--output", str(out), "-q"],
                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=self.env))
+        try:
+            return self._collect(procs, outs, clients, requests)
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+
+    def _collect(self, procs: list, outs: list, clients: int, requests: int) -> dict:
         t0 = time.time()
         rates, lat, verified = [], [], True
         for p, out in zip(procs, outs):
             try:
                 _, err = p.communicate(timeout=300)
             except subprocess.TimeoutExpired:
-                p.kill()
                 return {"error": ["lmcache bench server timed out"]}
             if p.returncode != 0 or not out.exists():
                 return {"error": [(err or "no output").strip().splitlines()[-1][:200]]}

@@ -28,6 +28,7 @@ import argparse
 import json
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -37,7 +38,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks._server_peers import PEERS, Peer, free_port  # noqa: E402
+from benchmarks._server_peers import PEERS, Peer  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
@@ -45,23 +46,32 @@ BATCH = 64 << 20
 
 
 def run_cell(peer: Peer, system: str, block: int, clients: int, seconds: float, tmp: Path, cell: int) -> dict:
-    import subprocess
-
     sync = str(tmp / f"sync-{cell}-{system}")
-    procs = []
-    for w in range(clients):
-        spec = {"system": peer.worker_system, "repo": str(ROOT), "block": block, "nblocks": BATCH // block,
-                "seconds": seconds, "seed": 1000 * w + block, "tag": f"c{cell}-{system}-w{w}",
-                "sync": sync, "worker": w, **peer.client_spec(system, w)}
-        procs.append(subprocess.Popen([peer.python, str(ROOT / "benchmarks" / "_server_worker.py"), json.dumps(spec)],
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=peer.env))
-    for phase in ("ready", "put"):  # all clients start each phase together
-        deadline = time.time() + 120
-        while time.time() < deadline and not all(os.path.exists(f"{sync}-{phase}-{w}") for w in range(clients)):
-            if any(p.poll() is not None for p in procs):
-                break
-            time.sleep(0.005)
-        Path(f"{sync}-{phase}-go").touch()
+    procs: list[subprocess.Popen] = []
+    try:
+        for w in range(clients):
+            spec = {"system": peer.worker_system, "repo": str(ROOT), "block": block, "nblocks": BATCH // block,
+                    "seconds": seconds, "seed": 1000 * w + block, "tag": f"c{cell}-{system}-w{w}",
+                    "sync": sync, "worker": w, **peer.client_spec(system, w)}
+            procs.append(subprocess.Popen([peer.python, str(ROOT / "benchmarks" / "_server_worker.py"),
+                                           json.dumps(spec)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                          text=True, env=peer.env))
+        for phase in ("ready", "put"):  # all clients start each phase together
+            deadline = time.time() + 120
+            while time.time() < deadline and not all(os.path.exists(f"{sync}-{phase}-{w}") for w in range(clients)):
+                if any(p.poll() is not None for p in procs):
+                    break
+                time.sleep(0.005)
+            Path(f"{sync}-{phase}-go").touch()
+        return _collect(procs, clients, seconds)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+def _collect(procs: list, clients: int, seconds: float) -> dict:
     outs = []
     for p in procs:
         try:
@@ -89,6 +99,8 @@ def main() -> int:
     ap.add_argument("--clients", default="1,4,16")
     ap.add_argument("--seconds", type=float, default=1.5, help="get phase per cell")
     ap.add_argument("--quick", action="store_true", help="1 MiB, 1 and 4 clients, 0.5 s")
+    ap.add_argument("--lmcache-clients", default="1,4",
+                    help="client counts LMCache runs with (each of its clients loads torch: slow to start)")
     args = ap.parse_args()
     if args.quick:
         args.blocks, args.clients, args.seconds = "1048576", "1,4", 0.5
@@ -109,6 +121,8 @@ def main() -> int:
             if family not in peers and family not in skipped:
                 try:
                     peers[family] = PEERS[family](tmp, max(counts))
+                    if family == "lmcache":
+                        peers[family].client_counts = {int(c) for c in args.lmcache_clients.split(",")}
                     print(f"started {family}: {peers[family].describe()}", flush=True)
                 except Exception as exc:  # a peer that cannot start is skipped, with the reason
                     skipped[family] = f"{type(exc).__name__}: {exc}"

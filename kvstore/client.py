@@ -31,10 +31,10 @@ from kvstore.errors import (BufferSizeError, InvalidArgumentError, RemoteError, 
                             TierUnavailableError)
 from kvstore.keys import BlockKey
 from kvstore.server import _protocol as P
+from kvstore._copy import copy_batch
 from kvstore._wire import Address, ArenaMap, Conn
 
 DEFAULT_STAGING_BYTES = 64 << 20
-_PARALLEL_COPY_BYTES = 8 << 20  # below this a batch is copied by the calling thread alone
 
 
 class Client:
@@ -227,7 +227,7 @@ class Client:
             sizes.append(n)
             offsets.append(pos)
             pos += n
-        self._copy_all(pairs, pos)
+        copy_batch(pairs, pos, self._copier, self._copy_threads)
         _, body = conn.call(P.Op.SHM_PUT, P.encode_records(P.STAGED, keys, sizes, offsets))
         return P.decode_flags(body, len(keys))
 
@@ -253,7 +253,7 @@ class Client:
                 pairs.append((dsts[i], src[off:off + n]))
                 total += n
                 out[i] = True
-            self._copy_all(pairs, total)
+            copy_batch(pairs, total, self._copier, self._copy_threads)
         finally:
             if lid:
                 conn.send(P.Op.SHM_DONE, P.encode_u64(lid))
@@ -263,26 +263,6 @@ class Client:
             for i, ok in zip(socket_idx, got):
                 out[i] = ok
         return out
-
-    def _copy_all(self, pairs: list[tuple[Any, Any]], total: int) -> None:
-        """Copy each ``(dst, src)``; large batches in parallel, split by bytes."""
-        if self._copier is None or total < _PARALLEL_COPY_BYTES or len(pairs) < 2:
-            _copy_group(pairs)
-            return
-        k = min(self._copy_threads, len(pairs))
-        groups: list[list[tuple[Any, Any]]] = [[] for _ in range(k)]
-        acc, share, g = 0, total / k, 0
-        for pair in pairs:
-            groups[g].append(pair)
-            acc += nbytes_of(pair[1])
-            if acc >= share * (g + 1) and g < k - 1:
-                g += 1
-        futures = [self._copier.submit(_copy_group, grp) for grp in groups[1:] if grp]
-        try:
-            _copy_group(groups[0])
-        finally:
-            for f in futures:
-                f.result()
 
     # -- batching ---------------------------------------------------------------------------------
 
@@ -339,16 +319,6 @@ def _check_pairs(keys: Sequence[BlockKey], bufs: Sequence[Any]) -> tuple[list, l
     if len(set(keys)) != len(keys):
         raise InvalidArgumentError("a key appears twice in one batch")
     return list(keys), list(bufs)
-
-
-def _copy_group(pairs: list[tuple[Any, Any]]) -> None:
-    copyto, ndarray = np.copyto, np.ndarray
-    for dst, src in pairs:
-        if type(dst) is ndarray and type(src) is ndarray and dst.dtype == src.dtype and dst.shape == src.shape \
-                and dst.flags.c_contiguous:
-            copyto(dst, src)  # the common case, without per-block view plumbing
-        else:
-            copy_bytes(dst, src)
 
 
 def _host_copy(buf: Any) -> np.ndarray:

@@ -48,6 +48,10 @@ class _Busy(KVStoreError):
 
 
 class Connection:
+    """State of one client connection; all of it lives on the event loop thread.
+    Memory it may hold: a scratch buffer of at most ``max_inflight_bytes`` (dropped after
+    use when over 256 MiB) and leases on at most ``max_inflight_bytes`` of slots."""
+
     def __init__(self, server: "Server", sock: socket.socket, peer: str, local: bool) -> None:
         self.server, self.sock, self.peer, self.local = server, sock, peer, local
         self.loop = asyncio.get_running_loop()
@@ -79,7 +83,7 @@ class Connection:
         await self.loop.sock_sendall(self.sock, P.pack_header(op, rid, len(body), payload_len, status) + body)
 
     def _buffer(self, nbytes: int) -> np.ndarray:
-        """The connection's scratch buffer, grown on demand (page-aligned, touched once)."""
+        """The connection's scratch buffer, grown on demand and reused across requests."""
         if nbytes > self.server.config.server.max_inflight_bytes:
             raise _Fatal(P.Status.TOO_LARGE, f"{nbytes} bytes in flight exceed max_inflight_bytes "
                          f"{self.server.config.server.max_inflight_bytes}")
