@@ -106,7 +106,9 @@ def break_even(lengths: list[int], recompute: list[float], load: list[float]) ->
         return f"faster at every measured length (from {lengths[0]} tokens)"
     if not any(faster):
         return f"never faster up to {lengths[-1]} tokens"
-    i = next(i for i in range(1, len(lengths)) if faster[i] and not faster[i - 1])
+    i = next((i for i in range(1, len(lengths)) if faster[i] and not faster[i - 1]), None)
+    if i is None:  # faster at short prompts only (noise at tiny sizes): no upward crossing
+        return "faster only at " + ", ".join(str(n) for n, f in zip(lengths, faster) if f) + " tokens"
     # speedup crosses 1 between lengths[i-1] and lengths[i]: interpolate in log space
     import math
 

@@ -20,6 +20,10 @@ def build_tier(cfg: TierConfig) -> Tier:
         from tiers.gpu import GpuTier
 
         return GpuTier(cfg.capacity, name=cfg.name, device=cfg.device)
+    if cfg.kind == "remote":
+        from tiers.remote import RemoteTier
+
+        return RemoteTier(cfg.address, cfg.capacity, name=cfg.name, token=cfg.token, timeout_s=cfg.timeout_s)
     raise ConfigError(f"tiers.{cfg.name}.kind: tier kind {cfg.kind!r} is not available in this build")
 
 

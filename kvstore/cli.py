@@ -10,7 +10,7 @@ import sys
 
 from kvstore.errors import KVStoreError
 
-COMMANDS = ("config", "bench", "demo")
+COMMANDS = ("config", "bench", "demo", "serve", "stats")
 
 
 def build_parser() -> argparse.ArgumentParser:
