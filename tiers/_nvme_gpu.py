@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import threading
 
 import numpy as np
@@ -29,6 +30,8 @@ log = logging.getLogger(__name__)
 def detect_mode() -> str:
     """``"kvikio"`` when CUDA and kvikio are usable, ``"bounce"`` when only CUDA is,
     ``"none"`` on host-only machines (no device buffers can arrive)."""
+    if "torch" not in sys.modules:
+        return "none"   # nobody can hold a CUDA tensor yet; importing torch costs seconds
     try:
         import torch
 
@@ -45,13 +48,23 @@ def detect_mode() -> str:
 
 
 class DeviceIO:
-    """Reads and writes for device (CUDA) buffers. ``mode`` as from :func:`detect_mode`."""
+    """Reads and writes for device (CUDA) buffers; ``mode`` as from :func:`detect_mode`,
+    settled when the first device buffer arrives."""
 
-    def __init__(self, mode: str) -> None:
-        self.mode = mode
+    def __init__(self) -> None:
+        self._mode: str | None = None
         self._files: dict[str, object] = {}
         self._lock = threading.Lock()
         self._staging = _Scratch()   # per thread
+
+    @property
+    def mode(self) -> str:
+        if self._mode is None:
+            mode = detect_mode()
+            if mode == "none":
+                return mode
+            self._mode = mode
+        return self._mode
 
     def stage(self, src) -> np.ndarray:
         """Copy a device buffer into this thread's aligned host staging buffer (reused)."""

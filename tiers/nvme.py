@@ -33,7 +33,7 @@ from kvstore.errors import (BufferSizeError, CorruptBlockError, InvalidArgumentE
                             TierError, TierFullError)
 from kvstore.keys import BlockKey
 from tiers._nvme_files import DataDir, data_file_name, lock_directory, probe_direct_io
-from tiers._nvme_gpu import DeviceIO, detect_mode
+from tiers._nvme_gpu import DeviceIO
 from tiers._nvme_index import BlockIndex, Record
 from tiers._nvme_io import PAGE, extent_bytes, read_block, write_block
 from tiers.base import RecoveredBlock, Tier, TierCapabilities
@@ -123,7 +123,7 @@ class NvmeTier(Tier):
         if direct_io and not all(direct):
             log.warning("NVMe tier %s: O_DIRECT refused in %s; using buffered I/O there", name,
                         ", ".join(s.path for s in self._shards if not s.direct))
-        self._device = DeviceIO(detect_mode())
+        self._device = DeviceIO()
         self._pool = ThreadPoolExecutor(io_threads, thread_name_prefix=f"kvstore-{name}")
         self._closed = False
         self.capabilities = TierCapabilities(device="disk", persistent=True, alignment=PAGE,
