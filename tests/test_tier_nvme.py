@@ -1,6 +1,8 @@
 """NvmeTier on a real directory: the conformance suite, restart recovery, layout."""
 
+import contextlib
 import os
+import subprocess
 
 import numpy as np
 import pytest
@@ -47,21 +49,45 @@ def test_direct_io_on_a_real_directory(tier):
     assert tier.stats()["io_mode"] == "direct"
 
 
+@contextlib.contextmanager
+def mounted(where, fstype, options=None):
+    """A real file system mounted for one test; mounting needs root, elsewhere the
+    test is skipped with the reason."""
+    where.mkdir()
+    cmd = ["mount", "-t", fstype] + (["-o", options] if options else []) + [fstype, str(where)]
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    if res.returncode != 0:
+        pytest.skip(f"cannot mount {fstype} (needs root): {res.stderr.strip()}")
+    try:
+        yield str(where / "nvme")
+    finally:
+        subprocess.run(["umount", "-l", str(where)], check=False)
+
+
 @pytest.fixture
 def no_direct_dir(tmp_path):
-    """A directory on ramfs, which refuses O_DIRECT (tmpfs accepts it since Linux 6.6).
-    Mounting needs root; elsewhere the test is skipped with the reason."""
-    import subprocess
+    """A directory on ramfs, which refuses O_DIRECT (tmpfs accepts it since Linux 6.6)."""
+    with mounted(tmp_path / "ramfs", "ramfs") as path:
+        yield path
 
-    mnt = tmp_path / "ramfs"
-    mnt.mkdir()
-    res = subprocess.run(["mount", "-t", "ramfs", "ramfs", str(mnt)], capture_output=True, text=True)
-    if res.returncode != 0:
-        pytest.skip(f"cannot mount ramfs (needs root): {res.stderr.strip()}")
-    try:
-        yield str(mnt / "nvme")
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+def test_disk_full_is_a_counted_refusal(tmp_path, caplog):
+    with mounted(tmp_path / "small", "tmpfs", "size=1m") as path:
+        t = open_tier(path, capacity=8 << 20, file_bytes=256 * 1024)
+        try:
+            keys = make_keys(24)
+            with caplog.at_level("WARNING"):
+                ok = t.write(keys, [payload(i) for i in range(24)])
+            assert 0 < sum(ok) < 24
+            assert t.stats()["enospc"] >= 1 and "no space" in caplog.text
+            assert t.used_bytes == sum(ok) * len(payload(0))
+            stored = [k for k, good in zip(keys, ok) if good]
+            dst = np.zeros(len(payload(0)), np.uint8)
+            assert all(t.read_into([k], [dst])[0] for k in stored)
+            t.delete(stored[:4])   # room again: later writes succeed in the freed space
+            assert all(t.write(make_keys(4, salt="again"), [payload(i) for i in range(4)]))
+        finally:
+            t.close()
 
 
 def test_buffered_fallback_where_o_direct_is_refused(no_direct_dir, caplog):
