@@ -110,14 +110,24 @@ class DataDir:
             self.files[file_no] = DataFile(fd, want, ExtentAllocator(want, PAGE), min(have, want))
         return warnings
 
-    def reserve(self, file_no: int, offset: int, nbytes: int) -> bool:
-        """Mark a recovered block's extent used; False if it is out of range, lost, or
-        overlaps another block (the caller drops the record)."""
+    def adopt(self, file_no: int, blocks: list[tuple[int, int]]) -> list[bool]:
+        """Mark recovered blocks' extents used in one file; ``blocks`` are ``(offset,
+        payload nbytes)`` sorted by offset. Returns per block whether it was kept: a block
+        out of range, past a truncation, or overlapping the one before is not (the
+        caller drops its record). Call once per file, before any allocation."""
         f = self.files.get(file_no)
-        size = extent_bytes(nbytes)
-        if f is None or offset % PAGE or offset + size > f.valid_bytes:
-            return False
-        return f.alloc.reserve(offset, size)
+        if f is None:
+            return [False] * len(blocks)
+        kept, used, end = [], [], 0
+        for offset, nbytes in blocks:
+            size = extent_bytes(nbytes)
+            ok = offset % PAGE == 0 and offset >= end and offset + size <= f.valid_bytes
+            kept.append(ok)
+            if ok:
+                used.append((offset, size))
+                end = offset + size
+        f.alloc = ExtentAllocator.with_used(f.size, PAGE, used)
+        return kept
 
     def alloc(self, nbytes: int) -> tuple[int, int] | None:
         """``(file_no, offset)`` of a free extent for ``nbytes`` of payload, creating a

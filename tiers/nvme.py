@@ -135,33 +135,36 @@ class NvmeTier(Tier):
         """Rebuild accounting and allocators from the index; drop what cannot be trusted."""
         for warning in shard.data.open_existing(shard.index.file_sizes()):
             log.warning("NVMe tier %s: %s", self.name, warning)
-        rows = list(shard.index.scan())
-        rows.sort(key=lambda r: (r[1].file_no, r[1].offset) if r[1] else (-1, 0))  # cheap reserves
-        bad: list[bytes] = []
+        rows = sorted(shard.index.scan(), key=lambda r: (r[1].file_no, r[1].offset) if r[1] else (-1, 0))
+        bad = [digest for digest, rec, _ in rows if rec is None]
+        by_file: dict[int, list] = {}
+        for row in rows:
+            if row[1] is not None:
+                by_file.setdefault(row[1].file_no, []).append(row)
         kept: list[tuple[BlockKey, _Entry]] = []
-        for digest, rec, last in rows:
-            if rec is None or not shard.data.reserve(rec.file_no, rec.offset, rec.length):
-                bad.append(digest)
-                continue
-            try:
-                key = BlockKey.from_bytes(rec.key_bytes)
-            except InvalidArgumentError:
-                shard.data.free(rec.file_no, rec.offset, rec.length)
-                bad.append(digest)
-                continue
-            kept.append((key, _Entry(shard, rec.file_no, rec.offset, rec.length, rec.checksum, last)))
+        for file_no, file_rows in by_file.items():
+            ok = shard.data.adopt(file_no, [(rec.offset, rec.length) for _, rec, _ in file_rows])
+            for (digest, rec, last), good in zip(file_rows, ok):
+                if not good:
+                    bad.append(digest)
+                    continue
+                key = BlockKey.from_bytes(rec.key_bytes)   # the record checksum vouches for it
+                kept.append((key, _Entry(shard, rec.file_no, rec.offset, rec.length, rec.checksum, last)))
         if bad:
             log.warning("NVMe tier %s: dropped %d damaged or lost index entries in %s", self.name,
                         len(bad), shard.path)
             self.counters["corrupt_blocks"] += len(bad)
         kept.sort(key=lambda ke: ke[1].last)
         used = sum(e.length for _, e in kept)
-        while kept and used > shard.capacity:  # capacity lowered since last run: oldest go
-            key, e = kept.pop(0)
+        first = 0
+        while first < len(kept) and used > shard.capacity:  # capacity lowered: oldest go
+            key, e = kept[first]
+            first += 1
             used -= e.length
             shard.data.free(e.file_no, e.offset, e.length)
             bad.append(key.digest)
-            self.counters["dropped_at_open"] += 1
+        self.counters["dropped_at_open"] += first
+        kept = kept[first:]
         shard.index.delete(bad + shard.index.stray_access())
         for key, e in kept:
             self._entries[key] = e
