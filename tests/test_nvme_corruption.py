@@ -8,7 +8,6 @@ import numpy as np
 import pytest
 
 from kvstore.cli import main as cli_main
-from kvstore.keys import BlockKey
 from kvstore.testing import make_keys, payload
 from tiers._nvme_fsck import fsck
 from tiers._nvme_index import Record

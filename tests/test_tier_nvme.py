@@ -204,3 +204,13 @@ def test_striping_uses_every_directory(tmp_path):
             assert any(n.startswith("data-") for n in os.listdir(d))
     finally:
         t.close()
+
+
+def test_read_only_destination_raises_and_keeps_the_block(tier):
+    key = make_keys(1)
+    tier.write(key, [payload(3)])
+    with pytest.raises(InvalidArgumentError):
+        tier.read_into(key, [bytes(len(payload(3)))])
+    dst = np.zeros(len(payload(3)), np.uint8)
+    assert tier.read_into(key, [dst]) == [True] and np.array_equal(dst, payload(3))
+    assert tier.stats()["corrupt_blocks"] == 0 and tier.stats()["io_errors"] == 0

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 from kvstore.errors import TierFullError, TierIOError, TierUnavailableError
 from tiers._extents import ExtentAllocator
+from tiers._nvme_index import BlockIndex
 from tiers._nvme_io import PAGE, aligned_empty, extent_bytes, open_data_file
 
 log = logging.getLogger(__name__)
@@ -186,3 +187,27 @@ class DataDir:
             except OSError:
                 pass
         self.files.clear()
+
+
+class Shard:
+    """One directory of a tier: its lock, index, data files and byte accounting."""
+
+    def __init__(self, no: int, path: str, capacity: int, *, direct: bool, file_bytes: int,
+                 sync: bool) -> None:
+        self.no, self.path, self.capacity, self.used = no, path, capacity, 0
+        os.makedirs(path, exist_ok=True)
+        self.lock_fd = lock_directory(path)
+        try:
+            self.direct = direct and probe_direct_io(path)
+            self.index = BlockIndex(path, sync=sync)
+        except BaseException:
+            os.close(self.lock_fd)
+            raise
+        budget = capacity + capacity // 8 + (1 << 20)
+        self.data = DataDir(path, file_bytes=file_bytes, budget_bytes=budget, direct=self.direct)
+        self.data.on_new_file = self.index.set_file_size
+
+    def close(self) -> None:
+        self.data.close()
+        self.index.close()
+        os.close(self.lock_fd)

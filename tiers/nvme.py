@@ -32,10 +32,10 @@ from kvstore.buffers import host_view, is_device, nbytes_of
 from kvstore.errors import (BufferSizeError, CorruptBlockError, InvalidArgumentError, StoreClosedError,
                             TierError, TierFullError)
 from kvstore.keys import BlockKey
-from tiers._nvme_files import DataDir, data_file_name, lock_directory, probe_direct_io
+from tiers._nvme_files import Shard, data_file_name
 from tiers._nvme_gpu import DeviceIO
-from tiers._nvme_index import BlockIndex, Record
-from tiers._nvme_io import PAGE, extent_bytes, read_block, write_block
+from tiers._nvme_index import Record
+from tiers._nvme_io import PAGE, read_block, write_block
 from tiers.base import RecoveredBlock, Tier, TierCapabilities
 
 log = logging.getLogger(__name__)
@@ -44,32 +44,10 @@ log = logging.getLogger(__name__)
 class _Entry:
     __slots__ = ("shard", "file_no", "offset", "length", "checksum", "last", "readers", "dead")
 
-    def __init__(self, shard: "_Shard", file_no: int, offset: int, length: int, checksum: int,
+    def __init__(self, shard: "Shard", file_no: int, offset: int, length: int, checksum: int,
                  last: float) -> None:
         self.shard, self.file_no, self.offset, self.length = shard, file_no, offset, length
         self.checksum, self.last, self.readers, self.dead = checksum, last, 0, False
-
-
-class _Shard:
-    def __init__(self, no: int, path: str, capacity: int, *, direct: bool, file_bytes: int,
-                 sync: bool) -> None:
-        self.no, self.path, self.capacity, self.used = no, path, capacity, 0
-        os.makedirs(path, exist_ok=True)
-        self.lock_fd = lock_directory(path)
-        try:
-            self.direct = direct and probe_direct_io(path)
-            self.index = BlockIndex(path, sync=sync)
-        except BaseException:
-            os.close(self.lock_fd)
-            raise
-        budget = capacity + capacity // 8 + (1 << 20)
-        self.data = DataDir(path, file_bytes=file_bytes, budget_bytes=budget, direct=self.direct)
-        self.data.on_new_file = self.index.set_file_size
-
-    def close(self) -> None:
-        self.data.close()
-        self.index.close()
-        os.close(self.lock_fd)
 
 
 class NvmeTier(Tier):
@@ -106,11 +84,11 @@ class NvmeTier(Tier):
         self._last_flush = time.monotonic()
         self.counters = dict.fromkeys(("corrupt_blocks", "io_errors", "enospc", "recovered_blocks",
                                        "dropped_at_open"), 0)
-        self._shards: list[_Shard] = []
+        self._shards: list[Shard] = []
         per, extra = divmod(self._capacity, len(paths))
         try:
             for i, path in enumerate(paths):
-                self._shards.append(_Shard(i, os.fspath(path), per + (extra if i == 0 else 0),
+                self._shards.append(Shard(i, os.fspath(path), per + (extra if i == 0 else 0),
                                            direct=direct_io, file_bytes=file_bytes, sync=index_sync))
             for shard in self._shards:
                 self._open_shard(shard)
@@ -131,7 +109,7 @@ class NvmeTier(Tier):
 
     # -- start-up -------------------------------------------------------------------------
 
-    def _open_shard(self, shard: _Shard) -> None:
+    def _open_shard(self, shard: Shard) -> None:
         """Rebuild accounting and allocators from the index; drop what cannot be trusted."""
         for warning in shard.data.open_existing(shard.index.file_sizes()):
             log.warning("NVMe tier %s: %s", self.name, warning)
@@ -216,7 +194,7 @@ class NvmeTier(Tier):
         if not plan:
             return out
         results = self._parallel(self._write_one, [(p[1], p[2], p[3], p[4], p[5]) for p in plan])
-        done: dict[_Shard, list] = {}
+        done: dict[Shard, list] = {}
         failed = []
         first_error = None
         for p, (ok, value) in zip(plan, results):
@@ -277,8 +255,11 @@ class NvmeTier(Tier):
                 e.last = self._now()
                 self._touched[key] = e
             else:
-                first_error = first_error or self._count_failure(value, "read")
-                bad.append((key, e))
+                error = self._count_failure(value, "read")
+                if error is None:
+                    bad.append((key, e))   # the medium failed us: this copy goes
+                else:
+                    first_error = first_error or error   # the caller's buffer: the copy stays
         if bad:
             self._remove(bad)
         if first_error is not None:
@@ -307,7 +288,7 @@ class NvmeTier(Tier):
         with self._commit:
             touched, self._touched = self._touched, {}
             self._last_flush = time.monotonic()
-            by_shard: dict[_Shard, dict[bytes, float]] = {}
+            by_shard: dict[Shard, dict[bytes, float]] = {}
             for key, e in touched.items():
                 if not e.dead:
                     by_shard.setdefault(e.shard, {})[key.digest] = e.last
@@ -334,7 +315,7 @@ class NvmeTier(Tier):
 
     # -- internals --------------------------------------------------------------------------
 
-    def _reserve(self, n: int) -> tuple[_Shard, int, int, int] | None:
+    def _reserve(self, n: int) -> tuple[Shard, int, int, int] | None:
         """Pick a directory and an extent for ``n`` payload bytes. Caller holds the lock."""
         if self._used + n > self._capacity:
             return None
@@ -357,7 +338,7 @@ class NvmeTier(Tier):
                 return shard, where[0], where[1], n
         return None
 
-    def _write_one(self, key: BlockKey, src: Any, shard: _Shard, file_no: int, offset: int) -> int:
+    def _write_one(self, key: BlockKey, src: Any, shard: Shard, file_no: int, offset: int) -> int:
         payload = self._device.stage(src) if is_device(src) else host_view(src)
         return write_block(shard.data.fd(file_no), offset, key.digest, payload)
 
@@ -408,7 +389,7 @@ class NvmeTier(Tier):
                         e.shard.used -= e.length
                         self._used -= e.length
                         gone.append((key, e))
-            by_shard: dict[_Shard, list[bytes]] = {}
+            by_shard: dict[Shard, list[bytes]] = {}
             for key, e in gone:
                 by_shard.setdefault(e.shard, []).append(key.digest)
             for shard, digests in by_shard.items():
