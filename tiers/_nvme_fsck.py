@@ -15,6 +15,8 @@ directory lock is held throughout, so fsck refuses to run beside a live tier.
 from __future__ import annotations
 
 import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
@@ -27,6 +29,7 @@ from tiers._nvme_index import BlockIndex
 from tiers._nvme_io import PAGE, aligned_empty, extent_bytes, open_data_file, read_block, verify_header_page
 
 _SCAN_CHUNK = 8 << 20
+_VERIFY_THREADS = 8
 
 
 @dataclass
@@ -87,7 +90,7 @@ def _check(path: str, index: BlockIndex, repair: bool, progress: bool) -> FsckRe
         used: dict[int, list[tuple[int, int]]] = {n: [] for n in fds}
         total = sum(n for _, n in fds.values())   # every byte is either verified or scanned
         bar = tqdm(total=total, unit="B", unit_scale=True, desc=f"fsck {path}", disable=not progress)
-        buf = aligned_empty(0)
+        checks = []
         for digest, rec, _ in rows:
             if rec is None:
                 report.damaged_records += 1
@@ -105,17 +108,33 @@ def _check(path: str, index: BlockIndex, repair: bool, progress: bool) -> FsckRe
                 drop.append(digest)
                 continue
             spans.append((rec.offset, end))
-            if buf.nbytes < rec.length:
-                buf = aligned_empty(max(rec.length, 1 << 20))
+            checks.append((digest, rec, fd_size[0]))
+        local = threading.local()
+
+        def verify(item) -> bool:
+            digest, rec, fd = item
+            buf = getattr(local, "buf", None)
+            if buf is None or buf.nbytes < rec.length:
+                buf = local.buf = aligned_empty(max(rec.length, 1 << 20))
             try:
-                read_block(fd_size[0], rec.offset, digest, rec.length, rec.checksum, buf[:rec.length])
-                report.verified += 1
-                report.verified_bytes += rec.length
+                read_block(fd, rec.offset, digest, rec.length, rec.checksum, buf[:rec.length])
+                return True
             except (CorruptBlockError, TierIOError):
-                report.corrupt.append(digest.hex())
-                drop.append(digest)
-                spans.pop()
-            bar.update(end - rec.offset)
+                return False
+
+        bad_spans = set()
+        with ThreadPoolExecutor(_VERIFY_THREADS) as pool:   # reads in flight keep the drive busy
+            for (digest, rec, _), good in zip(checks, pool.map(verify, checks)):
+                if good:
+                    report.verified += 1
+                    report.verified_bytes += rec.length
+                else:
+                    report.corrupt.append(digest.hex())
+                    drop.append(digest)
+                    bad_spans.add((rec.file_no, rec.offset))   # its space is scanned as free
+                bar.update(extent_bytes(rec.length))
+        if bad_spans:
+            used = {n: [sp for sp in spans if (n, sp[0]) not in bad_spans] for n, spans in used.items()}
         orphan_pages = []
         for file_no, (fd, size) in fds.items():
             orphan_pages += [(fd, off) for off in _scan_orphans(fd, size, used[file_no], report, bar)]
