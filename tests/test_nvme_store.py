@@ -117,3 +117,19 @@ def test_nvme_config_errors(tmp_path):
     with pytest.raises(ConfigError, match="file_bytes"):
         load_config({"tiers": [{"name": "w", "kind": "nvme", "path": "x", "capacity": "1MiB",
                                 "file_bytes": 0}]})
+
+
+def test_eviction_order_survives_a_restart(tmp_path):
+    """LRU over a restart: the blocks read last before closing are the last to go after."""
+    cfg = {"tiers": [{"name": "warm", "kind": "nvme", "path": str(tmp_path / "n"),
+                      "capacity": 6 * BLOCK, "file_bytes": "1MiB", "eviction": "lru"}]}
+    keys = make_keys(6)
+    with Store.from_config(cfg) as store:
+        save_one_by_one(store, keys)
+        assert load(store, [keys[1]], [1]) == [True]
+        assert load(store, [keys[0]], [0]) == [True]
+    with Store.from_config(cfg) as store:
+        assert store.stats()["tiers"][0]["used_bytes"] == 6 * BLOCK
+        save_one_by_one(store, make_keys(3, salt="new"), 50)
+        # oldest access first: 2, 3, 4 go; 5, 1, 0 (read last) stay
+        assert store.contains(keys) == [True, True, False, False, False, True]
