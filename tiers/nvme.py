@@ -133,8 +133,9 @@ class NvmeTier(Tier):
             log.warning("NVMe tier %s: dropped %d damaged or lost index entries in %s", self.name,
                         len(bad), shard.path)
             self.counters["corrupt_blocks"] += len(bad)
-        kept.sort(key=lambda ke: ke[1].last)
         used = sum(e.length for _, e in kept)
+        if used > shard.capacity:
+            kept.sort(key=lambda ke: ke[1].last)
         first = 0
         while first < len(kept) and used > shard.capacity:  # capacity lowered: oldest go
             key, e = kept[first]
