@@ -22,6 +22,10 @@ def build_tier(cfg: TierConfig) -> Tier:
         return NvmeTier(cfg.paths, cfg.capacity, name=cfg.name, direct_io=cfg.direct_io,
                         file_bytes=cfg.file_bytes, io_threads=cfg.io_threads,
                         index_sync=cfg.index_sync, access_flush_s=cfg.access_flush_s)
+    if cfg.kind == "gpu":
+        from tiers.gpu import GpuTier
+
+        return GpuTier(cfg.capacity, name=cfg.name, device=cfg.device)
     raise ConfigError(f"tiers.{cfg.name}.kind: tier kind {cfg.kind!r} is not available in this build")
 
 

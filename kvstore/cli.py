@@ -10,7 +10,7 @@ import sys
 
 from kvstore.errors import KVStoreError
 
-COMMANDS = ("config", "bench", "fsck")
+COMMANDS = ("config", "bench", "demo", "fsck")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -16,7 +16,8 @@ from typing import Any, Iterator, Sequence
 
 import numpy as np
 
-from kvstore.buffers import copy_bytes, host_view, is_device, nbytes_of
+from kvstore._transfer import copy_device_pairs
+from kvstore.buffers import host_view, is_device, nbytes_of
 from kvstore.errors import BufferSizeError, InvalidArgumentError
 from kvstore.keys import BlockKey
 from tiers._extents import ExtentAllocator
@@ -106,59 +107,71 @@ class DramTier(Tier):
 
     def read_into(self, keys: Sequence[BlockKey], dsts: Sequence[Any]) -> list[bool]:
         out = []
-        for key, dst in zip(keys, dsts, strict=True):
-            slot = self._acquire(key)
-            if slot is None:
-                out.append(False)
-                continue
-            try:
+        held: list[_Slot] = []   # released once every copy, device ones included, is done
+        device: list[tuple[Any, np.ndarray]] = []
+        try:
+            for key, dst in zip(keys, dsts, strict=True):
+                slot = self._acquire(key)
+                if slot is None:
+                    out.append(False)
+                    continue
+                held.append(slot)
                 if nbytes_of(dst) != slot.nbytes:
                     raise BufferSizeError(
                         f"[{self.name}] buffer has {nbytes_of(dst)} bytes, block has {slot.nbytes}")
                 src = self.arena[slot.offset:slot.offset + slot.nbytes]
                 if is_device(dst):
-                    copy_bytes(dst, src)
+                    device.append((dst, src))
                 else:
                     np.copyto(host_view(dst, writable=True), src, casting="no")
-            finally:
+                out.append(True)
+            # One batch per device on its copy stream; the arena is pinned where CUDA is.
+            copy_device_pairs(device, pinned=self.pinned)
+        finally:
+            for slot in held:
                 self._release(slot)
-            out.append(True)
         return out
 
     def write(self, keys: Sequence[BlockKey], srcs: Sequence[Any]) -> list[bool]:
         out = []
-        for key, src in zip(keys, srcs, strict=True):
-            n = nbytes_of(src)
-            with self._lock:
-                if key in self._slots:
-                    out.append(True)
-                    continue
-                if self._used + n > self._capacity:
-                    out.append(False)
-                    continue
-                offset = self._alloc.alloc(n)
-                if offset is None:
-                    out.append(False)
-                    continue
-                self._used += n  # reserved now; visible once the bytes are in place
-            try:
+        placed: list[tuple[BlockKey, int, int]] = []   # reserved, bytes copied or in flight
+        device: list[tuple[np.ndarray, Any]] = []
+        try:
+            for key, src in zip(keys, srcs, strict=True):
+                n = nbytes_of(src)
+                with self._lock:
+                    if key in self._slots:
+                        out.append(True)
+                        continue
+                    if self._used + n > self._capacity:
+                        out.append(False)
+                        continue
+                    offset = self._alloc.alloc(n)
+                    if offset is None:
+                        out.append(False)
+                        continue
+                    self._used += n  # reserved now; visible once the bytes are in place
+                placed.append((key, offset, n))
                 dst = self.arena[offset:offset + n]
                 if is_device(src):
-                    copy_bytes(dst, src)
+                    device.append((dst, src))
                 else:
                     np.copyto(dst, host_view(src), casting="no")
-            except BaseException:
-                with self._lock:
+                out.append(True)
+            copy_device_pairs(device, pinned=self.pinned)
+        except BaseException:
+            with self._lock:
+                for _, offset, n in placed:
                     self._alloc.free(offset, n)
                     self._used -= n
-                raise
-            with self._lock:
+            raise
+        with self._lock:
+            for key, offset, n in placed:
                 if key in self._slots:  # a concurrent writer won; keep its copy
                     self._alloc.free(offset, n)
                     self._used -= n
                 else:
                     self._slots[key] = _Slot(offset, n)
-            out.append(True)
         return out
 
     def delete(self, keys: Sequence[BlockKey]) -> int:
