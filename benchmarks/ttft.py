@@ -106,7 +106,10 @@ def break_even(lengths: list[int], recompute: list[float], load: list[float]) ->
         return f"faster at every measured length (from {lengths[0]} tokens)"
     if not any(faster):
         return f"never faster up to {lengths[-1]} tokens"
-    i = next(i for i in range(1, len(lengths)) if faster[i] and not faster[i - 1])
+    i = next((i for i in range(1, len(lengths)) if faster[i] and not faster[i - 1]), None)
+    if i is None:   # faster only at the shortest lengths (noise on tiny models): no crossing
+        slower = next(j for j in range(len(lengths)) if not faster[j])
+        return f"faster only below {lengths[slower]} tokens"
     # speedup crosses 1 between lengths[i-1] and lengths[i]: interpolate in log space
     import math
 
