@@ -5,8 +5,9 @@ Every block is verified by its XXH3 checksum, which is computed on the host, so 
 from device memory copy to a host staging buffer once (needed for the checksum) and
 then go out with the host path's ``O_DIRECT`` write; reads land in device memory by
 DMA and a host copy is hashed before the read reports success. Without CUDA or kvikio,
-device reads bounce through host memory. kvikio is imported only here and only when a
-device buffer first appears, so host-only machines never depend on it (it cannot do
+device reads bounce through host memory. kvikio is reached only through
+:mod:`tiers._kvikio` and only once a device buffer appears, so host-only machines never
+depend on it (it cannot do
 host I/O without a CUDA driver). Thread-safe.
 """
 
@@ -16,12 +17,15 @@ import logging
 import os
 import sys
 import threading
+from typing import TYPE_CHECKING
 
-import numpy as np
+if TYPE_CHECKING:
+    import numpy as np
 
 from kvstore.block import HEADER_BYTES, parse_header, verify_payload
-from kvstore.buffers import copy_bytes
+from kvstore.buffers import copy_bytes, device_view
 from kvstore.errors import CorruptBlockError, TierIOError
+from tiers._kvikio import KvikioFile, kvikio_available
 from tiers._nvme_io import PAGE, _Scratch, read_block
 
 log = logging.getLogger(__name__)
@@ -32,17 +36,13 @@ def detect_mode() -> str:
     ``"none"`` on host-only machines (no device buffers can arrive)."""
     if "torch" not in sys.modules:
         return "none"   # nobody can hold a CUDA tensor yet; importing torch costs seconds
-    try:
-        import torch
+    import torch
 
-        if not torch.cuda.is_available():
-            return "none"
-    except ImportError:
+    if not torch.cuda.is_available():
         return "none"
-    try:
-        import kvikio  # noqa: F401
-    except Exception as exc:  # a partial install raises more than ImportError
-        log.info("kvikio unavailable (%s); device buffers bounce through host memory", exc)
+    ok, reason = kvikio_available()
+    if not ok:
+        log.info("NVMe tier: %s; device buffers bounce through host memory", reason)
         return "bounce"
     return "kvikio"
 
@@ -53,7 +53,7 @@ class DeviceIO:
 
     def __init__(self) -> None:
         self._mode: str | None = None
-        self._files: dict[str, object] = {}
+        self._files: dict[str, KvikioFile] = {}
         self._lock = threading.Lock()
         self._staging = _Scratch()   # per thread
 
@@ -66,7 +66,7 @@ class DeviceIO:
             self._mode = mode
         return self._mode
 
-    def stage(self, src) -> np.ndarray:
+    def stage(self, src) -> "np.ndarray":
         """Copy a device buffer into this thread's aligned host staging buffer (reused)."""
         n = src.numel() * src.element_size()
         host = self._staging.bounce_of(n)
@@ -84,14 +84,16 @@ class DeviceIO:
         header = self._staging.header
         try:
             got = os.preadv(fd, [header], offset)
-            cufile = self._cufile(path)
-            done = cufile.pread(dst, length, offset + PAGE).get()
         except OSError as exc:
-            raise TierIOError(f"read of {length} bytes at offset {offset} failed: {exc.strerror}") from exc
-        except Exception as exc:  # kvikio raises RuntimeError for cuFile failures
-            raise TierIOError(f"kvikio read of {length} bytes at offset {offset} failed: {exc}") from exc
-        if got != PAGE or done != length:
+            raise TierIOError(f"read of the header at offset {offset} failed: {exc.strerror}") from exc
+        if got != PAGE:
             raise CorruptBlockError(f"short read at offset {offset} (file truncated?)")
+        try:
+            self._file(path).read_into(device_view(dst), offset + PAGE)
+        except TierIOError as exc:
+            if "short" in str(exc):
+                raise CorruptBlockError(str(exc)) from exc
+            raise
         hlen, hsum = parse_header(header[:HEADER_BYTES], digest=digest)
         if hlen != length or hsum != csum:
             raise CorruptBlockError("block header disagrees with the index")
@@ -99,14 +101,11 @@ class DeviceIO:
         copy_bytes(host, dst)
         verify_payload(host, length, csum)
 
-    def _cufile(self, path: str):
+    def _file(self, path: str) -> KvikioFile:
         with self._lock:
             handle = self._files.get(path)
             if handle is None:
-                import kvikio
-
-                handle = kvikio.CuFile(path, "r")
-                self._files[path] = handle
+                handle = self._files[path] = KvikioFile(path, "r")
             return handle
 
     def close(self) -> None:
@@ -114,6 +113,6 @@ class DeviceIO:
             for handle in self._files.values():
                 try:
                     handle.close()
-                except Exception:  # closing is best effort at shutdown
+                except Exception:  # kvikio may raise anything at close; best effort at shutdown
                     pass
             self._files.clear()
