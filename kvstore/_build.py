@@ -16,6 +16,12 @@ def build_tier(cfg: TierConfig) -> Tier:
         from tiers.dram import DramTier
 
         return DramTier(cfg.capacity, name=cfg.name, shm_path=cfg.shm_path, pin=cfg.pin)
+    if cfg.kind == "nvme":
+        from tiers.nvme import NvmeTier
+
+        return NvmeTier(cfg.paths, cfg.capacity, name=cfg.name, direct_io=cfg.direct_io,
+                        file_bytes=cfg.file_bytes, io_threads=cfg.io_threads,
+                        index_sync=cfg.index_sync, access_flush_s=cfg.access_flush_s)
     if cfg.kind == "gpu":
         from tiers.gpu import GpuTier
 
