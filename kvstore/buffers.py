@@ -14,7 +14,8 @@ from kvstore.errors import BufferSizeError, InvalidArgumentError
 
 
 def is_torch(buf: Any) -> bool:
-    return type(buf).__module__.startswith("torch") and hasattr(buf, "data_ptr")
+    kind = type(buf)
+    return kind is not np.ndarray and kind.__module__.startswith("torch") and hasattr(buf, "data_ptr")
 
 
 def is_device(buf: Any) -> bool:
@@ -23,6 +24,8 @@ def is_device(buf: Any) -> bool:
 
 
 def nbytes_of(buf: Any) -> int:
+    if type(buf) is np.ndarray:  # the hot path: skip the checks below
+        return buf.nbytes
     if is_torch(buf):
         return buf.numel() * buf.element_size()
     if isinstance(buf, np.ndarray):
@@ -37,6 +40,10 @@ def host_view(buf: Any, *, writable: bool = False) -> np.ndarray:
     Raises :class:`InvalidArgumentError` for device tensors, non-contiguous memory, or a
     read-only buffer where ``writable`` is asked.
     """
+    if type(buf) is np.ndarray and buf.dtype == np.uint8 and buf.ndim == 1 and buf.flags.c_contiguous:
+        if writable and not buf.flags.writeable:
+            raise InvalidArgumentError("destination buffer of type ndarray is read-only")
+        return buf  # already a flat byte view: the common case on the data path
     if is_torch(buf):
         if buf.device.type != "cpu":
             raise InvalidArgumentError(f"expected a host buffer, got a tensor on {buf.device}")

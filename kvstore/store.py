@@ -405,18 +405,19 @@ class Store:
         lvl = self._levels[i]
         result = [False] * len(keys)
         chosen: list[int] = []
+        sizes = [nbytes_of(src) for src in srcs]
         with self._lock:
             for j, key in enumerate(keys):
                 if self._where.get(key, 0) >> i & 1:
                     lvl.policy.on_access(key)
                     result[j] = True
                     continue
-                decision = lvl.admission.decide(key, nbytes_of(srcs[j]))
+                decision = lvl.admission.decide(key, sizes[j])
                 if decision is Decision.ADMIT:
                     chosen.append(j)
                 else:
                     lvl.counters["rejected" if decision is Decision.REJECT else "throttled"] += 1
-            need = sum(nbytes_of(srcs[j]) for j in chosen)
+            need = sum(sizes[j] for j in chosen)
             victims = self._choose_victims(i, need)
         self._evict(i, victims)
         if not chosen:
@@ -426,7 +427,7 @@ class Store:
             # Fragmentation or a racing writer: make room for the rest once more.
             retry = [j for j, good in zip(chosen, ok) if not good]
             with self._lock:
-                victims = self._choose_victims(i, sum(nbytes_of(srcs[j]) for j in retry), force=True)
+                victims = self._choose_victims(i, sum(sizes[j] for j in retry), force=True)
             if victims:
                 self._evict(i, victims)
                 again = self._tier_call(lvl, "write", [keys[j] for j in retry], [srcs[j] for j in retry])
@@ -444,8 +445,8 @@ class Store:
                 mask = self._where.get(key, 0)
                 if not mask >> i & 1:
                     self._where[key] = mask | 1 << i
-                    self._sizes[key] = nbytes_of(srcs[j])
-                    lvl.policy.on_insert(key, self._sizes[key], _parent_of(key))
+                    self._sizes[key] = sizes[j]
+                    lvl.policy.on_insert(key, sizes[j], _parent_of(key) if lvl.policy.uses_parent else None)
                     lvl.counters["writes"] += 1
                     lvl.counters["bytes_written"] += self._sizes[key]
         return result
@@ -581,7 +582,8 @@ class Store:
             for block in lvl.tier.recover():
                 self._where[block.key] = self._where.get(block.key, 0) | 1 << i
                 self._sizes[block.key] = block.nbytes
-                lvl.policy.on_insert(block.key, block.nbytes, _parent_of(block.key))
+                lvl.policy.on_insert(block.key, block.nbytes,
+                                     _parent_of(block.key) if lvl.policy.uses_parent else None)
 
     def _level_index(self, tier: int | str) -> int:
         if isinstance(tier, int) and 0 <= tier < len(self._levels):

@@ -19,6 +19,7 @@ class EvictionPolicy(ABC):
     """
 
     name: str = "policy"
+    uses_parent: bool = False  # True: the Store passes each key's parent to on_insert
 
     @abstractmethod
     def on_insert(self, key: Hashable, nbytes: int, parent: Hashable | None = None) -> None:

@@ -64,6 +64,7 @@ _Entry = tuple[float, int, Hashable]  # (priority, stamp, key); stamp breaks tie
 
 class LineagePolicy(EvictionPolicy):
     name = "lineage"
+    uses_parent = True
 
     def __init__(self) -> None:
         self._parent: dict[Hashable, Hashable | None] = {}
