@@ -352,10 +352,13 @@ class Store:
                         lvl.counters["bytes_read"] += self._sizes.get(key, 0)
                         if self._where.get(key, 0) >> i & 1:
                             lvl.policy.on_access(key)
-                    elif self._where.get(key, 0) >> i & 1:
-                        # Indexed but unreadable (corrupt, lost, evicted mid-read): drop it
-                        # here and try the next tier that claims it.
-                        self._drop(key, i)
+                    else:
+                        if self._where.get(key, 0) >> i & 1:
+                            # Indexed but unreadable (corrupt, lost): drop it here.
+                            self._drop(key, i)
+                        # Try the tiers that hold it now: a block evicted from this tier
+                        # while we read it has been spilled into the next one.
+                        masks[j] = self._where.get(key, 0)
         with self._lock:
             for j, key in enumerate(keys):
                 if done[j]:
