@@ -10,7 +10,7 @@ import sys
 
 from kvstore.errors import KVStoreError
 
-COMMANDS = ("config", "bench")
+COMMANDS = ("config", "bench", "doctor")
 
 
 def build_parser() -> argparse.ArgumentParser:

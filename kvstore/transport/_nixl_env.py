@@ -1,0 +1,24 @@
+"""Process environment NIXL's bundled UCX needs, applied before UCX is loaded."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+SYSFS_INFINIBAND = Path("/sys/class/infiniband")
+
+
+def has_infiniband() -> bool:
+    """True when the kernel exposes at least one RDMA device."""
+    try:
+        return any(SYSFS_INFINIBAND.iterdir())
+    except OSError:
+        return False
+
+
+def prepare_ucx_env() -> None:
+    """Set ``UCX_MODULES=^ib`` when the node has no RDMA device and the user has not
+    chosen UCX modules: NIXL's bundled UCX otherwise crashes at process exit (in libnl)
+    after its work succeeded. Child processes inherit the setting."""
+    if "UCX_MODULES" not in os.environ and not has_infiniband():
+        os.environ["UCX_MODULES"] = "^ib"
