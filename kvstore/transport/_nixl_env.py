@@ -19,6 +19,10 @@ def has_infiniband() -> bool:
 def prepare_ucx_env() -> None:
     """Set ``UCX_MODULES=^ib`` when the node has no RDMA device and the user has not
     chosen UCX modules: NIXL's bundled UCX otherwise crashes at process exit (in libnl)
-    after its work succeeded. Child processes inherit the setting."""
+    after its work succeeded. Also quiets NIXL's INFO logging unless ``NIXL_LOG_LEVEL`` is
+    set. Child processes inherit both."""
     if "UCX_MODULES" not in os.environ and not has_infiniband():
         os.environ["UCX_MODULES"] = "^ib"
+    # NIXL logs every agent and backend creation at INFO to stdout, which would mix
+    # into our own output (e.g. `kvstore doctor --json`); keep warnings and errors.
+    os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
