@@ -16,6 +16,10 @@ def build_tier(cfg: TierConfig) -> Tier:
         from tiers.dram import DramTier
 
         return DramTier(cfg.capacity, name=cfg.name, shm_path=cfg.shm_path, pin=cfg.pin)
+    if cfg.kind == "remote":
+        from tiers.remote import RemoteTier
+
+        return RemoteTier(cfg.address, cfg.capacity, name=cfg.name, token=cfg.token, timeout_s=cfg.timeout_s)
     raise ConfigError(f"tiers.{cfg.name}.kind: tier kind {cfg.kind!r} is not available in this build")
 
 

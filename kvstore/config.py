@@ -145,6 +145,8 @@ class ServerConfig(_Frozen):
     max_batch: int = Field(4096, ge=1)
     max_inflight_bytes: Size = Field(1 << 30, gt=0)
     idle_timeout_s: float = Field(300.0, gt=0)
+    shm_lease_s: float = Field(30.0, gt=0)       # a same-host read lease ends after this at most
+    shutdown_grace_s: float = Field(10.0, ge=0)  # requests in flight get this long at shutdown
 
 
 class StoreConfig(_Frozen):
