@@ -14,6 +14,7 @@ free list (one per concurrent call at most), registered once and reused.
 
 from __future__ import annotations
 
+import select
 import threading
 from typing import Any, Sequence
 
@@ -30,7 +31,9 @@ _KIND = {"DRAM": 0, "VRAM": 1}
 
 class NixlClientPath:
     def __init__(self, *, timeout_s: float, staging_bytes: int) -> None:
-        self.endpoint = NixlEndpoint("client", timeout_s=timeout_s)
+        # No progress thread (it busy-polls a core for the process's lifetime): the
+        # client drives UCX itself while it waits for the server's reply (_call).
+        self.endpoint = NixlEndpoint("client", timeout_s=timeout_s, progress_thread=False)
         self._staging_bytes = staging_bytes
         self._lock = threading.Lock()
         self._version = 1  # bumped on every registration: connections re-introduce us
@@ -48,7 +51,7 @@ class NixlClientPath:
             version = self._version
         if getattr(conn, "nixl_version", 0) == version:
             return
-        _, body = conn.call(P.Op.NIXL_HELLO, self.endpoint.metadata())
+        _, body = self._call(conn, P.Op.NIXL_HELLO, self.endpoint.metadata())
         self.endpoint.add_peer(body)
         conn.nixl_version = version
 
@@ -96,7 +99,7 @@ class NixlClientPath:
     def _get(self, conn, keys, dsts, sizes, descs, staged) -> tuple[list[bool], list[int]]:
         self.introduce(conn)
         body = P.encode_nixl(_KIND[descs.mem], int(descs.rows[0, 2]), keys, sizes, descs.rows[:, 0].tolist())
-        _, reply = conn.call(P.Op.NIXL_GET, body)
+        _, reply = self._call(conn, P.Op.NIXL_GET, body)
         got = P.decode_sizes(reply, len(keys)).tolist()
         out, later = [], []
         for i, (g, want) in enumerate(zip(got, sizes)):
@@ -125,10 +128,21 @@ class NixlClientPath:
                     copy_bytes(view, src)
             self.introduce(conn)
             body = P.encode_nixl(_KIND[descs.mem], int(descs.rows[0, 2]), keys, sizes, descs.rows[:, 0].tolist())
-            _, reply = conn.call(P.Op.NIXL_PUT, body)
+            _, reply = self._call(conn, P.Op.NIXL_PUT, body)
             return P.decode_flags(reply, len(keys))
         finally:
             self._give_back(staging)
+
+    def _call(self, conn: Any, op: int, body: bytes) -> tuple[Any, bytes]:
+        """Send a request and progress NIXL until the reply is readable (the server's
+        one-sided transfer may need this side's UCX worker, e.g. to connect)."""
+        conn.send(op, body)
+        sock, progress = conn.sock, self.endpoint.progress
+        while True:
+            progress()
+            readable, _, _ = select.select([sock], [], [], 0.0002)
+            if readable:
+                return conn.recv_reply(op)
 
     def close(self) -> None:
         self.endpoint.close()

@@ -70,7 +70,7 @@ class NixlService:
             from kvstore.transport.nixl import NixlEndpoint
 
             try:
-                ep = NixlEndpoint("server")
+                ep = NixlEndpoint("server", progress_thread=False)
                 arena = getattr(self.server.store.tiers[0], "arena", None)
                 if arena is None:
                     raise TransportError("the first tier has no host arena to register")

@@ -123,7 +123,8 @@ class NixlEndpoint:
     mode and registrations are guarded here. Registered buffers are kept referenced (so
     never freed) until deregistered or the endpoint closes."""
 
-    def __init__(self, role: str = "peer", *, num_threads: int = 0, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+    def __init__(self, role: str = "peer", *, num_threads: int = 0, timeout_s: float = DEFAULT_TIMEOUT_S,
+                 progress_thread: bool = True) -> None:
         prepare_ucx_env()
         try:
             from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
@@ -131,7 +132,7 @@ class NixlEndpoint:
             raise TransportError(f"NIXL is not available: {type(exc).__name__}: {exc}") from exc
         self.timeout_s = timeout_s
         self.name = f"kvstore-{role}-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        conf = nixl_agent_config(enable_prog_thread=True, enable_listen_thread=False, backends=["UCX"],
+        conf = nixl_agent_config(enable_prog_thread=progress_thread, enable_listen_thread=False, backends=["UCX"],
                                  num_threads=num_threads, sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT)
         self._agent = _nixl_call("agent creation", nixl_agent, self.name, conf)
         if "UCX" not in self._agent.backends:
@@ -204,6 +205,11 @@ class NixlEndpoint:
             self._agent.remove_remote_agent(name)
         except Exception as exc:  # the peer may already be gone; nothing left to undo
             log.debug("removing NIXL peer %s: %s", name, exc)
+
+    def progress(self) -> None:
+        """Drive NIXL's backend once (for an endpoint without a progress thread that is
+        the target of a peer's transfer: call it while waiting for the peer)."""
+        _nixl_call("progress", self._agent.get_new_notifs)
 
     # -- transfers ------------------------------------------------------------------------
 
