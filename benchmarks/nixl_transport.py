@@ -3,9 +3,10 @@ run: 1 MiB blocks, 1/4/16 concurrent client processes.
 
     python benchmarks/nixl_transport.py [--clients 1 4 16] [--blocks 32] [--rounds 4]
 
-Each client process owns ``--blocks`` keys: it saves them once (put), then loads them
-``--rounds`` times (get) into buffers allocated once and pre-touched (for NIXL they are
-registered, as an engine registers its KV-cache pool). Throughput is all clients'
+Each client process owns ``--blocks`` keys and buffers allocated once and pre-touched
+(for NIXL they are registered, as an engine registers its KV-cache pool). After an
+untimed warm-up (save and load once), it saves ``--blocks`` new keys (put) and loads
+its blocks ``--rounds`` times (get). Throughput is all clients'
 bytes over the wall time from the first start to the last finish (a barrier lines the
 clients up). Mooncake runs when ``mooncake.store`` imports in ``.venv/peers`` (``bash
 benchmarks/install_peers.sh``). Prints one table, writes benchmarks/results/nixl_transport.json
@@ -79,10 +80,13 @@ def kvstore_worker(address: str, transport: str, idx: int, blocks: int, rounds: 
     with Client(address, transport=transport, timeout_s=120, pool_size=2) as c:
         assert c.transport == transport, f"wanted {transport}, got {c.transport}"
         c.register(pool)
-        c.load(keys[:1], bufs[:1]).result()  # connect and exchange metadata before timing
+        fresh = Namespace(model="bench", dtype="uint8", chunk_tokens=1, salt=f"{transport}-{idx}-put").chunk_keys(
+            np.arange(blocks, dtype=np.int64))
+        # warm-up, untimed: connections, NIXL metadata, UCX endpoints and caches
+        assert all(c.save(keys, bufs).result()) and all(c.load(keys, bufs).result())
         barrier.wait()
         t0 = time.perf_counter()
-        ok = c.save(keys, bufs).result()
+        ok = c.save(fresh, bufs).result()
         t1 = time.perf_counter()
         for _ in range(rounds):
             got = c.load(keys, bufs).result()
@@ -133,6 +137,9 @@ assert st.register_buffer(buf.ctypes.data, buf.nbytes) == 0
 keys = [f"b{idx}-{i}" for i in range(blocks)]
 ptrs = [buf.ctypes.data + (i << 20) for i in range(blocks)]
 sizes = [1 << 20] * blocks
+wk = [f"w{idx}-{i}" for i in range(blocks)]
+assert all(x == 0 for x in st.batch_put_from(wk, ptrs, sizes))  # warm-up, untimed
+st.batch_get_into(wk, ptrs, sizes)
 while time.time() < start_at:
     time.sleep(0.001)
 t0 = time.perf_counter()
@@ -159,7 +166,7 @@ def run_mooncake(clients: int, blocks: int, rounds: int) -> dict | None:
                                "--rpc_address=127.0.0.1", f"--rpc_port={p2}", "--metrics_host=127.0.0.1",
                                f"--metrics_port={p3}"], env=env, stdout=subprocess.DEVNULL,
                               stderr=subprocess.DEVNULL)
-    segment = max(512, clients * blocks * 2 + 256)
+    segment = max(512, clients * blocks * 3 + 256)
     store = None
     try:
         time.sleep(2)
