@@ -93,6 +93,7 @@ def kvstore_worker(address: str, transport: str, idx: int, blocks: int, rounds: 
         t2 = time.perf_counter()
         assert all(ok) and all(got), "a block was not stored or loaded"
         assert c.fallbacks.total == 0, c.fallbacks.stats()
+        c.delete(keys + fresh)  # the next run starts with an empty server
     out.put((t0, t1, t2))
 
 

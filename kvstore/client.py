@@ -65,7 +65,7 @@ class Client:
                                 int(self.info.get("max_inflight_bytes", 1 << 30))) - (1 << 20)
         self._arena: ArenaMap | None = None
         self._conn_addr = self.address
-        if transport != "tcp" and ArenaMap.is_local(self.info.get("shm")):
+        if transport in ("auto", "shm") and ArenaMap.is_local(self.info.get("shm")):
             self._arena = ArenaMap(self.info["shm"])
             if self.info.get("socket_path") and not self.address.path:
                 self._conn_addr = Address(None, None, self.info["socket_path"])

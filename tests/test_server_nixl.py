@@ -182,3 +182,55 @@ def test_explicit_nixl_refused_by_a_tcp_server():
             assert c.transport == "tcp"
     finally:
         s.stop()
+
+
+def test_explicit_nixl_on_a_server_that_also_offers_shared_memory():
+    """``transport="nixl"`` is honoured even where ``auto`` would pick shared memory."""
+    s = ThreadServer(config_dict("32MiB", transport="auto"))
+    try:
+        with Client(s.address, transport="auto") as c:
+            assert c.transport == "shm"
+        with Client(s.address, transport="nixl") as c:
+            assert c.transport == "nixl"
+            keys = make_keys(3, salt="explicit")
+            srcs = [payload(i, BLOCK) for i in range(3)]
+            assert c.save(keys, srcs).result() == [True] * 3
+            dsts = [np.zeros(BLOCK, np.uint8) for _ in keys]
+            assert c.load(keys, dsts).result() == [True] * 3
+            assert all(np.array_equal(a, b) for a, b in zip(srcs, dsts))
+            assert c.stats()["server"]["nixl"]["gets"] == 1
+    finally:
+        s.stop()
+
+
+def test_auto_falls_back_when_nixl_is_not_installed_on_the_client(server):
+    """A client process where the nixl package cannot be found (its spec lookup hidden,
+    as on a machine without it) talks to a NIXL server over TCP with ``auto``, and an
+    explicit ``nixl`` says why it cannot."""
+    code = (
+        "import importlib.util as u, numpy as np\n"
+        "orig = u.find_spec\n"
+        "u.find_spec = lambda n, *a, **k: None if n == 'nixl' else orig(n, *a, **k)\n"
+        "from kvstore.client import Client\n"
+        "from kvstore.errors import ConfigError\n"
+        "from kvstore.testing import make_keys, payload\n"
+        f"c = Client({server.address!r}, transport='auto')\n"
+        "assert c.info['nixl'] and c.transport == 'tcp' and c.fallbacks.total == 0, c.transport\n"
+        "k = make_keys(2, salt='no-nixl'); s = [payload(i, 1 << 20) for i in range(2)]\n"
+        "assert c.save(k, s).result() == [True, True]\n"
+        "d = [np.zeros(1 << 20, np.uint8) for _ in k]\n"
+        "assert c.load(k, d).result() == [True, True] and all((a == b).all() for a, b in zip(s, d))\n"
+        "c.close()\n"
+        "try:\n"
+        f"    Client({server.address!r}, transport='nixl')\n"
+        "except ConfigError as e:\n"
+        "    assert 'not installed' in str(e), e\n"
+        "else:\n"
+        "    raise AssertionError('explicit nixl must fail without nixl')\n"
+        "print('fallback-ok')\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT), **UCX_ENV}
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "fallback-ok" in out.stdout
