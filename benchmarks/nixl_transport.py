@@ -186,8 +186,12 @@ def run_mooncake(clients: int, blocks: int, rounds: int) -> dict | None:
         for w in workers:
             outp, errp = w.communicate(timeout=600)
             if w.returncode:
-                print(f"mooncake worker failed: {errp[-500:]}", file=sys.stderr)
-                return None
+                lines = [ln for ln in errp.strip().splitlines() if ln.strip()]
+                why = next((ln for ln in reversed(lines) if "failed" in ln or "Error" in ln), lines[-1] if lines else "?")
+                print(f"mooncake worker failed: {why[-300:]}", file=sys.stderr)
+                for other in workers:
+                    other.kill()
+                return {"error": why[-300:]}
             t0, t1, t2, offset = json.loads(outp.strip().splitlines()[-1])
             times.append((t0 + offset, t1 + offset, t2 + offset))  # one clock across processes
         return _rates(times, clients, blocks, rounds)
@@ -226,7 +230,11 @@ def main() -> None:
 
 
 def _fmt(r: dict | None, k: str) -> str:
-    return f"{r[k]:7.2f}" if r else "    n/a"
+    return f"{r[k]:7.2f}" if r and k in r else "    n/a"
+
+
+def _val(r: dict | None, k: str) -> float:
+    return r[k] if r and k in r else float("nan")
 
 
 def _line(row: dict) -> str:
@@ -244,9 +252,11 @@ def report(rows: list[dict], args: argparse.Namespace) -> None:
     for r in rows:
         x, t, m = r["nixl"], r["tcp"], r["mooncake_tcp"]
         print(f"{r['clients']:>7} | {x['get_GBps']:8.2f} {t['get_GBps']:8.2f} "
-              f"{(m['get_GBps'] if m else float('nan')):8.2f} {x['get_GBps'] / t['get_GBps']:8.2f} | "
-              f"{x['put_GBps']:8.2f} {t['put_GBps']:8.2f} {(m['put_GBps'] if m else float('nan')):8.2f} "
+              f"{_val(m, 'get_GBps'):8.2f} {x['get_GBps'] / t['get_GBps']:8.2f} | "
+              f"{x['put_GBps']:8.2f} {t['put_GBps']:8.2f} {_val(m, 'put_GBps'):8.2f} "
               f"{x['put_GBps'] / t['put_GBps']:8.2f}")
+        if m and "error" in m:
+            print(f"{'':>7}   (Mooncake failed with {r['clients']} clients: {m['error'][:120]})")
     out_dir = ROOT / "benchmarks" / "results"
     out_dir.mkdir(parents=True, exist_ok=True)
     result = {"block_bytes": BLOCK, "blocks_per_client": args.blocks, "rounds": args.rounds, "rows": rows,
@@ -262,7 +272,7 @@ def report(rows: list[dict], args: argparse.Namespace) -> None:
         for ax, op in zip(axes, ("get", "put")):
             xs = [r["clients"] for r in rows]
             for name, label in (("nixl", "kvstore NIXL"), ("tcp", "kvstore TCP"), ("mooncake_tcp", "Mooncake TCP")):
-                ys = [r[name][f"{op}_GBps"] if r[name] else float("nan") for r in rows]
+                ys = [_val(r[name], f"{op}_GBps") for r in rows]
                 ax.plot(xs, ys, marker="o", label=label)
             ax.set_xscale("log", base=2)
             ax.set_xlabel("clients")

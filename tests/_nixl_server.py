@@ -5,7 +5,8 @@ that dies mid-transfer.
     python -m tests._nixl_server serve --capacity BYTES      # prints "PORT <n>"
     python -m tests._nixl_server die --port N --op get|put --blocks K --block-bytes B
 
-The authkey comes from $KVSTORE_TEST_AUTHKEY. Each connection is served by its own
+The authkey comes from $NIXL_TEST_AUTHKEY (not KVSTORE_…: that prefix is for config
+overrides). Each connection is served by its own
 thread; a client that vanishes ends only its own thread.
 """
 
@@ -128,7 +129,7 @@ class Harness:
 
 def serve(capacity: int) -> None:
     harness = Harness(capacity)
-    listener = Listener(("127.0.0.1", 0), authkey=os.environb[b"KVSTORE_TEST_AUTHKEY"])
+    listener = Listener(("127.0.0.1", 0), authkey=os.environb[b"NIXL_TEST_AUTHKEY"])
     print(f"PORT {listener.address[1]}", flush=True)
     while True:
         try:
@@ -142,9 +143,9 @@ def serve(capacity: int) -> None:
 class HarnessClient:
     """A client of :class:`Harness`: one NIXL endpoint, one control connection."""
 
-    def __init__(self, port: int, role: str = "client") -> None:
+    def __init__(self, port: int, authkey: bytes, role: str = "client") -> None:
         self.endpoint = NixlEndpoint(role, timeout_s=20.0)
-        self.conn = Client(("127.0.0.1", port), authkey=os.environb[b"KVSTORE_TEST_AUTHKEY"])
+        self.conn = Client(("127.0.0.1", port), authkey=authkey)
         self._hello_done = False
 
     def call(self, op: str, *args):
@@ -191,7 +192,7 @@ class HarnessClient:
 def die(port: int, op: str, blocks: int, block_bytes: int) -> None:
     """Register a fresh (unfaulted, so slow to fill) buffer, ask for a big transfer and
     SIGKILL this process while the server is moving the bytes."""
-    client = HarnessClient(port, role="dying")
+    client = HarnessClient(port, os.environb[b"NIXL_TEST_AUTHKEY"], role="dying")
     buf = np.empty(blocks * block_bytes, np.uint8)
     client.register(buf)
     bufs = [buf[i * block_bytes:(i + 1) * block_bytes] for i in range(blocks)]

@@ -40,8 +40,7 @@ def _env() -> dict:
 @pytest.fixture(scope="module")
 def server():
     authkey = secrets.token_hex(16)
-    os.environ["KVSTORE_TEST_AUTHKEY"] = authkey
-    env = _env()
+    env = {**_env(), "NIXL_TEST_AUTHKEY": authkey}
     proc = subprocess.Popen([sys.executable, "-m", "tests._nixl_server", "serve", "--capacity", str(CAPACITY)],
                             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
@@ -49,7 +48,7 @@ def server():
         if not line.startswith("PORT "):
             proc.kill()
             pytest.fail(f"NIXL test server did not start: {line!r} {proc.stderr.read()[-2000:]}")
-        yield {"port": int(line.split()[1]), "proc": proc, "env": env}
+        yield {"port": int(line.split()[1]), "proc": proc, "env": env, "authkey": authkey.encode()}
     finally:
         proc.kill()
         proc.wait(10)
@@ -57,7 +56,7 @@ def server():
 
 @pytest.fixture
 def client(server):
-    c = HarnessClient(server["port"])
+    c = HarnessClient(server["port"], server["authkey"])
     pool = np.zeros(16 * BLOCK, np.uint8)  # touched once, registered once, reused
     c.register(pool)
     c.pool = pool
