@@ -21,6 +21,7 @@ block whose bytes did not fully arrive.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -34,6 +35,7 @@ from kvstore.errors import (BufferSizeError, ConfigError, InvalidArgumentError, 
                             TierUnavailableError, TransportError)
 from kvstore.keys import BlockKey
 from kvstore.server import _protocol as P
+from kvstore._copy import copy_batch
 from kvstore._wire import Address, ArenaMap, Conn
 from kvstore.transport import FallbackCounter, nixl_available
 
@@ -77,6 +79,11 @@ class Client:
         else:
             first.close()
         self._pool = ThreadPoolExecutor(self._pool_size, thread_name_prefix="kvstore-client")
+        # Same-host copies of a large batch are split over a few threads: one memcpy
+        # stream does not saturate memory bandwidth, and numpy/torch copies drop the GIL.
+        self._copy_threads = min(4, os.cpu_count() or 1) if self._arena is not None else 1
+        self._copier = ThreadPoolExecutor(self._copy_threads - 1, thread_name_prefix="kvstore-copy") \
+            if self._copy_threads > 1 else None
         self.fallbacks = FallbackCounter()
         self._nixl: Any = None
         if self._arena is None and transport in ("auto", "nixl"):
@@ -286,13 +293,14 @@ class Client:
 
     def _shm_put(self, conn: Conn, keys: list[BlockKey], srcs: list[Any]) -> list[bool]:
         staging = conn.attach_staging(self._staging_bytes)
-        sizes, offsets, pos = [], [], 0
+        sizes, offsets, pairs, pos = [], [], [], 0
         for src in srcs:
             n = nbytes_of(src)
-            copy_bytes(staging.array[pos:pos + n], src)
+            pairs.append((staging.array[pos:pos + n], src))
             sizes.append(n)
             offsets.append(pos)
             pos += n
+        copy_batch(pairs, pos, self._copier, self._copy_threads)
         _, body = conn.call(P.Op.SHM_PUT, P.encode_records(P.STAGED, keys, sizes, offsets))
         return P.decode_flags(body, len(keys))
 
@@ -301,7 +309,7 @@ class Client:
         _, body = conn.call(P.Op.SHM_GET, P.encode_records(P.SIZED, keys, sizes))
         lid, placed = P.decode_placed(body, len(keys))
         out = [False] * len(keys)
-        socket_idx = []
+        socket_idx, pairs, total = [], [], 0
         try:
             arena = self._arena.array
             for i, (n, off, where) in enumerate(placed.tolist()):
@@ -315,8 +323,10 @@ class Client:
                 src = arena if where == P.WHERE_ARENA else conn.staging.array if conn.staging else None
                 if src is None or off + n > src.nbytes:
                     raise RemoteError(f"server {conn.addr}: SHM_GET placement outside the shared region")
-                copy_bytes(dsts[i], src[off:off + n])
+                pairs.append((dsts[i], src[off:off + n]))
+                total += n
                 out[i] = True
+            copy_batch(pairs, total, self._copier, self._copy_threads)
         finally:
             if lid:
                 conn.send(P.Op.SHM_DONE, P.encode_u64(lid))
@@ -353,6 +363,8 @@ class Client:
             return
         self._closed = True
         self._pool.shutdown(wait=True)
+        if self._copier is not None:
+            self._copier.shutdown(wait=True)
         with self._lock:
             idle, self._idle = self._idle, []
         for c in idle:

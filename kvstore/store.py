@@ -15,7 +15,7 @@ import logging
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import ExitStack, contextmanager
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Mapping, Sequence
 
@@ -151,13 +151,11 @@ class Store:
         ``with`` block exits. Thread-safe; exit the block from any thread."""
         self._check_open()
         lvl = self._levels[0]
-        with ExitStack() as stack:
-            views = []
-            for key in keys:
-                view = None
-                if self._where.get(key, 0) & 1:
-                    view = stack.enter_context(lvl.tier.view(key))
-                views.append(view)
+        where = self._where
+        held = [k if where.get(k, 0) & 1 else None for k in keys]
+        with lvl.tier.views([k for k in held if k is not None]) as got:
+            it = iter(got)
+            views = [next(it) if k is not None else None for k in held]
             with self._lock:
                 self._ops["loads"] += len(keys)
                 for key, view in zip(keys, views):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 
@@ -156,3 +158,21 @@ def test_stats_and_ping(client):
     stats = client.stats()
     assert stats["tiers"][0]["name"] == "hot"
     assert stats["server"]["connections"] >= 1
+
+
+def test_idle_connections_are_closed_and_the_client_reconnects():
+    s = ThreadServer(config_dict(idle_timeout_s=0.3))
+    try:
+        with Client(s.address, transport="tcp", pool_size=1) as c:
+            key = make_keys(1, salt="idle")
+            assert c.save(key, [payload(5, 4096)]).result(10) == [True]
+            assert s.server.stats()["server"]["connections"] == 1
+            deadline = time.monotonic() + 10
+            while s.server.stats()["server"]["connections"] and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert s.server.stats()["server"]["connections"] == 0  # the server closed it
+            dst = np.zeros(4096, np.uint8)
+            assert c.load(key, [dst]).result(10) == [True]  # transparently reconnected
+            assert np.array_equal(dst, payload(5, 4096))
+    finally:
+        s.stop()

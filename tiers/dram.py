@@ -62,6 +62,8 @@ class DramTier(Tier):
             flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
             self._mmap = mmap.mmap(-1, size, flags=flags)
         self.arena = np.frombuffer(self._mmap, dtype=np.uint8)
+        self._readonly = self.arena.view()
+        self._readonly.flags.writeable = False
         self.pinned = self._pin() if pin is not False else False
         self._alloc = ExtentAllocator(size, SLOT_ALIGN)
         self._slots: dict[BlockKey, _Slot] = {}
@@ -195,6 +197,27 @@ class DramTier(Tier):
         finally:
             self._release(slot)
 
+    @contextmanager
+    def views(self, keys: Sequence[BlockKey]) -> Iterator[list[np.ndarray | None]]:
+        """Read-only views of many blocks, their slots held under one lock round trip
+        each way (the cache server borrows whole batches this way)."""
+        with self._lock:
+            slots = [self._slots.get(k) for k in keys]
+            for slot in slots:
+                if slot is not None:
+                    slot.readers += 1
+        try:
+            ro = self._readonly
+            yield [ro[s.offset:s.offset + s.nbytes] if s is not None else None for s in slots]
+        finally:
+            with self._lock:
+                for slot in slots:
+                    if slot is None:
+                        continue
+                    slot.readers -= 1
+                    if slot.dead and slot.readers == 0:
+                        self._alloc.free(slot.offset, slot.nbytes)
+
     def _acquire(self, key: BlockKey) -> _Slot | None:
         with self._lock:
             slot = self._slots.get(key)
@@ -267,7 +290,7 @@ class DramTier(Tier):
             self._slots.clear()
             self._used = 0
             mm, self._mmap = self._mmap, None
-        self.arena = np.empty(0, dtype=np.uint8)
+        self.arena = self._readonly = np.empty(0, dtype=np.uint8)
         try:
             mm.close()
         except BufferError:  # a view is still exported; the GC unmaps it later

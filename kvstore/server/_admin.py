@@ -18,7 +18,6 @@ if TYPE_CHECKING:
     from kvstore.server._server import Server
 
 log = logging.getLogger("kvstore.server")
-_MAX_HEAD = 16 << 10
 _REASONS = {200: "OK", 400: "Bad Request", 401: "Unauthorized", 404: "Not Found", 405: "Method Not Allowed",
             503: "Service Unavailable"}
 
@@ -78,4 +77,4 @@ async def _route(server: "Server", head: bytes) -> tuple[int, str, bytes]:
     return 200, "application/json", json.dumps({"removed": removed}).encode()
 
 
-__all__ = ["handle_admin", "_MAX_HEAD"]
+__all__ = ["handle_admin"]

@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from kvstore.server._server import Server
 
 log = logging.getLogger("kvstore.server")
+_KEEP_BUFFER_BYTES = 256 << 20  # scratch buffers up to this size are kept for the next request
 
 
 class _Disconnected(Exception):
@@ -47,6 +48,10 @@ class _Busy(KVStoreError):
 
 
 class Connection:
+    """State of one client connection; all of it lives on the event loop thread.
+    Memory it may hold: a scratch buffer of at most ``max_inflight_bytes`` (dropped after
+    use when over 256 MiB) and leases on at most ``max_inflight_bytes`` of slots."""
+
     def __init__(self, server: "Server", sock: socket.socket, peer: str, local: bool) -> None:
         self.server, self.sock, self.peer, self.local = server, sock, peer, local
         self.loop = asyncio.get_running_loop()
@@ -79,7 +84,7 @@ class Connection:
         await self.loop.sock_sendall(self.sock, P.pack_header(op, rid, len(body), payload_len, status) + body)
 
     def _buffer(self, nbytes: int) -> np.ndarray:
-        """The connection's scratch buffer, grown on demand (page-aligned, touched once)."""
+        """The connection's scratch buffer, grown on demand and reused across requests."""
         if nbytes > self.server.config.server.max_inflight_bytes:
             raise _Fatal(P.Status.TOO_LARGE, f"{nbytes} bytes in flight exceed max_inflight_bytes "
                          f"{self.server.config.server.max_inflight_bytes}")
@@ -110,6 +115,8 @@ class Connection:
                 await self._recv_exact(body)
                 args = P.decode_request(header, body, server.limits)
                 status = await self._dispatch(op, rid, args, header)
+                if self.buf.nbytes > _KEEP_BUFFER_BYTES:  # a rare huge request: do not hold its memory
+                    self.buf = np.empty(0, np.uint8)
                 metrics.latency.labels(op.name).observe(time.perf_counter() - t0)
                 metrics.requests.labels(op.name, status.name).inc()
                 self.busy = False
@@ -321,34 +328,32 @@ class Connection:
     async def _op_shm_get(self, rid: int, args: tuple, header: P.Header) -> None:
         self._need_local()
         keys, rec = args
+        n = len(keys)
         want = rec["nbytes"].tolist()
-        placed = np.zeros(len(keys), dtype=P.PLACED)
-        placed["nbytes"] = P.MISS
+        sizes, offsets, where = [P.MISS] * n, [0] * n, [P.WHERE_ARENA] * n
         lease = Lease(self.server.borrow(keys))
         try:
-            views = lease.views
             base = self.server.arena.base_address
             lower = []
-            for i, v in enumerate(views):
+            for i, v in enumerate(lease.views):
                 if v is None:
                     lower.append(i)
                 elif v.nbytes != want[i]:
-                    placed[i]["nbytes"] = P.SIZE_MISMATCH
+                    sizes[i] = P.SIZE_MISMATCH
                 else:
-                    placed[i] = (want[i], v.ctypes.data - base, P.WHERE_ARENA)
+                    sizes[i], offsets[i] = want[i], v.ctypes.data - base
                     lease.nbytes += want[i]
             if self.leased_bytes + lease.nbytes > self.server.config.server.max_inflight_bytes:
                 raise _Busy(f"{self.leased_bytes + lease.nbytes} leased bytes would exceed "
                             f"max_inflight_bytes; release earlier leases first")
             if lower:
-                self._place_lower(keys, want, lower, placed)
-                staged = [i for i in lower if placed[i]["where"] == P.WHERE_STAGING]
+                staged = self._place_lower(keys, want, lower, sizes, offsets, where)
                 if staged:
-                    sizes, srcs = [P.MISS] * len(keys), [None] * len(keys)
-                    await self._load_lower(keys, want, staged, self.staging.array, 0, sizes, srcs)
+                    got, srcs = [P.MISS] * n, [None] * n
+                    await self._load_lower(keys, want, staged, self.staging.array, 0, got, srcs)
                     for i in staged:
-                        if sizes[i] < 0:
-                            placed[i]["nbytes"] = sizes[i]
+                        if got[i] < 0:
+                            sizes[i] = got[i]
         except BaseException:
             lease.release()
             raise
@@ -359,23 +364,29 @@ class Connection:
             self.leased_bytes += lease.nbytes
         else:
             lease.release()
+        placed = np.empty(n, dtype=P.PLACED)
+        placed["nbytes"], placed["offset"], placed["where"] = sizes, offsets, where
         self.server.metrics.bytes.labels("out", "shm").inc(lease.nbytes)
         await self._reply(P.Op.SHM_GET, rid, P.encode_placed(lid, placed))
 
-    def _place_lower(self, keys: list, want: list[int], lower: list[int], placed: np.ndarray) -> None:
+    def _place_lower(self, keys: list, want: list[int], lower: list[int], sizes: list[int],
+                     offsets: list[int], where: list[int]) -> list[int]:
         """Blocks held only below the first tier: into the client's staging region while
-        it has room, the rest marked for a socket GET."""
+        it has room (returned, to be loaded there), the rest marked for a socket GET."""
         present = self.server.store.contains([keys[i] for i in lower])
         room = self.staging.nbytes if self.staging is not None else 0
-        pos = 0
+        staged, pos = [], 0
         for i, there in zip(lower, present):
             if not there:
                 continue
+            sizes[i] = want[i]
             if pos + want[i] <= room:
-                placed[i] = (want[i], pos, P.WHERE_STAGING)
+                offsets[i], where[i] = pos, P.WHERE_STAGING
+                staged.append(i)
                 pos += want[i]
             else:
-                placed[i] = (want[i], 0, P.WHERE_SOCKET)
+                where[i] = P.WHERE_SOCKET
+        return staged
 
     async def _op_shm_put(self, rid: int, args: tuple, header: P.Header) -> None:
         self._need_local()

@@ -18,7 +18,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from kvstore.errors import InvalidArgumentError, ProtocolError
+from kvstore.errors import ProtocolError
 from kvstore.keys import KEY_WIRE_BYTES, BlockKey
 
 MAGIC = b"KV"
@@ -156,10 +156,9 @@ def _count(body: memoryview, record: int, limits: Limits, offset: int = 0) -> in
 
 
 def _keys_from(raw: np.ndarray) -> list[BlockKey]:
-    try:
-        return [BlockKey.from_bytes(r.tobytes()) for r in raw]
-    except InvalidArgumentError as exc:  # cannot happen for fixed-width records; kept strict
-        raise ProtocolError(f"bad key: {exc}") from None
+    data = raw.tobytes()  # one copy of the key column, then slices of it
+    return [BlockKey(data[o:o + 32], data[o + 32:o + 64], data[o + 64:o + 96])
+            for o in range(0, len(data), KEY_WIRE_BYTES)]
 
 
 def decode_keys(body: Any, limits: Limits, offset: int = 0) -> list[BlockKey]:
