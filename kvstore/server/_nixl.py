@@ -9,9 +9,10 @@ client share that peer, dropped when the last of them closes.
   the client's buffers, under :meth:`Store.borrow` leases (the slots are not reused
   until the transfer ends). Blocks held only in slower tiers are answered ``NOT_SENT``;
   the client fetches those with ``GET``.
-* put: one NIXL READ from the client's buffers into the connection's registered
-  staging buffer, then :meth:`Store.save` (one copy), so admission, eviction and the
-  index run as for any other save — as on the shared-memory path.
+* put: one NIXL READ from the client's buffers into a registered staging buffer (from
+  a pool shared by all connections, touched and registered once), then
+  :meth:`Store.save` (one copy), so admission, eviction and the index run as for any
+  other save — as on the shared-memory path.
 
 Every method blocks (it waits for transfers): the connection runs them in an executor.
 A transfer failure raises :class:`TransportError` (the client falls back to TCP) and
@@ -35,6 +36,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kvstore.server")
 _MEM = {0: "DRAM", 1: "VRAM"}
+_MAX_IDLE_STAGING = 4  # idle staging buffers kept registered for the next puts
+_PREWARM_BUFFERS, _PREWARM_BYTES = 2, 64 << 20  # made when NIXL starts, before any put waits on them
 
 
 class NixlService:
@@ -46,7 +49,7 @@ class NixlService:
         self._endpoint: Any = None
         self._start_error: str | None = None
         self._peers: dict[str, int] = {}       # agent name -> connections bound to it
-        self._staging: dict[int, tuple[np.ndarray, int]] = {}  # connection id -> (buffer, region)
+        self._free: list[tuple[np.ndarray, int]] = []  # idle registered staging buffers, region ids
         self.counters = {"gets": 0, "puts": 0, "bytes_out": 0, "bytes_in": 0, "not_sent": 0,
                          "failures": 0}
 
@@ -81,7 +84,12 @@ class NixlService:
                 log.warning("%s; serving clients over TCP", self._start_error)
                 raise TransportError(self._start_error) from exc
             self._endpoint = ep
-            return ep
+        # pre-touched, registered staging for the first puts (faulting pages in is slow here)
+        size = min(_PREWARM_BYTES, self.server.config.server.max_inflight_bytes)
+        warm = [self._take_staging(size) for _ in range(_PREWARM_BUFFERS)]
+        for staging in warm:
+            self._give_staging(staging)
+        return ep
 
     # -- per connection --------------------------------------------------------------------
 
@@ -100,12 +108,7 @@ class NixlService:
         return ep.metadata()
 
     def drop(self, conn: Any) -> None:
-        """The connection closed: forget its staging buffer and, with its last
-        connection, the client's agent."""
-        with self._lock:
-            staging = self._staging.pop(id(conn), None)
-        if staging is not None and self._endpoint is not None:
-            self._endpoint.deregister(staging[1])
+        """The connection closed: with its last connection, forget the client's agent."""
         name = getattr(conn, "nixl_peer", None)
         if name is not None:
             conn.nixl_peer = None
@@ -172,7 +175,7 @@ class NixlService:
         return sizes
 
     def put(self, conn: Any, args: tuple) -> list[bool]:
-        """READ the client's buffers into this connection's staging buffer, then save."""
+        """READ the client's buffers into a staging buffer, then save."""
         from kvstore.transport.nixl import descs_of
 
         peer = self._peer_of(conn)
@@ -181,39 +184,47 @@ class NixlService:
         limit = self.server.config.server.max_inflight_bytes
         if total > limit:
             raise TransportError(f"NIXL_PUT of {total} bytes exceeds max_inflight_bytes {limit}")
-        buf = self._staging_for(conn, total)
-        views, pos = [], 0
+        staging = self._take_staging(total)
+        buf, views, pos = staging[0], [], 0
         for n in want:
             views.append(buf[pos:pos + n])
             pos += n
         try:
-            self._endpoint.read(descs_of(views), peer, remote)
-        except TransportError as exc:
-            self._count("failures")
-            if exc.in_flight:  # UCX may still write the staging buffer: never reuse it
-                with self._lock:
-                    staging = self._staging.pop(id(conn), None)
-                self._endpoint.keep_forever(staging)
-            raise
-        ok = self.server.store.save(keys, views).result()
+            try:
+                self._endpoint.read(descs_of(views), peer, remote)
+            except TransportError as exc:
+                self._count("failures")
+                if exc.in_flight:  # UCX may still write this buffer: never reuse it
+                    self._endpoint.keep_forever(staging)
+                    staging = None
+                raise
+            ok = self.server.store.save(keys, views).result()
+        finally:
+            if staging is not None:
+                self._give_staging(staging)
         with self._lock:
             self.counters["puts"] += 1
             self.counters["bytes_in"] += total
         return ok
 
-    def _staging_for(self, conn: Any, nbytes: int) -> np.ndarray:
-        """The connection's registered staging buffer, grown on demand (touched once)."""
+    def _take_staging(self, nbytes: int) -> tuple[np.ndarray, int]:
+        """A registered, pre-touched staging buffer of at least ``nbytes`` (pooled)."""
         with self._lock:
-            cur = self._staging.get(id(conn))
-        if cur is not None and cur[0].nbytes >= nbytes:
-            return cur[0]
-        if cur is not None:
-            self._endpoint.deregister(cur[1])
-        buf = np.zeros(max(nbytes, 16 << 20), np.uint8)
-        region = self._endpoint.register(buf)
+            for i, (buf, region) in enumerate(self._free):
+                if buf.nbytes >= nbytes:
+                    return self._free.pop(i)
+        buf = np.empty(max(nbytes, 16 << 20), np.uint8)
+        buf.fill(0)  # fault the pages in now, not inside a transfer
+        return buf, self._endpoint.register(buf)
+
+    def _give_staging(self, staging: tuple[np.ndarray, int]) -> None:
         with self._lock:
-            self._staging[id(conn)] = (buf, region)
-        return buf
+            self._free.append(staging)
+            self._free.sort(key=lambda s: s[0].nbytes)
+            spare = self._free[:-_MAX_IDLE_STAGING] if len(self._free) > _MAX_IDLE_STAGING else []
+            del self._free[:len(spare)]
+        for _, region in spare:  # keep the largest few; return the rest
+            self._endpoint.deregister(region)
 
     def _peer_of(self, conn: Any) -> str:
         peer = getattr(conn, "nixl_peer", None)
