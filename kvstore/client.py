@@ -37,7 +37,7 @@ from kvstore.keys import BlockKey
 from kvstore.server import _protocol as P
 from kvstore._copy import copy_batch
 from kvstore._wire import Address, ArenaMap, Conn
-from kvstore.transport import FallbackCounter, nixl_available
+from kvstore.transport import FallbackCounter, nixl_available, select_transport
 
 log = logging.getLogger(__name__)
 
@@ -87,15 +87,18 @@ class Client:
         self.fallbacks = FallbackCounter()
         self._nixl: Any = None
         if self._arena is None and transport in ("auto", "nixl"):
-            self._start_nixl(transport == "nixl")
+            self._start_nixl(transport)
 
-    def _start_nixl(self, required: bool) -> None:
+    def _start_nixl(self, transport: str) -> None:
         ok, why = nixl_available()
-        if not (ok and self.info.get("nixl")):
-            if required:
-                self.close()
-                reason = why if not ok else f"server {self.address} does not offer NIXL"
-                raise ConfigError(f"transport 'nixl' requested but {reason}")
+        offered = bool(self.info.get("nixl"))
+        try:
+            choice = select_transport(transport, local=False, nixl_ok=ok and offered, setting="Client transport",
+                                      why=why if not ok else f"server {self.address} does not offer NIXL")
+        except ConfigError:
+            self.close()
+            raise
+        if choice != "nixl":
             return
         from kvstore._nixl_client import NixlClientPath
 

@@ -56,34 +56,35 @@ def _probe_nixl_import() -> tuple[bool, str]:
         return True, "unknown version"
 
 
-def select_transport(config_value: str, *, local: bool, nixl_ok: bool | None = None) -> str:
+def select_transport(value: str, *, local: bool, nixl_ok: bool | None = None, why: str | None = None,
+                     setting: str = "server.transport") -> str:
     """The transport for one client: ``"tcp"``, ``"shm"`` or ``"nixl"``.
 
-    ``config_value`` is ``server.transport`` (``auto|tcp|shm|nixl``); ``local`` says the
-    client runs on the server's host; ``nixl_ok`` overrides NIXL detection. ``auto``
-    picks the fastest available: shared memory for local clients (one memcpy, no
-    transfer engine), NIXL for remote ones when installed, else TCP. An explicit choice
-    that cannot work raises :class:`ConfigError` saying why."""
+    ``value`` is the setting (``auto|tcp|shm|nixl``; ``setting`` names it in errors);
+    ``local`` says the client runs on the server's host; ``nixl_ok`` overrides NIXL
+    detection and ``why`` says why it is not available. ``auto`` picks the fastest
+    available: shared memory for local clients (one memcpy, no transfer engine), NIXL
+    for remote ones when available, else TCP. An explicit choice that cannot work
+    raises :class:`ConfigError` saying why."""
     if nixl_ok is None:
-        nixl_ok, why = nixl_available()
-    else:
-        why = "NIXL is not available"
-    if config_value == "auto":
+        nixl_ok, detected = nixl_available()
+        why = why or detected
+    why = why or "NIXL is not available"
+    if value == "auto":
         if local:
             return "shm"
         return "nixl" if nixl_ok else "tcp"
-    if config_value == "tcp":
+    if value == "tcp":
         return "tcp"
-    if config_value == "shm":
+    if value == "shm":
         if not local:
-            raise ConfigError("server.transport is 'shm' but the client is on another host; "
-                              "use 'auto', 'tcp' or 'nixl'")
+            raise ConfigError(f"{setting} is 'shm' but the client is on another host; use 'auto', 'tcp' or 'nixl'")
         return "shm"
-    if config_value == "nixl":
+    if value == "nixl":
         if not nixl_ok:
-            raise ConfigError(f"server.transport is 'nixl' but {why}")
+            raise ConfigError(f"{setting} is 'nixl' but {why}")
         return "nixl"
-    raise ConfigError(f"server.transport must be one of auto, {', '.join(TRANSPORTS)}; got {config_value!r}")
+    raise ConfigError(f"{setting} must be one of auto, {', '.join(TRANSPORTS)}; got {value!r}")
 
 
 class FallbackCounter:
