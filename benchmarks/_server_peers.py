@@ -110,7 +110,8 @@ class KvstorePeer(Peer):
         self.address = line.split("serving on ")[1].split()[0]
 
     def client_spec(self, system: str, worker: int) -> dict:
-        return {"address": self.address, "transport": system.split("-")[1]}
+        return {"address": self.address, "transport": system.split("-")[1],
+                "copy_threads": int(os.environ["KVBENCH_COPY_THREADS"]) if "KVBENCH_COPY_THREADS" in os.environ else None}
 
     def describe(self) -> str:
         return self.address

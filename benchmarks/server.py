@@ -100,7 +100,7 @@ def main() -> int:
                     default="kvstore-shm,kvstore-nixl,kvstore-tcp,mooncake-shm,mooncake-tcp,redis,lmcache")
     ap.add_argument("--blocks", default="262144,1048576", help="block sizes in bytes")
     ap.add_argument("--clients", default="1,4,16")
-    ap.add_argument("--seconds", type=float, default=1.5, help="get phase per cell")
+    ap.add_argument("--seconds", type=float, default=2.5, help="get phase per cell")
     ap.add_argument("--quick", action="store_true", help="1 MiB, 1 and 4 clients, 0.5 s")
     ap.add_argument("--lmcache-clients", default="1,4",
                     help="client counts LMCache runs with (each of its clients loads torch: slow to start)")

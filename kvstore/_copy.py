@@ -27,10 +27,19 @@ def _raw(address: int, nbytes: int) -> np.ndarray:
     return np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(address))
 
 
-def coalesce(pairs: Sequence[tuple[Any, Any]]) -> list[_Piece]:
+def _host(buf: Any, writable: bool) -> np.ndarray:
+    if type(buf) is np.ndarray and buf.dtype == np.uint8 and buf.ndim == 1 and buf.flags.c_contiguous:
+        if writable and not buf.flags.writeable:
+            return host_view(buf, writable=True)  # raises the usual error
+        return buf
+    return host_view(buf, writable=writable)
+
+
+def coalesce(pairs: Sequence[tuple[Any, Any]], src_addresses: Sequence[int] | None = None) -> list[_Piece]:
     """``(dst, src)`` pairs as copy pieces, adjacent host ranges merged. Raises
-    :class:`BufferSizeError` for a pair whose sizes differ. The caller keeps every
-    buffer alive until the copies are done (the pieces also hold references)."""
+    :class:`BufferSizeError` for a pair whose sizes differ. ``src_addresses``, when
+    the caller knows them (offsets into a mapped region), saves looking them up. The
+    caller keeps every buffer alive until the copies are done."""
     out: list[_Piece] = []
     run: list[Any] | None = None  # [dst address, src address, nbytes, [(dst, src), ...]]
 
@@ -43,16 +52,17 @@ def coalesce(pairs: Sequence[tuple[Any, Any]]) -> list[_Piece]:
         else:
             out.append((_raw(run[0], run[2]), _raw(run[1], run[2]), parts))
 
-    for dst, src in pairs:
+    for j, (dst, src) in enumerate(pairs):
         if is_device(dst) or is_device(src):
             flush()
             run = None
             out.append((dst, src, None))
             continue
-        d, s = host_view(dst, writable=True), host_view(src)
+        d, s = _host(dst, True), _host(src, False)
         if d.nbytes != s.nbytes:
             raise BufferSizeError(f"buffer has {d.nbytes} bytes, block has {s.nbytes}")
-        da, sa, n = d.ctypes.data, s.ctypes.data, d.nbytes
+        da, n = d.ctypes.data, d.nbytes
+        sa = src_addresses[j] if src_addresses is not None else s.ctypes.data
         if run is not None and run[0] + run[2] == da and run[1] + run[2] == sa:
             run[2] += n
             run[3].append((d, s))
@@ -92,9 +102,10 @@ def _run(pieces: list[_Piece]) -> None:
             copy_bytes(dst, src)
 
 
-def copy_batch(pairs: Sequence[tuple[Any, Any]], total: int, pool: Executor | None, threads: int) -> None:
+def copy_batch(pairs: Sequence[tuple[Any, Any]], total: int, pool: Executor | None, threads: int,
+               src_addresses: Sequence[int] | None = None) -> None:
     """Copy every ``(dst, src)``; ``pool`` runs ``threads - 1`` of the parts."""
-    pieces = coalesce(pairs)
+    pieces = coalesce(pairs, src_addresses)
     if pool is None or threads < 2 or total < PARALLEL_BYTES:
         _run(pieces)
         return

@@ -184,6 +184,7 @@ class ClientStaging:
             os.close(fd)
         self.nbytes = nbytes
         self.array = np.frombuffer(self._mmap, dtype=np.uint8)
+        self.address = self.array.ctypes.data
 
     def unlink(self) -> None:
         try:
@@ -213,6 +214,7 @@ class ArenaMap:
         finally:
             os.close(fd)
         self.array = np.frombuffer(self._mmap, dtype=np.uint8)
+        self.address = self.array.ctypes.data
 
     @staticmethod
     def is_local(info: dict[str, Any] | None) -> bool:

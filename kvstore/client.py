@@ -51,7 +51,7 @@ class Client:
 
     def __init__(self, address: str, *, token: str | None = None, timeout_s: float = 10.0,
                  pool_size: int = 8, transport: str = "auto",
-                 staging_bytes: int = DEFAULT_STAGING_BYTES) -> None:
+                 staging_bytes: int = DEFAULT_STAGING_BYTES, copy_threads: int | None = None) -> None:
         if transport not in ("auto", "tcp", "shm", "nixl"):
             raise InvalidArgumentError(f"transport must be auto, tcp, shm or nixl, got {transport!r}")
         self.address = Address.parse(address)
@@ -81,7 +81,9 @@ class Client:
         self._pool = ThreadPoolExecutor(self._pool_size, thread_name_prefix="kvstore-client")
         # Same-host copies of a large batch are split over a few threads: one memcpy
         # stream does not saturate memory bandwidth, and numpy/torch copies drop the GIL.
-        self._copy_threads = min(4, os.cpu_count() or 1) if self._arena is not None else 1
+        if copy_threads is None:
+            copy_threads = min(2, os.cpu_count() or 1)
+        self._copy_threads = max(1, copy_threads) if self._arena is not None else 1
         self._copier = ThreadPoolExecutor(self._copy_threads - 1, thread_name_prefix="kvstore-copy") \
             if self._copy_threads > 1 else None
         self.fallbacks = FallbackCounter()
@@ -312,9 +314,11 @@ class Client:
         _, body = conn.call(P.Op.SHM_GET, P.encode_records(P.SIZED, keys, sizes))
         lid, placed = P.decode_placed(body, len(keys))
         out = [False] * len(keys)
-        socket_idx, pairs, total = [], [], 0
+        socket_idx, pairs, addrs, total = [], [], [], 0
         try:
-            arena = self._arena.array
+            regions = {P.WHERE_ARENA: (self._arena.array, self._arena.address)}
+            if conn.staging is not None:
+                regions[P.WHERE_STAGING] = (conn.staging.array, conn.staging.address)
             for i, (n, off, where) in enumerate(placed.tolist()):
                 if n < 0:
                     continue
@@ -323,13 +327,14 @@ class Client:
                 if where == P.WHERE_SOCKET:
                     socket_idx.append(i)
                     continue
-                src = arena if where == P.WHERE_ARENA else conn.staging.array if conn.staging else None
+                src, base = regions.get(where, (None, 0))
                 if src is None or off + n > src.nbytes:
-                    raise RemoteError(f"server {conn.addr}: SHM_GET placement outside the shared region")
+                    raise RemoteError(f"server {conn.addr}: SHM_GET placement outside the shared regions")
                 pairs.append((dsts[i], src[off:off + n]))
+                addrs.append(base + off)
                 total += n
                 out[i] = True
-            copy_batch(pairs, total, self._copier, self._copy_threads)
+            copy_batch(pairs, total, self._copier, self._copy_threads, addrs)
         finally:
             if lid:
                 conn.send(P.Op.SHM_DONE, P.encode_u64(lid))

@@ -129,39 +129,45 @@ class DramTier(Tier):
         return out
 
     def write(self, keys: Sequence[BlockKey], srcs: Sequence[Any]) -> list[bool]:
-        out = []
-        for key, src in zip(keys, srcs, strict=True):
-            n = nbytes_of(src)
-            with self._lock:
+        # Reserve every slot of the batch under one lock hold, so a batch lands in
+        # adjacent slots when the arena has the room (same-host readers then copy it
+        # as one range), copy outside the lock, publish at the end.
+        out = [False] * len(keys)
+        plan: list[tuple[int, BlockKey, Any, int, int]] = []
+        with self._lock:
+            for j, (key, src) in enumerate(zip(keys, srcs, strict=True)):
                 if key in self._slots:
-                    out.append(True)
+                    out[j] = True
                     continue
+                n = nbytes_of(src)
                 if self._used + n > self._capacity:
-                    out.append(False)
                     continue
                 offset = self._alloc.alloc(n)
                 if offset is None:
-                    out.append(False)
                     continue
                 self._used += n  # reserved now; visible once the bytes are in place
-            try:
+                plan.append((j, key, src, offset, n))
+        try:
+            for _, _, src, offset, n in plan:
                 dst = self.arena[offset:offset + n]
                 if is_device(src):
                     copy_bytes(dst, src)
                 else:
                     np.copyto(dst, host_view(src), casting="no")
-            except BaseException:
-                with self._lock:
+        except BaseException:
+            with self._lock:
+                for _, _, _, offset, n in plan:
                     self._alloc.free(offset, n)
                     self._used -= n
-                raise
-            with self._lock:
+            raise
+        with self._lock:
+            for j, key, _, offset, n in plan:
                 if key in self._slots:  # a concurrent writer won; keep its copy
                     self._alloc.free(offset, n)
                     self._used -= n
                 else:
                     self._slots[key] = _Slot(offset, n)
-            out.append(True)
+                out[j] = True
         return out
 
     def delete(self, keys: Sequence[BlockKey]) -> int:
