@@ -234,3 +234,43 @@ def test_auto_falls_back_when_nixl_is_not_installed_on_the_client(server):
                          timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "fallback-ok" in out.stdout
+
+
+def test_concurrent_clients_byte_exact(tmp_path):
+    """Several clients (own NIXL agents) move blocks at once: every byte lands right.
+    One roomy tier: this is about concurrent transfers, not spilling."""
+    import threading
+
+    server = ProcessServer(config_dict("256MiB", transport="nixl"), tmp_path, env=UCX_ENV)
+    errors: list[BaseException] = []
+
+    def worker(w: int) -> None:
+        try:
+            with Client(server.address, transport="nixl", timeout_s=60, pool_size=2) as c:
+                assert c.transport == "nixl"
+                pool = np.zeros(8 * BLOCK, np.uint8)
+                c.register(pool)
+                for r in range(3):
+                    keys = make_keys(8, salt=f"conc-{w}-{r}")
+                    srcs = [payload(1000 * w + 10 * r + i, BLOCK) for i in range(8)]
+                    ok = c.save(keys, srcs).result()
+                    assert ok == [True] * 8, ("save", ok)
+                    views = [pool[i * BLOCK:(i + 1) * BLOCK] for i in range(8)]
+                    got = c.load(keys, views).result()
+                    assert got == [True] * 8, ("load", got, c.contains(keys))
+                    for s, v in zip(srcs, views):
+                        assert np.array_equal(s, v), f"client {w} round {r}: wrong bytes"
+                    c.delete(keys)
+                assert c.fallbacks.total == 0
+        except BaseException as exc:  # surfaced below
+            errors.append(exc)
+
+    try:
+        threads = [threading.Thread(target=worker, args=(w,)) for w in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(180)
+    finally:
+        server.kill()
+    assert not errors, errors[0]

@@ -36,12 +36,13 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kvstore.server")
 _MEM = {0: "DRAM", 1: "VRAM"}
+_UCX_WORKERS = 4  # concurrent clients' transfers spread over this many UCX workers
 _MAX_IDLE_STAGING = 4  # idle staging buffers kept registered for the next puts
 _PREWARM_BUFFERS, _PREWARM_BYTES = 2, 64 << 20  # made when NIXL starts, before any put waits on them
 
 
 class NixlService:
-    """Thread-safe; every NIXL call goes through one endpoint in strict-sync mode."""
+    """Thread-safe; every NIXL call goes through one endpoint (read-write sync mode)."""
 
     def __init__(self, server: "Server") -> None:
         self.server = server
@@ -73,7 +74,7 @@ class NixlService:
             from kvstore.transport.nixl import NixlEndpoint
 
             try:
-                ep = NixlEndpoint("server", progress_thread=False)
+                ep = NixlEndpoint("server", workers=_UCX_WORKERS, progress_thread=False)
                 arena = getattr(self.server.store.tiers[0], "arena", None)
                 if arena is None:
                     raise TransportError("the first tier has no host arena to register")

@@ -119,11 +119,11 @@ def _nixl_call(what: str, fn, *args, **kwargs):
 
 
 class NixlEndpoint:
-    """One NIXL agent with a UCX backend. Thread-safe: NIXL runs in strict thread-sync
-    mode and registrations are guarded here. Registered buffers are kept referenced (so
+    """One NIXL agent with a UCX backend. Thread-safe: NIXL runs in read-write
+    thread-sync mode and registrations are guarded here. Registered buffers are kept referenced (so
     never freed) until deregistered or the endpoint closes."""
 
-    def __init__(self, role: str = "peer", *, num_threads: int = 0, timeout_s: float = DEFAULT_TIMEOUT_S,
+    def __init__(self, role: str = "peer", *, workers: int = 1, timeout_s: float = DEFAULT_TIMEOUT_S,
                  progress_thread: bool = True) -> None:
         prepare_ucx_env()
         try:
@@ -132,9 +132,13 @@ class NixlEndpoint:
             raise TransportError(f"NIXL is not available: {type(exc).__name__}: {exc}") from exc
         self.timeout_s = timeout_s
         self.name = f"kvstore-{role}-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        conf = nixl_agent_config(enable_prog_thread=progress_thread, enable_listen_thread=False, backends=["UCX"],
-                                 num_threads=num_threads, sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT)
+        # RW sync: transfers from several threads run concurrently, registrations and
+        # metadata changes exclude them; each of ``workers`` UCX workers serves a share
+        # of the threads, so concurrent clients' transfers do not queue on one worker.
+        conf = nixl_agent_config(enable_prog_thread=progress_thread, enable_listen_thread=False, backends=[],
+                                 sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_RW)
         self._agent = _nixl_call("agent creation", nixl_agent, self.name, conf)
+        _nixl_call("UCX backend creation", self._agent.create_backend, "UCX", {"num_workers": str(max(1, workers))})
         if "UCX" not in self._agent.backends:
             raise TransportError("NIXL's UCX backend did not start (see `kvstore doctor`)")
         self._lock = threading.Lock()
