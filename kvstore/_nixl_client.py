@@ -135,14 +135,18 @@ class NixlClientPath:
 
     def _call(self, conn: Any, op: int, body: bytes) -> tuple[Any, bytes]:
         """Send a request and progress NIXL until the reply is readable (the server's
-        one-sided transfer may need this side's UCX worker, e.g. to connect)."""
+        one-sided transfer may need this side's UCX worker, e.g. to connect). The wait
+        between progress calls grows to 10 ms: the reply wakes ``select`` at once, and
+        many waiting clients must not spin the CPU the server needs."""
         conn.send(op, body)
         sock, progress = conn.sock, self.endpoint.progress
+        wait = 1e-4
         while True:
             progress()
-            readable, _, _ = select.select([sock], [], [], 0.0002)
+            readable, _, _ = select.select([sock], [], [], wait)
             if readable:
                 return conn.recv_reply(op)
+            wait = min(wait * 2, 1e-2)
 
     def close(self) -> None:
         self.endpoint.close()
