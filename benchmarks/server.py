@@ -157,7 +157,7 @@ def _row(r: dict) -> str:
     head = f"{r['system']:<14}{r['block'] >> 10:>6} KiB{r['clients']:>4} cl"
     if "error" in r:
         return f"{head}  error: {' '.join(r['error'])[:160]}"
-    flag = "" if r.get("verified", True) else "  WRONG BYTES"
+    flag = "" if r.get("verified", True) else "  UNVERIFIED (bytes differed, or a get failed/timed out)"
     return (f"{head}  get {r['get_gbps']:6.2f} GB/s  p50 {r['p50_ms']:7.1f} ms  p99 {r['p99_ms']:7.1f} ms"
             f"  put {r['put_gbps']:6.2f} GB/s{flag}")
 

@@ -16,6 +16,10 @@ def build_tier(cfg: TierConfig) -> Tier:
         from tiers.dram import DramTier
 
         return DramTier(cfg.capacity, name=cfg.name, shm_path=cfg.shm_path, pin=cfg.pin)
+    if cfg.kind == "gpu":
+        from tiers.gpu import GpuTier
+
+        return GpuTier(cfg.capacity, name=cfg.name, device=cfg.device)
     if cfg.kind == "remote":
         from tiers.remote import RemoteTier
 

@@ -10,7 +10,7 @@ import sys
 
 from kvstore.errors import KVStoreError
 
-COMMANDS = ("config", "bench", "serve", "stats", "doctor")
+COMMANDS = ("config", "bench", "demo", "serve", "stats", "doctor")
 
 
 def build_parser() -> argparse.ArgumentParser:

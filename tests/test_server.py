@@ -176,3 +176,17 @@ def test_idle_connections_are_closed_and_the_client_reconnects():
             assert np.array_equal(dst, payload(5, 4096))
     finally:
         s.stop()
+
+
+def test_connectors_open_a_client_to_the_server(server):
+    from connectors._open_store import open_store
+
+    store = open_store({"server": server.address}, owner="test")
+    try:
+        assert isinstance(store, Client)
+        key = make_keys(1, salt="connector")
+        assert store.save(key, [payload(8, 4096)]).result(10) == [True]
+        dst = np.zeros(4096, np.uint8)
+        assert store.load(key, [dst]).result(10) == [True] and np.array_equal(dst, payload(8, 4096))
+    finally:
+        store.close()

@@ -16,7 +16,8 @@ from typing import Any, Iterator, Sequence
 
 import numpy as np
 
-from kvstore.buffers import copy_bytes, host_view, is_device, nbytes_of
+from kvstore._transfer import copy_device_pairs
+from kvstore.buffers import host_view, is_device, nbytes_of
 from kvstore.errors import BufferSizeError, InvalidArgumentError
 from kvstore.keys import BlockKey
 from tiers._extents import ExtentAllocator
@@ -109,29 +110,36 @@ class DramTier(Tier):
 
     def read_into(self, keys: Sequence[BlockKey], dsts: Sequence[Any]) -> list[bool]:
         out = []
-        for key, dst in zip(keys, dsts, strict=True):
-            slot = self._acquire(key)
-            if slot is None:
-                out.append(False)
-                continue
-            try:
+        held: list[_Slot] = []   # released once every copy, device ones included, is done
+        device: list[tuple[Any, np.ndarray]] = []
+        try:
+            for key, dst in zip(keys, dsts, strict=True):
+                slot = self._acquire(key)
+                if slot is None:
+                    out.append(False)
+                    continue
+                held.append(slot)
                 if nbytes_of(dst) != slot.nbytes:
                     raise BufferSizeError(
                         f"[{self.name}] buffer has {nbytes_of(dst)} bytes, block has {slot.nbytes}")
                 src = self.arena[slot.offset:slot.offset + slot.nbytes]
                 if is_device(dst):
-                    copy_bytes(dst, src)
+                    device.append((dst, src))
                 else:
                     np.copyto(host_view(dst, writable=True), src, casting="no")
-            finally:
+                out.append(True)
+            # One batch per device on its copy stream; the arena is pinned where CUDA is.
+            copy_device_pairs(device, pinned=self.pinned)
+        finally:
+            for slot in held:
                 self._release(slot)
-            out.append(True)
         return out
 
     def write(self, keys: Sequence[BlockKey], srcs: Sequence[Any]) -> list[bool]:
         # Reserve every slot of the batch under one lock hold, so a batch lands in
         # adjacent slots when the arena has the room (same-host readers then copy it
-        # as one range), copy outside the lock, publish at the end.
+        # as one range); copy outside the lock (device sources as one batch), publish
+        # at the end.
         out = [False] * len(keys)
         plan: list[tuple[int, BlockKey, Any, int, int]] = []
         with self._lock:
@@ -147,13 +155,15 @@ class DramTier(Tier):
                     continue
                 self._used += n  # reserved now; visible once the bytes are in place
                 plan.append((j, key, src, offset, n))
+        device: list[tuple[np.ndarray, Any]] = []
         try:
             for _, _, src, offset, n in plan:
                 dst = self.arena[offset:offset + n]
                 if is_device(src):
-                    copy_bytes(dst, src)
+                    device.append((dst, src))
                 else:
                     np.copyto(dst, host_view(src), casting="no")
+            copy_device_pairs(device, pinned=self.pinned)
         except BaseException:
             with self._lock:
                 for _, _, _, offset, n in plan:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import copy
 import importlib.util
 import os
 import sys
@@ -24,14 +25,16 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def default_config(data_dir: str) -> dict[str, Any]:
-    """The embedded default: 1 GiB of DRAM over a local data directory (when this
-    build has the NVMe tier); no external service needed."""
-    raw = {k: v for k, v in DEFAULT_CONFIG.items()}
-    raw["tiers"] = list(DEFAULT_CONFIG["tiers"])
-    if importlib.util.find_spec("tiers.nvme") is not None:
+    """The embedded default: the built-in config (DRAM, plus a disk tier in
+    ``data_dir`` when this build has the NVMe tier); no external service needed."""
+    raw = copy.deepcopy(DEFAULT_CONFIG)
+    disk = [t for t in raw["tiers"] if t["kind"] == "nvme"]
+    if not disk and importlib.util.find_spec("tiers.nvme") is not None:
+        disk = [{"name": "disk", "kind": "nvme", "capacity": "8GiB", "eviction": "lru"}]
+        raw["tiers"].append(disk[0])
+    for tier in disk:
         os.makedirs(data_dir, exist_ok=True)
-        raw["tiers"].append({"name": "disk", "kind": "nvme", "path": os.path.abspath(data_dir),
-                             "capacity": "8GiB", "eviction": "lru"})
+        tier["path"] = os.path.abspath(data_dir)
     return raw
 
 
