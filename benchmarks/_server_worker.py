@@ -35,9 +35,22 @@ class Kvstore:
         ns = Namespace(model="bench", dtype="u8", chunk_tokens=1, salt=spec["tag"])
         self.keys = ns.chunk_keys(np.arange(spec["nblocks"] + 1))
         warm, self.keys = self.keys[-1:], self.keys[:-1]
-        # Connection set-up (staging region, arena map) happens once per client: not timed.
+        if spec["transport"] == "nixl":
+            # like Mooncake's registered buffers (and an engine's KV pool): NIXL moves
+            # bytes straight into and out of them; staged once, untimed
+            n, block = spec["nblocks"], spec["block"]
+            self.src_buf, self.dst_buf = np.zeros((n, block), np.uint8), np.zeros((n, block), np.uint8)
+            self.client.register(self.src_buf)
+            self.client.register(self.dst_buf)
+        # Connection set-up (staging region, arena map, NIXL metadata) happens once per client: not timed.
         self.client.save(warm, [np.zeros(4096, np.uint8)]).result()
         self.client.delete(warm)
+
+    def stage(self, src: np.ndarray) -> np.ndarray:
+        if not hasattr(self, "src_buf"):
+            return src
+        np.copyto(self.src_buf, src)
+        return self.src_buf
 
     def put(self, src: np.ndarray) -> bool:
         return all(self.client.save(self.keys, list(src)).result())

@@ -8,6 +8,8 @@ Systems (a peer that cannot start is skipped, with the reason printed; no number
 ever invented):
   kvstore-tcp    ``kvstore serve`` + ``Client(transport="tcp")``, loopback TCP
   kvstore-shm    the same server, same-host shared-memory path (Unix socket control)
+  kvstore-nixl   the same server, NIXL path (UCX: cross-memory attach here, RDMA across
+                 nodes); ``Client(transport="nixl")`` with registered buffers
   mooncake-tcp   ``mooncake_master`` + a ``mooncake_client`` storage node; its Python
                  client over TCP, ``batch_put_from`` / ``batch_get_into`` on registered buffers
   mooncake-shm   the same, its same-host shared-memory client (``setup_dummy``)
@@ -94,7 +96,8 @@ def _collect(procs: list, clients: int, seconds: float) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--systems", default="kvstore-shm,kvstore-tcp,mooncake-shm,mooncake-tcp,redis,lmcache")
+    ap.add_argument("--systems",
+                    default="kvstore-shm,kvstore-nixl,kvstore-tcp,mooncake-shm,mooncake-tcp,redis,lmcache")
     ap.add_argument("--blocks", default="262144,1048576", help="block sizes in bytes")
     ap.add_argument("--clients", default="1,4,16")
     ap.add_argument("--seconds", type=float, default=2.5, help="get phase per cell")
@@ -174,7 +177,8 @@ def _report(results: list[dict], skipped: dict, blocks: list[int], counts: list[
     ratios = {}
     for ours, theirs, target in (("kvstore-shm", "mooncake-shm", 1.0), ("kvstore-shm", "lmcache", 1.0),
                                  ("kvstore-shm", "redis", 3.0), ("kvstore-tcp", "mooncake-tcp", 1.5),
-                                 ("kvstore-tcp", "redis", 1.0)):
+                                 ("kvstore-tcp", "redis", 1.0), ("kvstore-nixl", "kvstore-tcp", 2.0),
+                                 ("kvstore-nixl", "mooncake-tcp", 1.0)):
         vals = [ok[(ours, b, c)]["get_gbps"] / ok[(theirs, b, c)]["get_gbps"]
                 for b in blocks for c in counts if (ours, b, c) in ok and (theirs, b, c) in ok]
         if vals:

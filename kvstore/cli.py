@@ -10,7 +10,7 @@ import sys
 
 from kvstore.errors import KVStoreError
 
-COMMANDS = ("config", "bench", "serve", "stats", "fsck", "demo")
+COMMANDS = ("config", "bench", "serve", "stats", "fsck", "doctor", "demo")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -4,7 +4,10 @@
 on this host and shares its DRAM arena, moves block bytes through shared memory: a
 load copies straight out of the server's arena (one memcpy, or one H2D copy into a GPU
 tensor) under a lease, a save goes through a per-connection staging region; only small
-control frames cross the (Unix) socket. Otherwise bytes travel over TCP, received
+control frames cross the (Unix) socket. For a remote server that offers NIXL, the
+server moves bytes one-sided between its arena and the client's buffers (RDMA where
+the fabric has it; see docs/nixl.md); a NIXL/UCX failure switches this client to TCP,
+logged and counted in ``fallbacks``. Otherwise bytes travel over TCP, received
 straight into the caller's buffers.
 
 Thread-safety: every method may be called from any thread. Calls check out a pooled
@@ -17,6 +20,7 @@ block whose bytes did not fully arrive.
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -27,25 +31,29 @@ from typing import Any, Callable, Iterator, Sequence
 import numpy as np
 
 from kvstore.buffers import copy_bytes, host_view, is_device, nbytes_of
-from kvstore.errors import (BufferSizeError, InvalidArgumentError, RemoteError, StoreClosedError,
-                            TierUnavailableError)
+from kvstore.errors import (BufferSizeError, ConfigError, InvalidArgumentError, RemoteError, StoreClosedError,
+                            TierUnavailableError, TransportError)
 from kvstore.keys import BlockKey
 from kvstore.server import _protocol as P
 from kvstore._copy import copy_batch
 from kvstore._wire import Address, ArenaMap, Conn
+from kvstore.transport import FallbackCounter, nixl_available, select_transport
+
+log = logging.getLogger(__name__)
 
 DEFAULT_STAGING_BYTES = 64 << 20
 
 
 class Client:
     """``address``: ``host:port`` or a Unix socket path. ``transport``: ``auto`` (shared
-    memory when the server is on this host), ``tcp``, or ``shm`` (fail if unavailable)."""
+    memory when the server is on this host, else NIXL when both sides have it, else
+    TCP), ``tcp``, ``shm`` or ``nixl`` (fail if unavailable)."""
 
     def __init__(self, address: str, *, token: str | None = None, timeout_s: float = 10.0,
                  pool_size: int = 8, transport: str = "auto",
                  staging_bytes: int = DEFAULT_STAGING_BYTES, copy_threads: int | None = None) -> None:
-        if transport not in ("auto", "tcp", "shm"):
-            raise InvalidArgumentError(f"transport must be auto, tcp or shm, got {transport!r}")
+        if transport not in ("auto", "tcp", "shm", "nixl"):
+            raise InvalidArgumentError(f"transport must be auto, tcp, shm or nixl, got {transport!r}")
         self.address = Address.parse(address)
         self._token, self._timeout_s = token, timeout_s
         self._pool_size, self._staging_bytes = max(1, pool_size), staging_bytes
@@ -59,7 +67,7 @@ class Client:
                                 int(self.info.get("max_inflight_bytes", 1 << 30))) - (1 << 20)
         self._arena: ArenaMap | None = None
         self._conn_addr = self.address
-        if transport != "tcp" and ArenaMap.is_local(self.info.get("shm")):
+        if transport in ("auto", "shm") and ArenaMap.is_local(self.info.get("shm")):
             self._arena = ArenaMap(self.info["shm"])
             if self.info.get("socket_path") and not self.address.path:
                 self._conn_addr = Address(None, None, self.info["socket_path"])
@@ -78,11 +86,50 @@ class Client:
         self._copy_threads = max(1, copy_threads) if self._arena is not None else 1
         self._copier = ThreadPoolExecutor(self._copy_threads - 1, thread_name_prefix="kvstore-copy") \
             if self._copy_threads > 1 else None
+        self.fallbacks = FallbackCounter()
+        self._nixl: Any = None
+        if self._arena is None and transport in ("auto", "nixl"):
+            self._start_nixl(transport)
+
+    def _start_nixl(self, transport: str) -> None:
+        ok, why = nixl_available()
+        offered = bool(self.info.get("nixl"))
+        try:
+            choice = select_transport(transport, local=False, nixl_ok=ok and offered, setting="Client transport",
+                                      why=why if not ok else f"server {self.address} does not offer NIXL")
+        except ConfigError:
+            self.close()
+            raise
+        if choice != "nixl":
+            return
+        from kvstore._nixl_client import NixlClientPath
+
+        try:
+            self._nixl = NixlClientPath(timeout_s=self._timeout_s, staging_bytes=self._staging_bytes)
+            self._run(self._nixl.introduce)
+        except (TransportError, TierUnavailableError) as exc:
+            self._nixl_failed(exc)
+
+    def _nixl_failed(self, exc: BaseException) -> None:
+        """Switch this client to TCP for good: logged and counted."""
+        path, self._nixl = self._nixl, None
+        if path is not None:
+            self.fallbacks.record(str(self.address), "nixl", exc)
+            path.close()
+
+    def register(self, buf: Any) -> None:
+        """Register a long-lived buffer (e.g. a KV-cache pool, host or GPU memory) so the
+        NIXL path moves blocks straight into and out of it. A no-op on other paths."""
+        if self._nixl is not None:
+            self._nixl.register(buf)
 
     @property
     def transport(self) -> str:
-        """``shm`` when bulk bytes move through shared memory, else ``tcp``."""
-        return "shm" if self._arena is not None else "tcp"
+        """``shm`` when bulk bytes move through shared memory, ``nixl`` through NIXL,
+        else ``tcp``."""
+        if self._arena is not None:
+            return "shm"
+        return "nixl" if self._nixl is not None else "tcp"
 
     # -- connections ---------------------------------------------------------------------------
 
@@ -187,7 +234,7 @@ class Client:
             return out
         limit = min(self._max_payload, self._staging_bytes) if self._arena is not None else self._max_payload
         for lo, hi in self._batches(srcs, limit):
-            put = self._shm_put if self._arena is not None else self._tcp_put
+            put = self._shm_put if self._arena is not None else self._nixl_put if self._nixl else self._tcp_put
             out += self._run(lambda c: put(c, keys[lo:hi], srcs[lo:hi]))
         return out
 
@@ -195,7 +242,7 @@ class Client:
         out: list[bool] = []
         if not keys:
             return out
-        get = self._shm_get if self._arena is not None else self._tcp_get
+        get = self._shm_get if self._arena is not None else self._nixl_get if self._nixl else self._tcp_get
         for lo, hi in self._batches(dsts, self._max_payload):
             out += self._run(lambda c: get(c, keys[lo:hi], dsts[lo:hi]))
         return out
@@ -219,6 +266,35 @@ class Client:
                 _recv_block(conn, dst, size)
         _raise_mismatch(keys, got, sizes)
         return [s >= 0 for s in got]
+
+    def _nixl_call(self, conn: Conn, fn: Callable[[], Any]) -> Any:
+        """Run a NIXL operation; on a NIXL/UCX failure (the connection itself intact)
+        switch to TCP and return None so the caller redoes the batch over TCP."""
+        path = self._nixl
+        if path is None:
+            return None
+        try:
+            return fn(path)
+        except (TransportError, TierUnavailableError) as exc:
+            if conn.broken:  # the network, not NIXL: let _run retry / raise
+                raise
+            self._nixl_failed(exc)
+            return None
+
+    def _nixl_get(self, conn: Conn, keys: list[BlockKey], dsts: list[Any]) -> list[bool]:
+        res = self._nixl_call(conn, lambda p: p.get(conn, keys, dsts))
+        if res is None:
+            return self._tcp_get(conn, keys, dsts)
+        out, later = res
+        if later:  # held in a slower tier on the server: fetched over TCP
+            got = self._tcp_get(conn, [keys[i] for i in later], [dsts[i] for i in later])
+            for i, ok in zip(later, got):
+                out[i] = ok
+        return out
+
+    def _nixl_put(self, conn: Conn, keys: list[BlockKey], srcs: list[Any]) -> list[bool]:
+        res = self._nixl_call(conn, lambda p: p.put(conn, keys, srcs))
+        return self._tcp_put(conn, keys, srcs) if res is None else res
 
     def _shm_put(self, conn: Conn, keys: list[BlockKey], srcs: list[Any]) -> list[bool]:
         staging = conn.attach_staging(self._staging_bytes)
@@ -303,6 +379,9 @@ class Client:
             c.close()
         if self._arena is not None:
             self._arena.close()
+        if self._nixl is not None:
+            self._nixl.close()
+            self._nixl = None
 
     def __enter__(self) -> "Client":
         return self

@@ -16,7 +16,8 @@ do not know kvstore::
     │   └── CorruptBlockError               stored bytes failed verification
     └── RemoteError                         errors of the cache-server protocol
         ├── ProtocolError (ValueError)      malformed frame, bad version, bad opcode
-        └── AuthError (PermissionError)     missing or wrong token
+        ├── AuthError (PermissionError)     missing or wrong token
+        └── TransportError (ConnectionError)  a data-plane transfer (NIXL/UCX) failed
 
 A miss is never an error: reads return ``False`` for a key that is not stored.
 Third-party exceptions (OSError, botocore, lmdb) are mapped into this tree at the tier
@@ -82,6 +83,17 @@ class AuthError(RemoteError, PermissionError):
     """The server refused the client's token (missing or wrong)."""
 
 
+class TransportError(RemoteError, ConnectionError):
+    """A data-plane transfer failed (NIXL/UCX: peer gone, timeout, backend error).
+
+    ``in_flight`` is True when the transfer could not be cancelled, so the memory it
+    touches may still be read or written: the caller must not reuse that memory."""
+
+    def __init__(self, message: str, *, in_flight: bool = False) -> None:
+        super().__init__(message)
+        self.in_flight = in_flight
+
+
 __all__ = [
     "AuthError",
     "BufferSizeError",
@@ -96,4 +108,5 @@ __all__ = [
     "TierFullError",
     "TierIOError",
     "TierUnavailableError",
+    "TransportError",
 ]

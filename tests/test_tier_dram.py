@@ -54,3 +54,40 @@ def test_fragmentation_is_reused(tier):
     # freed 4 KiB slots get reused exactly
     again = make_keys(16, salt="t")
     assert all(tier.write(again, [payload(i, 4096) for i in range(16)]))
+
+
+def test_reserve_commit_abort_abandon(tier):
+    keys = make_keys(4, salt="reserve")
+    tier.write(keys[:1], [payload(0)])
+    n = len(payload(0))
+    res = tier.reserve(keys, [n] * 4)
+    assert res.views[0] is None and all(v is not None for v in res.views[1:])
+    assert tier.contains(keys) == [True, False, False, False]  # invisible until commit
+    for i, v in enumerate(res.views[1:], 1):
+        v[:] = payload(i)
+    assert res.commit() == [True] * 4
+    dst = np.zeros(n, np.uint8)
+    for i, k in enumerate(keys):
+        assert tier.read_into([k], [dst]) == [True] and np.array_equal(dst, payload(i))
+    with pytest.raises(Exception, match="already ended"):
+        res.abort()
+    more = make_keys(2, salt="more")
+    before = tier.used_bytes
+    r2 = tier.reserve(more, [n, n])
+    assert tier.used_bytes == before + 2 * n
+    r2.abort()
+    assert tier.used_bytes == before and tier.contains(more) == [False, False]
+    r3 = tier.reserve(more[:1], [n])
+    r3.abandon()
+    assert tier.stats()["abandoned_bytes"] == n and tier.used_bytes == before + n
+    assert tier.contains(more[:1]) == [False]
+
+
+def test_reserve_respects_capacity(tier):
+    n = len(payload(0))
+    keys = make_keys(CAPACITY // n + 2, salt="cap")
+    res = tier.reserve(keys, [n] * len(keys))
+    assert sum(v is not None for v in res.views) == CAPACITY // n
+    assert tier.used_bytes <= tier.capacity_bytes
+    stored = res.commit()
+    assert sum(stored) == CAPACITY // n

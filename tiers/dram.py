@@ -89,6 +89,7 @@ class DramTier(Tier):
         self._alloc = ExtentAllocator(size, SLOT_ALIGN)
         self._slots: dict[BlockKey, _Slot] = {}
         self._used = 0
+        self._abandoned = 0  # reserved bytes a failed, uncancellable transfer may still write
         self._lock = threading.Lock()
         self.capabilities = TierCapabilities(device="cpu", alignment=SLOT_ALIGN, max_concurrency=1,
                                              zero_copy_view=True)
@@ -279,9 +280,57 @@ class DramTier(Tier):
             if slot.dead and slot.readers == 0:
                 self._alloc.free(slot.offset, slot.nbytes)
 
+    def reserve(self, keys: Sequence[BlockKey], sizes: Sequence[int]) -> "Reservation":
+        """Reserve slots that a caller fills in place (e.g. a one-sided network transfer
+        writing straight into the arena), then publishes with ``commit()``.
+
+        Keys already stored, and keys that do not fit, get no slot (``views[i] is None``).
+        Reserved bytes count as used at once; nothing is visible to readers until
+        ``commit()``. The caller must end the reservation with exactly one of
+        ``commit()``, ``abort()`` or ``abandon()``."""
+        if len(keys) != len(sizes):
+            raise InvalidArgumentError(f"{len(keys)} keys but {len(sizes)} sizes")
+        entries: list[tuple[BlockKey, int, int] | None] = []
+        with self._lock:
+            for key, n in zip(keys, sizes):
+                n = int(n)
+                if n <= 0:
+                    raise InvalidArgumentError(f"[{self.name}] block size must be positive, got {n}")
+                if key in self._slots or self._used + n > self._capacity:
+                    entries.append(None)
+                    continue
+                offset = self._alloc.alloc(n)
+                if offset is None:
+                    entries.append(None)
+                    continue
+                self._used += n
+                entries.append((key, offset, n))
+        present = [e is None and k in self._slots for e, k in zip(entries, keys)]
+        return Reservation(self, entries, present)
+
+    def _end_reservation(self, entries: list, publish: bool, keep: bool) -> list[bool]:
+        out = []
+        with self._lock:
+            for entry in entries:
+                if entry is None:
+                    out.append(False)
+                    continue
+                key, offset, n = entry
+                if keep:
+                    self._abandoned += n
+                    out.append(False)
+                elif publish and key not in self._slots:
+                    self._slots[key] = _Slot(offset, n)
+                    out.append(True)
+                else:  # aborted, or a concurrent writer stored the key first
+                    self._alloc.free(offset, n)
+                    self._used -= n
+                    out.append(publish)
+        return out
+
     def stats(self) -> dict[str, Any]:
         return {"pinned": self.pinned, "shared_memory": bool(self.shm_path),
-                "largest_free_bytes": self._alloc.largest_free()}
+                "largest_free_bytes": self._alloc.largest_free(), "abandoned_bytes": self._abandoned}
 
     def close(self) -> None:
         with self._lock:
@@ -300,3 +349,37 @@ class DramTier(Tier):
                 os.unlink(self.shm_path)
             except FileNotFoundError:
                 pass
+
+
+class Reservation:
+    """Slots reserved by :meth:`DramTier.reserve`. ``views[i]`` is a writable arena view
+    for ``keys[i]`` or ``None`` (already stored, or no room). Not thread-safe: one owner
+    fills the views, then ends the reservation once."""
+
+    def __init__(self, tier: DramTier, entries: list, present: list[bool]) -> None:
+        self._tier, self._entries, self._present = tier, entries, present
+        self.views: list[np.ndarray | None] = [
+            None if e is None else tier.arena[e[1]:e[1] + e[2]] for e in entries]
+        self._done = False
+
+    def commit(self) -> list[bool]:
+        """Publish the filled slots. Per key: True when stored now or already stored
+        before, False when there was no room."""
+        published = self._finish(publish=True, keep=False)
+        return [p or was for p, was in zip(published, self._present)]
+
+    def abort(self) -> None:
+        """Free every reserved slot; nothing is stored."""
+        self._finish(publish=False, keep=False)
+
+    def abandon(self) -> None:
+        """Keep the slots reserved for good and store nothing: a transfer that could not
+        be cancelled may still write them, so they must never be reused."""
+        self._finish(publish=False, keep=True)
+
+    def _finish(self, *, publish: bool, keep: bool) -> list[bool]:
+        if self._done:
+            raise InvalidArgumentError("reservation already ended")
+        self._done = True
+        self.views = [None] * len(self._entries)
+        return self._tier._end_reservation(self._entries, publish, keep)

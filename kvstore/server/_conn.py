@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from kvstore.errors import (AuthError, BufferSizeError, InvalidArgumentError, KVStoreError, ProtocolError,
-                            StoreClosedError)
+                            StoreClosedError, TransportError)
 from kvstore.server import _protocol as P
 from kvstore.server._shm import Lease, Staging
 
@@ -65,6 +65,7 @@ class Connection:
         self.leased_bytes = 0
         self.next_lease = 1
         self.staging: Staging | None = None
+        self.nixl_peer: str | None = None   # the client's NIXL agent, after NIXL_HELLO
         self.task: asyncio.Task | None = None
 
     # -- I/O -------------------------------------------------------------------------------
@@ -155,6 +156,8 @@ class Connection:
         if self.staging is not None:
             self.staging.close()
             self.staging = None
+        if self.nixl_peer is not None:
+            self.server.nixl.drop(self)
         try:
             self.sock.close()
         except OSError:
@@ -182,7 +185,7 @@ class Connection:
             status, msg = P.Status.BUFFER_SIZE, str(exc)
         except (InvalidArgumentError, KeyError) as exc:
             status, msg = P.Status.INVALID, str(exc)
-        except StoreClosedError as exc:
+        except (StoreClosedError, TransportError) as exc:  # a NIXL failure: the client falls back to TCP
             status, msg = P.Status.UNAVAILABLE, str(exc)
         except _Busy as exc:
             status, msg = P.Status.BUSY, str(exc)
@@ -288,6 +291,24 @@ class Connection:
         for i, dst, good in zip(idx, dsts, ok):
             if good:
                 sizes[i], srcs[i] = want[i], dst
+
+    # -- NIXL (see kvstore/server/_nixl.py) ----------------------------------------------------
+
+    async def _op_nixl_hello(self, rid: int, metadata: bytes, header: P.Header) -> None:
+        if not self.server.nixl.offered():
+            raise TransportError("this server does not offer NIXL")
+        meta = await self.loop.run_in_executor(None, self.server.nixl.hello, self, metadata)
+        await self._reply(P.Op.NIXL_HELLO, rid, meta)
+
+    async def _op_nixl_get(self, rid: int, args: tuple, header: P.Header) -> None:
+        sizes = await self.loop.run_in_executor(None, self.server.nixl.get, self, args)
+        self.server.metrics.bytes.labels("out", "nixl").inc(sum(s for s in sizes if s > 0))
+        await self._reply(P.Op.NIXL_GET, rid, P.encode_sizes(sizes))
+
+    async def _op_nixl_put(self, rid: int, args: tuple, header: P.Header) -> None:
+        ok = await self.loop.run_in_executor(None, self.server.nixl.put, self, args)
+        self.server.metrics.bytes.labels("in", "nixl").inc(int(args[3]["nbytes"].sum()))
+        await self._reply(P.Op.NIXL_PUT, rid, bytes(ok))
 
     # -- same-host shared memory ---------------------------------------------------------------
 

@@ -36,6 +36,9 @@ SIZED = np.dtype([("key", f"V{KEY_WIRE_BYTES}"), ("nbytes", "<u8")])
 STAGED = np.dtype([("key", f"V{KEY_WIRE_BYTES}"), ("nbytes", "<u8"), ("offset", "<u8")])
 PLACED = np.dtype([("nbytes", "<i8"), ("offset", "<u8"), ("where", "u1")])
 WHERE_ARENA, WHERE_STAGING, WHERE_SOCKET = 0, 1, 2
+NOT_SENT = -3       # NIXL_GET reply size: stored in a slower tier; fetch it with GET
+NIXL_REC = np.dtype([("key", f"V{KEY_WIRE_BYTES}"), ("nbytes", "<u8"), ("addr", "<u8")])
+_NIXL_HEAD = struct.Struct("<BxxxI")  # memory kind (0 host, 1 GPU), device id
 
 
 class Op(enum.IntEnum):
@@ -52,6 +55,9 @@ class Op(enum.IntEnum):
     SHM_GET = 11    # (key, nbytes)* -> lease id, (nbytes, offset, where)*
     SHM_PUT = 12    # (key, nbytes, staging offset)* -> one byte per key
     SHM_DONE = 13   # lease id; no reply
+    NIXL_HELLO = 14  # client NIXL agent metadata -> server NIXL agent metadata
+    NIXL_GET = 15    # mem kind, device, (key, nbytes, client address)* -> sizes (server WRITEs)
+    NIXL_PUT = 16    # mem kind, device, (key, nbytes, client address)* -> one byte per key (server READs)
 
 
 NO_REPLY = frozenset({Op.SHM_DONE})
@@ -247,6 +253,25 @@ def decode_u32(body: Any) -> int:
     return _U32.unpack_from(mv, 0)[0]
 
 
+def encode_nixl(mem_kind: int, device: int, keys: Sequence[BlockKey], sizes: Sequence[int],
+                addrs: Sequence[int]) -> bytes:
+    return _NIXL_HEAD.pack(mem_kind, device) + encode_records(NIXL_REC, keys, sizes, addrs)
+
+
+def decode_nixl(body: Any, limits: Limits) -> tuple[int, int, list[BlockKey], np.ndarray]:
+    """``(mem_kind, device, keys, records)`` of a NIXL_GET/NIXL_PUT body."""
+    mv = memoryview(body).cast("B")
+    if mv.nbytes < _NIXL_HEAD.size:
+        raise ProtocolError(f"NIXL body of {mv.nbytes} bytes is too short")
+    mem_kind, device = _NIXL_HEAD.unpack_from(mv, 0)
+    if mem_kind not in (0, 1):
+        raise ProtocolError(f"unknown NIXL memory kind {mem_kind}")
+    keys, rec = decode_records(NIXL_REC, mv[_NIXL_HEAD.size:], limits)
+    if len(keys) and int(rec["nbytes"].min()) == 0:
+        raise ProtocolError("a NIXL transfer of 0 bytes")
+    return mem_kind, device, keys, rec
+
+
 def decode_request(header: Header, body: Any, limits: Limits) -> Any:
     """The decoded arguments of one request (what the server dispatches on). Checks the
     payload length against the body so a PUT cannot announce more bytes than it ships."""
@@ -268,6 +293,12 @@ def decode_request(header: Header, body: Any, limits: Limits) -> Any:
             raise ProtocolError(f"PUT announces {total} block bytes but carries {header.payload_len}")
     elif op is Op.SHM_PUT:
         args = decode_records(STAGED, body, limits)
+    elif op is Op.NIXL_HELLO:
+        args = bytes(body)
+        if not args:
+            raise ProtocolError("NIXL_HELLO carries no agent metadata")
+    elif op is Op.NIXL_GET or op is Op.NIXL_PUT:
+        args = decode_nixl(body, limits)
     else:  # SHM_DONE
         args = decode_u64(body)
     if op is not Op.PUT and header.payload_len:
@@ -292,7 +323,8 @@ def parse_requests(data: Any, limits: Limits) -> tuple[list[tuple[Header, Any]],
     return out, pos
 
 
-__all__ = ["HEADER", "HEADER_BYTES", "Header", "Limits", "MAGIC", "MISS", "NO_REPLY", "Op", "PLACED",
+__all__ = ["HEADER", "HEADER_BYTES", "Header", "Limits", "MAGIC", "MISS", "NIXL_REC", "NOT_SENT", "NO_REPLY",
+           "Op", "PLACED", "decode_nixl", "encode_nixl",
            "SIZED", "SIZE_MISMATCH", "STAGED", "Status", "VERSION", "WHERE_ARENA", "WHERE_SOCKET",
            "WHERE_STAGING", "decode_flags", "decode_json", "decode_keys", "decode_lookup",
            "decode_placed", "decode_records", "decode_request", "decode_sizes", "decode_u32",

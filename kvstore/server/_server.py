@@ -26,6 +26,7 @@ from kvstore.server import _protocol as P
 from kvstore.server._admin import handle_admin
 from kvstore.server._conn import Connection
 from kvstore.server._metrics import ServerMetrics
+from kvstore.server._nixl import NixlService
 from kvstore.server._shm import Arena
 
 log = logging.getLogger("kvstore.server")
@@ -69,6 +70,7 @@ class Server:
         self._borrowable = first.capabilities.device == "cpu" and first.capabilities.zero_copy_view
         self.arena = Arena.of(first) if cfg.transport in ("auto", "shm") and self._borrowable else None
         self.metrics = ServerMetrics(self.store)
+        self.nixl = NixlService(self)
         self.conns: set[Connection] = set()
         self.closing = False
         self.port = 0
@@ -148,6 +150,7 @@ class Server:
                 t.cancel()
         for c in list(self.conns):
             c.close()
+        self.nixl.close()  # deregisters the arena before the Store unmaps it
         if self._owns_store:
             await asyncio.get_running_loop().run_in_executor(None, self._close_store)
         self._stopped.set()
@@ -205,7 +208,8 @@ class Server:
                 "max_frame_bytes": self.limits.max_frame_bytes, "max_batch": self.limits.max_batch,
                 "max_inflight_bytes": self.config.server.max_inflight_bytes,
                 "shm": self.arena.describe() if self.arena is not None and local else None,
-                "socket_path": self.socket_path if local else None}
+                "socket_path": self.socket_path if local else None,
+                "nixl": self.nixl.offered()}
 
     def stats(self) -> dict[str, Any]:
         out = self.store.stats()
@@ -213,7 +217,8 @@ class Server:
                          "connections": len(self.conns),
                          "leased_bytes": sum(c.leased_bytes for c in self.conns),
                          "shm": self.arena.path if self.arena else None, "port": self.port,
-                         "admin_port": self.admin_port, "socket_path": self.socket_path}
+                         "admin_port": self.admin_port, "socket_path": self.socket_path,
+                         "nixl": self.nixl.stats()}
         return out
 
 

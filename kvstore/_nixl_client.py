@@ -1,0 +1,152 @@
+"""The client side of the NIXL data plane, used by :class:`kvstore.client.Client`.
+
+The client owns a NIXL agent and tells the server about it on each pooled connection
+(``NIXL_HELLO``, again whenever it registered more memory). It sends, per request, the
+address of each of its buffers; the server moves the bytes one-sided (WRITE for a load,
+READ for a save) and replies with sizes/flags only.
+
+Buffers registered with :meth:`NixlClientPath.register` (long-lived KV-cache memory,
+host or GPU) are used in place. Any other buffer goes through a pooled
+registered staging buffer (one memcpy on the client), so unregistered memory is never
+exposed and registrations do not pile up. Thread-safe: staging buffers come from a
+free list (one per concurrent call at most), registered once and reused.
+"""
+
+from __future__ import annotations
+
+import select
+import threading
+from typing import Any, Sequence
+
+import numpy as np
+
+from kvstore.buffers import copy_bytes, host_view, is_device, nbytes_of
+from kvstore.errors import BufferSizeError, RemoteError
+from kvstore.keys import BlockKey
+from kvstore.server import _protocol as P
+from kvstore.transport.nixl import Descs, NixlEndpoint, descs_of
+
+_KIND = {"DRAM": 0, "VRAM": 1}
+
+
+class NixlClientPath:
+    def __init__(self, *, timeout_s: float, staging_bytes: int) -> None:
+        # No progress thread (it busy-polls a core for the process's lifetime): the
+        # client drives UCX itself while it waits for the server's reply (_call).
+        self.endpoint = NixlEndpoint("client", timeout_s=timeout_s, progress_thread=False)
+        self._staging_bytes = staging_bytes
+        self._lock = threading.Lock()
+        self._version = 1  # bumped on every registration: connections re-introduce us
+        self._free: list[np.ndarray] = []  # registered staging buffers not in use
+
+    def register(self, buf: Any) -> None:
+        """Register a long-lived buffer so transfers use it in place."""
+        self.endpoint.register(buf)
+        with self._lock:
+            self._version += 1
+
+    def introduce(self, conn: Any) -> None:
+        """Send our metadata on ``conn`` unless it has the current version."""
+        with self._lock:
+            version = self._version
+        if getattr(conn, "nixl_version", 0) == version:
+            return
+        _, body = self._call(conn, P.Op.NIXL_HELLO, self.endpoint.metadata())
+        self.endpoint.add_peer(body)
+        conn.nixl_version = version
+
+    def _take_staging(self, nbytes: int) -> np.ndarray:
+        with self._lock:
+            for i, buf in enumerate(self._free):
+                if buf.nbytes >= nbytes:
+                    return self._free.pop(i)
+        buf = np.zeros(max(nbytes, self._staging_bytes), np.uint8)  # touched once, reused
+        self.register(buf)
+        return buf
+
+    def _give_back(self, buf: np.ndarray | None) -> None:
+        if buf is not None:
+            with self._lock:
+                self._free.append(buf)
+
+    def _place(self, bufs: Sequence[Any]) -> tuple[Descs, list[np.ndarray] | None, np.ndarray | None]:
+        """Descriptors for ``bufs`` in place when all are registered (one memory kind),
+        else for slices of a staging buffer (returned with the slices; give it back)."""
+        try:
+            direct = descs_of(bufs)
+            if self.endpoint.covers(direct):
+                return direct, None, None
+        except Exception:  # mixed host/GPU or odd buffer types: stage them
+            pass
+        sizes = [nbytes_of(b) for b in bufs]
+        staging = self._take_staging(sum(sizes))
+        views, pos = [], 0
+        for n in sizes:
+            views.append(staging[pos:pos + n])
+            pos += n
+        return descs_of(views), views, staging
+
+    def get(self, conn: Any, keys: list[BlockKey], dsts: list[Any]) -> tuple[list[bool], list[int]]:
+        """Load into ``dsts``. Returns per-key hits and the indices the server did not
+        send (held in a slower tier: fetch them over TCP)."""
+        sizes = [nbytes_of(d) for d in dsts]
+        descs, staged, staging = self._place(dsts)
+        try:
+            return self._get(conn, keys, dsts, sizes, descs, staged)
+        finally:
+            self._give_back(staging)
+
+    def _get(self, conn, keys, dsts, sizes, descs, staged) -> tuple[list[bool], list[int]]:
+        self.introduce(conn)
+        body = P.encode_nixl(_KIND[descs.mem], int(descs.rows[0, 2]), keys, sizes, descs.rows[:, 0].tolist())
+        _, reply = self._call(conn, P.Op.NIXL_GET, body)
+        got = P.decode_sizes(reply, len(keys)).tolist()
+        out, later = [], []
+        for i, (g, want) in enumerate(zip(got, sizes)):
+            if g == P.SIZE_MISMATCH:
+                raise BufferSizeError(f"buffer for {keys[i]!r} has {want} bytes; the stored block differs")
+            if g == P.NOT_SENT:
+                later.append(i)
+            elif g >= 0 and g != want:
+                raise RemoteError(f"server {conn.addr}: NIXL_GET sent {g} bytes into a {want}-byte buffer")
+            out.append(g >= 0)
+        if staged is not None:
+            for ok, dst, view in zip(out, dsts, staged):
+                if ok:
+                    if is_device(dst):
+                        copy_bytes(dst, view)
+                    else:
+                        np.copyto(host_view(dst, writable=True), view, casting="no")
+        return out, later
+
+    def put(self, conn: Any, keys: list[BlockKey], srcs: list[Any]) -> list[bool]:
+        sizes = [nbytes_of(s) for s in srcs]
+        descs, staged, staging = self._place(srcs)
+        try:
+            if staged is not None:
+                for view, src in zip(staged, srcs):
+                    copy_bytes(view, src)
+            self.introduce(conn)
+            body = P.encode_nixl(_KIND[descs.mem], int(descs.rows[0, 2]), keys, sizes, descs.rows[:, 0].tolist())
+            _, reply = self._call(conn, P.Op.NIXL_PUT, body)
+            return P.decode_flags(reply, len(keys))
+        finally:
+            self._give_back(staging)
+
+    def _call(self, conn: Any, op: int, body: bytes) -> tuple[Any, bytes]:
+        """Send a request and progress NIXL until the reply is readable (the server's
+        one-sided transfer may need this side's UCX worker, e.g. to connect). The wait
+        between progress calls grows to 10 ms: the reply wakes ``select`` at once, and
+        many waiting clients must not spin the CPU the server needs."""
+        conn.send(op, body)
+        sock, progress = conn.sock, self.endpoint.progress
+        wait = 1e-4
+        while True:
+            progress()
+            readable, _, _ = select.select([sock], [], [], wait)
+            if readable:
+                return conn.recv_reply(op)
+            wait = min(wait * 2, 1e-2)
+
+    def close(self) -> None:
+        self.endpoint.close()
