@@ -126,7 +126,8 @@ def get_ranges_into(client: Any, bucket: str, name: str, key: BlockKey, dst: mem
     (size already known to match), then verify header, length and checksum."""
     total = HEADER_BYTES + dst.nbytes
     header = bytearray(HEADER_BYTES)
-    ranges = [(a, min(a + part_size, total)) for a in range(0, total, part_size)]
+    step = -(-total // -(-total // part_size))  # equal ranges, none a runt of a few bytes
+    ranges = [(a, min(a + step, total)) for a in range(0, total, step)]
     futures = [pool.submit(_get_range, client, bucket, name, a, b, total, memoryview(header), dst)
                for a, b in ranges]
     first: BaseException | None = None

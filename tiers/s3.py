@@ -92,6 +92,7 @@ class S3Tier(Tier):
                                          timeout_s=min(_PROBE_TIMEOUT_S, connect_timeout_s))
         check_bucket(self._client, self._settings, create=create_bucket)
         self._health = Health(name, lambda: self._probe_client.head_bucket(Bucket=bucket))
+        self._concurrency = concurrency
         self._pool = ThreadPoolExecutor(concurrency, thread_name_prefix=f"kvstore-{name}")
         self._parts = ThreadPoolExecutor(concurrency, thread_name_prefix=f"kvstore-{name}-part")
         self._index: dict[BlockKey, _Entry] = {}
@@ -124,6 +125,14 @@ class S3Tier(Tier):
         index = self._index
         return [k in index for k in keys]
 
+    def _map(self, fn, *iterables) -> list:
+        """Run ``fn`` over a batch on the pool; a single item, or a pool of one, runs on
+        the calling thread (a thread hand-off costs more than it buys there)."""
+        items = list(zip(*iterables))
+        if len(items) <= 1 or self._concurrency == 1:
+            return [fn(*args) for args in items]
+        return list(self._pool.map(fn, *zip(*items)))
+
     def _count(self, name: str, n: int = 1) -> None:
         with self._lock:
             self._counters[name] += n
@@ -138,7 +147,7 @@ class S3Tier(Tier):
             if entry is not None and nbytes_of(dst) != entry.nbytes:
                 raise BufferSizeError(f"[{self.name}] buffer has {nbytes_of(dst)} bytes, block has {entry.nbytes}")
         self._health.check()
-        outcomes = list(self._pool.map(self._read_one, keys, dsts))
+        outcomes = self._map(self._read_one, keys, dsts)
         return self._settle(outcomes)
 
     def _read_one(self, key: BlockKey, dst: Any) -> _Outcome:
@@ -231,7 +240,7 @@ class S3Tier(Tier):
         for j, key in enumerate(keys):
             first.setdefault(key, j)
         order = list(first.values())
-        outcomes = list(self._pool.map(self._write_one, [keys[j] for j in order], [srcs[j] for j in order]))
+        outcomes = self._map(self._write_one, [keys[j] for j in order], [srcs[j] for j in order])
         if any(isinstance(o.exc, TierUnavailableError) for o in outcomes):
             # The Store will count the whole batch as failed: forget what did land, so the
             # budget stays in step with the Store's index (the objects stay in the bucket
@@ -299,7 +308,7 @@ class S3Tier(Tier):
                     self._used -= entry.nbytes
                     removed.append(key)
         self._health.check()
-        outcomes = list(self._pool.map(self._delete_one, removed))
+        outcomes = self._map(self._delete_one, removed)
         self._settle(outcomes)
         return len(removed)
 
@@ -342,7 +351,7 @@ class S3Tier(Tier):
         oldest ``LastModified`` first. Blocks beyond the byte budget are still returned so
         the Store can evict down to it."""
         listed = sorted(self._listing(), key=lambda t: t[2])
-        keys = list(self._pool.map(self._with_parent, [k for k, _, _ in listed]))
+        keys = self._map(self._with_parent, [k for k, _, _ in listed])
         with self._lock:
             self._index = {k: _Entry(k, n, t) for k, (_, n, t) in zip(keys, listed)}
             self._used = sum(e.nbytes for e in self._index.values())
