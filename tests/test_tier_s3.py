@@ -117,6 +117,12 @@ def test_large_blocks_use_multipart_and_ranged_reads(swift, raw):
         raw.put_object(Bucket=BUCKET, Key=name, Body=bytes(body))
         assert t.read_into(keys[1:], dsts[1:]) == [False]
         assert t.stats()["corrupt_blocks"] == 1
+        # Cut short: the last ranges fall beyond the object's end.
+        name = _object(raw, t, keys[0])
+        own = raw.get_object(Bucket=BUCKET, Key=name)["Body"].read()
+        raw.put_object(Bucket=BUCKET, Key=name, Body=own[:part])
+        assert t.read_into(keys[:1], dsts[:1]) == [False]
+        assert t.stats()["corrupt_blocks"] == 2 and t.used_bytes == 0
     finally:
         t.close()
 

@@ -136,6 +136,12 @@ def is_missing(exc: BaseException) -> bool:
     return error_code(exc) in _MISSING_CODES or status_of(exc) == 404
 
 
+def is_bad_range(exc: BaseException) -> bool:
+    """A ranged GET beyond the object's end: the object is shorter than the block it
+    claims to be (corrupt), not a transport failure."""
+    return error_code(exc) == "InvalidRange" or status_of(exc) == 416
+
+
 def is_unavailable(exc: BaseException) -> bool:
     """The endpoint is down, slow or overloaded: the tier should back off and probe."""
     import botocore.exceptions

@@ -35,7 +35,7 @@ from kvstore.errors import (BufferSizeError, CorruptBlockError, InvalidArgumentE
                             TierUnavailableError)
 from kvstore.keys import BlockKey
 from tiers import _s3io
-from tiers._s3client import S3Settings, check_bucket, is_missing, is_unavailable, make_client
+from tiers._s3client import S3Settings, check_bucket, is_bad_range, is_missing, is_unavailable, make_client
 from tiers._s3health import Health
 from tiers.base import RecoveredBlock, Tier, TierCapabilities
 
@@ -172,6 +172,9 @@ class S3Tier(Tier):
         except BufferSizeError as exc:
             return _Outcome(exc=BufferSizeError(f"[{self.name}] {exc}"))
         except Exception as exc:
+            if is_bad_range(exc):
+                self._corrupt(key, name, CorruptBlockError(f"object {name} is shorter than its block"))
+                return _Outcome()
             return self._failure(exc, missing_ok=True, key=key)
         with self._lock:
             self._counters["gets"] += 1
