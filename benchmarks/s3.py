@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 import tempfile
 import time
@@ -137,6 +138,8 @@ def main() -> None:
     if args.large:
         cells.append((args.large, 1))
 
+    # SIGTERM (e.g. from `timeout`) unwinds like Ctrl-C, so the servers below are stopped.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     with tempfile.TemporaryDirectory(prefix="kvstore-s3-bench-") as root:
         server = SwiftServer(root)
         os.environ.update(aws_env(server, root))

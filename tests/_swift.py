@@ -165,7 +165,7 @@ class SwiftServer:
         (root / "proxy-server.conf").write_text(
             _proxy_conf(root, self.ports["proxy"], self.ports["memcached"]))
 
-    def start(self, timeout_s: float = 60.0) -> "SwiftServer":
+    def start(self, timeout_s: float = 120.0) -> "SwiftServer":
         """Start every server and wait until the S3 endpoint answers."""
         if self._procs:
             return self

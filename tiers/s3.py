@@ -22,6 +22,7 @@ across calls, and keeps nothing after returning.
 
 from __future__ import annotations
 
+import logging
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -39,6 +40,7 @@ from tiers._s3client import S3Settings, check_bucket, is_bad_range, is_missing, 
 from tiers._s3health import Health
 from tiers.base import RecoveredBlock, Tier, TierCapabilities
 
+log = logging.getLogger(__name__)
 _PROBE_TIMEOUT_S = 1.0
 
 
@@ -187,6 +189,7 @@ class S3Tier(Tier):
 
     def _corrupt(self, key: BlockKey, name: str, exc: CorruptBlockError) -> None:
         """A bad object is forgotten, deleted (best effort) and counted; never returned."""
+        log.warning("tier %s: dropping corrupt object %s: %s", self.name, name, exc)
         with self._lock:
             self._counters["corrupt_blocks"] += 1
             entry = self._index.pop(key, None)
