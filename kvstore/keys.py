@@ -133,9 +133,16 @@ class Namespace:
         step = self.chunk_tokens * 4
         ns, prev, keys = self.digest, self.digest, []
         parent = None
+        blake, new, setattr_ = hashlib.blake2b, object.__new__, object.__setattr__
         for i in range(n):
-            digest = _h(prev + raw[i * step:(i + 1) * step])
-            keys.append(BlockKey(digest, parent, ns))
+            digest = blake(prev + raw[i * step:(i + 1) * step], digest_size=DIGEST_BYTES).digest()
+            # Trusted fields: skip BlockKey.__init__'s validation on this hot path.
+            key = new(BlockKey)
+            setattr_(key, "digest", digest)
+            setattr_(key, "parent", parent)
+            setattr_(key, "namespace", ns)
+            setattr_(key, "_hash", hash(digest))
+            keys.append(key)
             parent = prev = digest
         return keys
 

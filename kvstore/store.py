@@ -232,8 +232,28 @@ class Store:
     # -- data path ----------------------------------------------------------------------
 
     def _save(self, keys: list[BlockKey], srcs: list[Any]) -> list[bool]:
+        # Same key, same content: a key cached in any tier is only touched, never
+        # rewritten, so a save can never change what a later load returns.
         with self._lock:
             self._ops["saves"] += len(keys)
+            fresh = []
+            for j, key in enumerate(keys):
+                mask = self._where.get(key, 0)
+                if not mask:
+                    fresh.append(j)
+                    continue
+                for i, lvl in enumerate(self._levels):
+                    if mask >> i & 1:
+                        lvl.policy.on_access(key)
+        if len(fresh) < len(keys):
+            stored = [True] * len(keys)
+            if fresh:
+                for j, ok in zip(fresh, self._save_new([keys[j] for j in fresh], [srcs[j] for j in fresh])):
+                    stored[j] = ok
+            return stored
+        return self._save_new(keys, srcs)
+
+    def _save_new(self, keys: list[BlockKey], srcs: list[Any]) -> list[bool]:
         stored = self._put(0, keys, srcs)
         if self.placement.write is WriteMode.THROUGH:
             for i in range(1, len(self._levels)):

@@ -8,10 +8,18 @@ from policies.base import AdmissionPolicy, Decision, EvictionPolicy
 
 
 def _eviction_classes() -> dict[str, Callable[[], EvictionPolicy]]:
+    from policies.arc import ArcPolicy
     from policies.fifo import FifoPolicy
+    from policies.lfu import LfuPolicy
+    from policies.lineage import LineagePolicy
     from policies.lru import LruPolicy
+    from policies.s3fifo import S3FifoPolicy
+    from policies.sieve import SievePolicy
 
-    classes: dict[str, Callable[[], EvictionPolicy]] = {"lru": LruPolicy, "fifo": FifoPolicy}
+    classes: dict[str, Callable[[], EvictionPolicy]] = {
+        "lru": LruPolicy, "fifo": FifoPolicy, "lfu": LfuPolicy, "s3fifo": S3FifoPolicy,
+        "sieve": SievePolicy, "arc": ArcPolicy, "lineage": LineagePolicy,
+    }
     return classes
 
 

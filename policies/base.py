@@ -36,6 +36,11 @@ class EvictionPolicy(ABC):
     def victims(self) -> Iterator[Hashable]:
         """Candidates for eviction, best first."""
 
+    def set_capacity(self, capacity_bytes: int) -> None:
+        """The tier's size, told once by the Store after construction. Policies that
+        size queues from it (S3-FIFO, ARC) must also work when it is never called, by
+        deriving their targets from what they currently hold. Default: ignored."""
+
     @abstractmethod
     def __len__(self) -> int: ...
 

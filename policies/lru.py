@@ -1,10 +1,16 @@
-"""Least recently used."""
+"""Least recently used: evict the key whose last insert or access is oldest.
+
+O(1) per insert, access and removal, O(1) per victim yielded (an ``OrderedDict``);
+a key the Store skips stays where it is and the walk steps over it.
+Not thread-safe: the Store calls it under its lock.
+"""
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from typing import Hashable, Iterator
 
+from policies._order import iter_live
 from policies.base import EvictionPolicy
 
 
@@ -26,7 +32,7 @@ class LruPolicy(EvictionPolicy):
         self._order.pop(key, None)
 
     def victims(self) -> Iterator[Hashable]:
-        return iter(list(self._order))
+        return iter_live(self._order)
 
     def __len__(self) -> int:
         return len(self._order)
