@@ -9,15 +9,15 @@ from other jobs on a shared machine cancels out. Client CPU per block (whole pro
 ``time.process_time``) is printed beside each throughput: it shows what the header,
 checksum and verification cost, independent of the server's speed.
 
-    python benchmarks/s3.py [--sizes 1,4] [--concurrency 1,4,8] [--large 24] [--mib-per-cell 48] [--repeats 7]
+    python -m benchmarks.s3 [--sizes 1,4] [--concurrency 1,4,8] [--large 24] [--mib-per-cell 48] [--repeats 7]
 
-Prints a table and writes benchmarks/results/s3.json and s3.png.
+Prints a table and writes benchmarks/results/s3.json and s3.png. Needs Swift
+(scripts/deps/20-swift.sh), started here exactly as the tests start it.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
 import sys
@@ -32,6 +32,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from benchmarks._common import RESULTS, write_json  # noqa: E402
 from kvstore.testing import make_keys  # noqa: E402
 from tests._swift import REGION, SwiftServer, aws_env  # noqa: E402
 from tiers.s3 import S3Tier  # noqa: E402
@@ -130,7 +131,6 @@ def main() -> None:
                          "ranged parallel GET); 0 to skip")
     ap.add_argument("--mib-per-cell", type=int, default=48, help="bytes moved per measurement")
     ap.add_argument("--repeats", type=int, default=7, help="paired runs per cell")
-    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "s3.json"))
     args = ap.parse_args()
     sizes = [int(x) for x in args.sizes.split(",")]
     concs = [int(x) for x in args.concurrency.split(",")]
@@ -158,13 +158,10 @@ def main() -> None:
                     rows.append(run_cell(server, *data[size], size, conc, args.repeats, variant="single PUT",
                                          multipart_threshold=1 << 40))
                     print_row(rows[-1], header=False)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"server": "OpenStack Swift s3api on 127.0.0.1", "unit": "MB/s",
-                               "mib_per_cell": args.mib_per_cell, "repeats": args.repeats,
-                               "rows": rows}, indent=2))
-    plot(rows, out.with_suffix(".png"))
-    print(f"wrote {out} and {out.with_suffix('.png')}")
+    out = write_json("s3", {"server": "OpenStack Swift s3api on 127.0.0.1", "unit": "MB/s",
+                            "mib_per_cell": args.mib_per_cell, "repeats": args.repeats, "rows": rows})
+    plot(rows, RESULTS / "s3.png")
+    print(f"wrote {out} and {RESULTS / 's3.png'}")
 
 
 def print_row(row: dict, *, header: bool) -> None:
