@@ -4,8 +4,9 @@ benchmarks: a real S3 implementation, not an emulator.
 ``SwiftServer(root)`` writes a single-replica configuration under ``root`` (rings,
 device directory, one conf per server), picks free ports, and runs memcached plus the
 account, container, object and proxy servers. ``stop()`` ends every process it started
-by PID, children first; ``start()`` again brings the same servers back on the same
-ports with the same data (used by the fault tests). Not thread-safe.
+(or only the named ones) by PID, with their children; ``start()`` again brings the
+stopped servers back on the same ports with the same data (used by the fault tests).
+Not thread-safe.
 
 S3 credentials: access key ``test:tester``, secret ``testing``, region ``us-east-1``,
 path-style addressing.
@@ -144,7 +145,7 @@ class SwiftServer:
         self.root = Path(root)
         self.ports = {name: free_port() for name in ("memcached", "proxy", *_SERVERS)}
         self.endpoint_url = f"http://127.0.0.1:{self.ports['proxy']}"
-        self._procs: list[subprocess.Popen] = []
+        self._procs: dict[str, subprocess.Popen] = {}
         self._configure()
 
     def _configure(self) -> None:
@@ -165,20 +166,19 @@ class SwiftServer:
         (root / "proxy-server.conf").write_text(
             _proxy_conf(root, self.ports["proxy"], self.ports["memcached"]))
 
+    def _command(self, name: str) -> list[str]:
+        if name == "memcached":
+            return ["memcached", "-u", "root", "-l", "127.0.0.1", "-p", str(self.ports["memcached"]),
+                    "-U", "0", "-m", "64"]
+        return [f"swift-{name}-server", str(self.root / f"{name}-server.conf")]
+
     def start(self, timeout_s: float = 120.0) -> "SwiftServer":
-        """Start every server and wait until the S3 endpoint answers."""
-        if self._procs:
-            return self
-        log = open(self.root / "swift.log", "ab")
-        try:
-            cmds = [["memcached", "-u", "root", "-l", "127.0.0.1", "-p", str(self.ports["memcached"]),
-                     "-U", "0", "-m", "64"]]
-            cmds += [[f"swift-{kind}-server", str(self.root / f"{kind}-server.conf")]
-                     for kind in (*_SERVERS, "proxy")]
-            for cmd in cmds:
-                self._procs.append(subprocess.Popen(cmd, stdout=log, stderr=log, stdin=subprocess.DEVNULL))
-        finally:
-            log.close()
+        """Start every server not running yet and wait until the S3 endpoint answers."""
+        with open(self.root / "swift.log", "ab") as log:
+            for name in ("memcached", *_SERVERS, "proxy"):
+                if name not in self._procs:
+                    self._procs[name] = subprocess.Popen(self._command(name), stdout=log, stderr=log,
+                                                         stdin=subprocess.DEVNULL)
         try:
             self._wait_ready(timeout_s)
         except BaseException:
@@ -190,7 +190,7 @@ class SwiftServer:
         deadline = time.monotonic() + timeout_s
         pending = dict(self.ports)
         while pending:
-            for proc in self._procs:
+            for proc in self._procs.values():
                 if proc.poll() is not None:
                     raise RuntimeError(f"{proc.args[0]} exited with {proc.returncode}; "
                                        f"see {self.root / 'swift.log'}")
@@ -217,25 +217,27 @@ class SwiftServer:
 
     def pause_proxy(self) -> None:
         """Freeze the S3 endpoint (SIGSTOP): connections are accepted, nothing answers."""
-        os.kill(self._procs[-1].pid, signal.SIGSTOP)
+        os.kill(self._procs["proxy"].pid, signal.SIGSTOP)
 
     def resume_proxy(self) -> None:
-        os.kill(self._procs[-1].pid, signal.SIGCONT)
+        os.kill(self._procs["proxy"].pid, signal.SIGCONT)
 
     @property
     def running(self) -> bool:
         return bool(self._procs)
 
-    def stop(self) -> None:
-        """Stop every process started here (children first, then the parent), by PID."""
-        procs, self._procs = self._procs, []
+    def stop(self, *names: str) -> None:
+        """Stop the named servers (``"object"``, ``"proxy"``, ...; default: all started
+        here), by PID: the parent and then each of its children."""
+        names = names or tuple(self._procs)
+        procs = [self._procs.pop(n) for n in names if n in self._procs]
         for proc in procs:
             try:
                 os.kill(proc.pid, signal.SIGCONT)  # a paused proxy must see its SIGTERM
             except ProcessLookupError:
                 pass
         for proc in reversed(procs):
-            for pid in [*_children(proc.pid), proc.pid]:
+            for pid in [proc.pid, *_children(proc.pid)]:
                 try:
                     os.kill(pid, signal.SIGTERM)
                 except ProcessLookupError:
@@ -244,7 +246,7 @@ class SwiftServer:
             try:
                 proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
-                for pid in [*_children(proc.pid), proc.pid]:
+                for pid in [proc.pid, *_children(proc.pid)]:
                     try:
                         os.kill(pid, signal.SIGKILL)
                     except ProcessLookupError:

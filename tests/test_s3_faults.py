@@ -132,3 +132,31 @@ def test_frozen_endpoint_times_out_and_fails_fast(swift, bucket):
         _wait_healthy(store)
         ok, exact = _load_all(store, keys, srcs)
         assert ok == [True] * 4 and exact
+
+
+def test_backend_5xx_marks_unavailable_until_it_recovers(swift, bucket):
+    """With Swift's object servers down the S3 endpoint still answers, with 5xx: that is
+    an outage too, and the probe must not call it over while they stay down."""
+    keys = make_keys(4, salt="5xx")
+    srcs = [payload(i, BLOCK) for i in range(4)]
+    with _store(swift, f"5xx-{uuid.uuid4().hex[:8]}") as store:
+        assert all(store.save(keys, srcs).result())
+        swift.stop("object")
+        try:
+            ok, _ = _load_all(store, keys, srcs)
+            assert ok == [False] * 4
+            stats = store.stats()["tiers"][0]
+            assert stats["healthy"] is False
+            assert "503" in stats["last_error"] or "ServiceUnavailable" in stats["last_error"]
+            deadline = time.monotonic() + 30
+            while store.stats()["tiers"][0]["probes"] < 3:  # probes ran, and failed
+                assert time.monotonic() < deadline, "the tier stopped probing"
+                time.sleep(0.2)
+            assert store.stats()["tiers"][0]["healthy"] is False
+            assert store.save(make_keys(1, salt="5xx-new"), [srcs[0]]).result() == [False]
+            assert store.lookup(keys) == 4
+        finally:
+            swift.start()
+        _wait_healthy(store)
+        ok, exact = _load_all(store, keys, srcs)
+        assert ok == [True] * 4 and exact

@@ -93,7 +93,7 @@ class S3Tier(Tier):
         self._probe_client = make_client(self._settings, max_attempts=1, pool_connections=1,
                                          timeout_s=min(_PROBE_TIMEOUT_S, connect_timeout_s))
         check_bucket(self._client, self._settings, create=create_bucket)
-        self._health = Health(name, lambda: self._probe_client.head_bucket(Bucket=bucket))
+        self._health = Health(name, self._probe)
         self._concurrency = concurrency
         self._pool = ThreadPoolExecutor(concurrency, thread_name_prefix=f"kvstore-{name}")
         self._parts = ThreadPoolExecutor(concurrency, thread_name_prefix=f"kvstore-{name}-part")
@@ -106,6 +106,15 @@ class S3Tier(Tier):
         self._counters = dict.fromkeys(("gets", "puts", "deletes", "corrupt_blocks", "ranged_gets",
                                         "multipart_puts", "bytes_read", "bytes_written"), 0)
         self.capabilities = TierCapabilities(device="s3", persistent=True, max_concurrency=concurrency)
+
+    def _probe(self) -> None:
+        """HEAD an object that never exists: a 404 proves the whole object path answers
+        (on Swift a bucket HEAD would pass with the object servers down)."""
+        try:
+            self._probe_client.head_object(Bucket=self.bucket, Key=f"{self.prefix}/.probe")
+        except Exception as exc:
+            if not is_missing(exc):
+                raise
 
     # -- accounting -------------------------------------------------------------------------
 
