@@ -224,6 +224,18 @@ def test_missing_credentials_are_a_config_error(swift, raw, monkeypatch):
         Store.from_config(_store_config(swift))
 
 
+def test_credentials_from_a_profile_in_the_shared_file(swift, raw, monkeypatch, tmp_path):
+    from tests._swift import ACCESS_KEY, SECRET_KEY
+
+    creds = tmp_path / "credentials"
+    creds.write_text(f"[kvtest]\naws_access_key_id = {ACCESS_KEY}\naws_secret_access_key = {SECRET_KEY}\n")
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(creds))
+    monkeypatch.delenv("AWS_ACCESS_KEY_ID")
+    monkeypatch.delenv("AWS_SECRET_ACCESS_KEY")
+    with Store.from_config(_store_config(swift, profile="kvtest")) as store:
+        assert store.save(make_keys(1, salt="profile"), [payload(0)]).result() == [True]
+
+
 def test_unknown_profile_is_a_config_error(swift, raw):
     with pytest.raises(ConfigError, match=r"tiers\.shared\.profile: AWS profile 'nobody' not found"):
         Store.from_config(_store_config(swift, profile="nobody"))
