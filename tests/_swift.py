@@ -80,7 +80,14 @@ use = egg:swift#{kind}
 """
 
 
-def _proxy_conf(root: Path, port: int, memcached_port: int) -> str:
+def _proxy_conf(root: Path, port: int, memcached_port: int, put_rate: float | None) -> str:
+    # Swift's own rate limiter, when asked for: object writes beyond `put_rate` per second
+    # per bucket get "498 Rate Limited", which s3api answers as S3's 503 SlowDown.
+    ratelimit = "ratelimit " if put_rate else ""
+    # The limiter applies only once it sees objects in the bucket: keep cached counts fresh.
+    recheck = "recheck_container_existence = 1\n" if put_rate else ""
+    ratelimit_conf = (f"\n[filter:ratelimit]\nuse = egg:swift#ratelimit\ncontainer_ratelimit_0 = {put_rate}\n"
+                      "max_sleep_time_seconds = 0.1\nrate_buffer_seconds = 1\n") if put_rate else ""
     return f"""[DEFAULT]
 bind_ip = 127.0.0.1
 bind_port = {port}
@@ -90,12 +97,12 @@ swift_dir = {root}
 log_level = WARNING
 
 [pipeline:main]
-pipeline = catch_errors gatekeeper healthcheck proxy-logging cache listing_formats s3api tempauth copy slo dlo proxy-logging proxy-server
+pipeline = catch_errors gatekeeper healthcheck proxy-logging cache listing_formats s3api tempauth {ratelimit}copy slo dlo proxy-logging proxy-server
 
 [app:proxy-server]
 use = egg:swift#proxy
 account_autocreate = true
-
+{recheck}
 [filter:s3api]
 use = egg:swift#s3api
 location = {REGION}
@@ -131,18 +138,19 @@ use = egg:swift#slo
 
 [filter:dlo]
 use = egg:swift#dlo
-"""
+{ratelimit_conf}"""
 
 
 class SwiftServer:
     """One Swift cluster (one replica, one device) living under ``root``."""
 
-    def __init__(self, root: str | os.PathLike) -> None:
+    def __init__(self, root: str | os.PathLike, *, put_rate: float | None = None) -> None:
         missing = missing_binaries()
         if missing:
             raise RuntimeError(f"Swift is not installed (missing {', '.join(missing)}); "
                                "run scripts/deps/20-swift.sh")
         self.root = Path(root)
+        self.put_rate = put_rate
         self.ports = {name: free_port() for name in ("memcached", "proxy", *_SERVERS)}
         self.endpoint_url = f"http://127.0.0.1:{self.ports['proxy']}"
         self._procs: dict[str, subprocess.Popen] = {}
@@ -164,7 +172,7 @@ class SwiftServer:
             if not (root / f"{kind}.ring.gz").exists():
                 raise RuntimeError(f"ring building did not write {kind}.ring.gz under {root}")
         (root / "proxy-server.conf").write_text(
-            _proxy_conf(root, self.ports["proxy"], self.ports["memcached"]))
+            _proxy_conf(root, self.ports["proxy"], self.ports["memcached"], self.put_rate))
 
     def _command(self, name: str) -> list[str]:
         if name == "memcached":
@@ -320,14 +328,14 @@ _AWS_VARS_TO_CLEAR = ("AWS_PROFILE", "AWS_DEFAULT_PROFILE", "AWS_ENDPOINT_URL", 
                       "AWS_SESSION_TOKEN", "AWS_REGION")
 
 
-def running_swift(tmp_path_factory, name: str = "swift"):
+def running_swift(tmp_path_factory, name: str = "swift", **server_kwargs):
     """Generator body for a pytest fixture: a started server with the AWS environment
     pointed at it; stops the server and restores the environment afterwards."""
     import pytest
 
     require_swift()
     root = tmp_path_factory.mktemp(name)
-    server = SwiftServer(root).start()
+    server = SwiftServer(root, **server_kwargs).start()
     with pytest.MonkeyPatch.context() as mp:
         for var in _AWS_VARS_TO_CLEAR:
             mp.delenv(var, raising=False)

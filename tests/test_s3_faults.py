@@ -160,3 +160,36 @@ def test_backend_5xx_marks_unavailable_until_it_recovers(swift, bucket):
         _wait_healthy(store)
         ok, exact = _load_all(store, keys, srcs)
         assert ok == [True] * 4 and exact
+
+
+@pytest.fixture(scope="module")
+def throttled(tmp_path_factory):
+    """A second Swift whose rate limiter allows 2 object writes per second per bucket."""
+    yield from running_swift(tmp_path_factory, "swift-slowdown", put_rate=2)
+
+
+def test_slowdown_is_an_outage_then_writes_resume(throttled):
+    raw = throttled.client()
+    raw.create_bucket(Bucket=BUCKET)
+    raw.put_object(Bucket=BUCKET, Key="seed", Body=b"x")  # the limiter starts at one object
+    time.sleep(1.5)  # ...once the proxy's cached object count (1 s) has seen it
+    keys = make_keys(12, salt="slow")
+    srcs = [payload(i, 64 * 1024) for i in range(12)]
+    with _store(throttled, f"slow-{uuid.uuid4().hex[:8]}") as store:
+        assert store.save(keys, srcs).result() == [False] * 12  # no exception, just not stored
+        tier = store.tiers[0]
+        stats = store.stats()["tiers"][0]
+        assert stats["outages"] >= 1 and stats["errors"] >= 1
+        assert "SlowDown" in stats["last_error"]
+        # Blocks of the failed batch that did land are not counted against the budget
+        # the Store sees (it stored none of them).
+        assert tier.used_bytes == 0 and store.stats()["blocks"] == 0
+        _wait_healthy(store)
+        # Swift's limiter charges rejected requests too: back off until its debt is paid.
+        deadline, pause = time.monotonic() + 120, 2.0
+        while not store.save(keys[:1], srcs[:1]).result()[0]:
+            assert time.monotonic() < deadline, "writes never resumed after SlowDown"
+            time.sleep(pause)
+            pause = min(2 * pause, 8.0)
+        dst = np.zeros_like(srcs[0])
+        assert store.load(keys[:1], [dst]).result() == [True] and np.array_equal(dst, srcs[0])

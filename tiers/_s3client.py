@@ -45,10 +45,8 @@ def make_client(s: S3Settings, *, max_attempts: int | None = None, pool_connecti
     """A boto3 S3 client; credentials come from the standard AWS chain (environment,
     shared config/credentials files, ``profile``, instance metadata).
 
-    Parameter validation is off because bodies are ``memoryview`` slices of caller or
-    staging memory (botocore sends them as they are, without a copy); checksums that
-    botocore would compute on every request are off because every object carries its
-    own XXH3 block header, verified on each read.
+    Checksums that botocore would compute on every request are off because every object
+    carries its own XXH3 block header, verified on each read.
     """
     import boto3
     import botocore.exceptions
@@ -65,7 +63,6 @@ def make_client(s: S3Settings, *, max_attempts: int | None = None, pool_connecti
         retries={"max_attempts": max_attempts or s.max_attempts, "mode": "standard"},
         max_pool_connections=pool_connections or s.concurrency,
         s3={"addressing_style": s.addressing_style},
-        parameter_validation=False,
         request_checksum_calculation="when_required",
         response_checksum_validation="when_required",
         tcp_keepalive=True,

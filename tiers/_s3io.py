@@ -4,8 +4,8 @@ followed by the payload.
 Reads stream straight into caller memory: the urllib3 response botocore wraps sits on an
 ``http.client`` response whose ``readinto`` receives from the socket into the buffer it
 is given, so a block crosses from the kernel into the destination once, with no ``bytes``
-of the whole block in between. Writes send ``memoryview`` slices of one contiguous buffer
-(header + payload). Functions here are stateless and thread-safe; they raise botocore /
+of the whole block in between. Writes send reusable ``bytearray`` buffers that hold
+header + payload (one per part for multipart uploads). Functions here are stateless and thread-safe; they raise botocore /
 transport exceptions as they come and :class:`CorruptBlockError` for bad content.
 """
 
@@ -165,28 +165,27 @@ def _get_range(client: Any, bucket: str, name: str, a: int, b: int, total: int,
 
 # -- writes --------------------------------------------------------------------------------
 
-def put(client: Any, bucket: str, name: str, body: memoryview, metadata: dict[str, str]) -> None:
-    """PUT one object from ``body`` (header + payload), sent without a copy."""
-    client.put_object(Bucket=bucket, Key=name, Body=body, ContentLength=body.nbytes, Metadata=metadata)
+def put(client: Any, bucket: str, name: str, body: bytearray, metadata: dict[str, str]) -> None:
+    """PUT one object from ``body`` (header + payload)."""
+    client.put_object(Bucket=bucket, Key=name, Body=body, ContentLength=len(body), Metadata=metadata)
 
 
-def put_multipart(client: Any, bucket: str, name: str, body: memoryview, metadata: dict[str, str],
-                  part_size: int, pool: Executor) -> None:
-    """Multipart upload of ``body`` in ``part_size`` parts sent in parallel on ``pool``;
-    the upload is aborted when any part fails, so no partial object becomes visible."""
+def put_multipart(client: Any, bucket: str, name: str, parts: list[bytearray], metadata: dict[str, str],
+                  pool: Executor) -> None:
+    """Multipart upload of ``parts`` (header + payload, in order) sent in parallel on
+    ``pool``; the upload is aborted when any part fails, so no partial object appears."""
     upload = client.create_multipart_upload(Bucket=bucket, Key=name, Metadata=metadata)["UploadId"]
     try:
-        bounds = [(a, min(a + part_size, body.nbytes)) for a in range(0, body.nbytes, part_size)]
         futures = [pool.submit(client.upload_part, Bucket=bucket, Key=name, UploadId=upload,
-                               PartNumber=i + 1, Body=body[a:b], ContentLength=b - a)
-                   for i, (a, b) in enumerate(bounds)]
+                               PartNumber=i + 1, Body=part, ContentLength=len(part))
+                   for i, part in enumerate(parts)]
         errors = [f.exception() for f in futures]
         failed = next((e for e in errors if e is not None), None)
         if failed is not None:
             raise failed
-        parts = [{"PartNumber": i + 1, "ETag": f.result()["ETag"]} for i, f in enumerate(futures)]
+        done = [{"PartNumber": i + 1, "ETag": f.result()["ETag"]} for i, f in enumerate(futures)]
         client.complete_multipart_upload(Bucket=bucket, Key=name, UploadId=upload,
-                                         MultipartUpload={"Parts": parts})
+                                         MultipartUpload={"Parts": done})
     except BaseException:
         try:
             client.abort_multipart_upload(Bucket=bucket, Key=name, UploadId=upload)

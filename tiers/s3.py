@@ -245,6 +245,41 @@ class S3Tier(Tier):
             self._local.buf = buf
         return buf[:nbytes]
 
+    def _stage(self, key: BlockKey, src: Any, n: int) -> list[bytearray]:
+        """Header + payload copied once into this thread's reusable upload buffers: one
+        for a single PUT, one per part for a multipart upload. ``bytearray`` because
+        botocore resends those as they are when it retries (a ``memoryview`` would have
+        to be rewound, which botocore cannot do)."""
+        if is_device(src):
+            host = self._staging(n)
+            copy_bytes(host, src)
+        else:
+            host = host_view(src)
+        total = HEADER_BYTES + n
+        piece = self._part_size if total >= self._multipart_threshold else total
+        pieces = self._upload_buffers(total, piece)
+        encode_header(key.digest, host, memoryview(pieces[0])[:HEADER_BYTES])
+        for k, buf in enumerate(pieces):
+            a = k * piece                      # this piece's offset in the object
+            lo = max(a, HEADER_BYTES)
+            dst = np.frombuffer(buf, np.uint8)[lo - a:]
+            np.copyto(dst, host[lo - HEADER_BYTES:lo - HEADER_BYTES + dst.nbytes], casting="no")
+        return pieces
+
+    def _upload_buffers(self, total: int, piece: int) -> list[bytearray]:
+        """Pre-touched buffers covering ``total`` bytes in ``piece``-sized parts, kept per
+        thread and per shape (blocks of one model share a size, so they are reused)."""
+        cache = getattr(self._local, "uploads", None)
+        if cache is None:
+            cache = self._local.uploads = {}
+        bufs = cache.get((total, piece))
+        if bufs is None:
+            if len(cache) >= 4:
+                cache.pop(next(iter(cache)))
+            bufs = [bytearray(min(piece, total - a)) for a in range(0, total, piece)]
+            cache[(total, piece)] = bufs
+        return bufs
+
     # -- writes -----------------------------------------------------------------------------
 
     def write(self, keys: Sequence[BlockKey], srcs: Sequence[Any]) -> list[bool]:
@@ -280,21 +315,14 @@ class S3Tier(Tier):
             self._reserved += n
         stored = False
         try:
-            body = self._staging(HEADER_BYTES + n)
-            payload = body[HEADER_BYTES:]
-            if is_device(src):
-                copy_bytes(payload, src)
-            else:
-                np.copyto(payload, host_view(src), casting="no")
-            encode_header(key.digest, payload, body[:HEADER_BYTES])
+            pieces = self._stage(key, src, n)
             name = _s3io.object_name(self.prefix, key)
             meta = _s3io.metadata_for(key)
-            if body.nbytes >= self._multipart_threshold:
-                _s3io.put_multipart(self._client, self.bucket, name, memoryview(body), meta,
-                                    self._part_size, self._parts)
+            if len(pieces) > 1:
+                _s3io.put_multipart(self._client, self.bucket, name, pieces, meta, self._parts)
                 self._count("multipart_puts")
             else:
-                _s3io.put(self._client, self.bucket, name, memoryview(body), meta)
+                _s3io.put(self._client, self.bucket, name, pieces[0], meta)
             stored = True
         except Exception as exc:
             return self._failure(exc)
