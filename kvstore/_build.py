@@ -16,6 +16,20 @@ def build_tier(cfg: TierConfig) -> Tier:
         from tiers.dram import DramTier
 
         return DramTier(cfg.capacity, name=cfg.name, shm_path=cfg.shm_path, pin=cfg.pin)
+    if cfg.kind == "nvme":
+        from tiers.nvme import NvmeTier
+
+        return NvmeTier(cfg.paths, cfg.capacity, name=cfg.name, direct_io=cfg.direct_io,
+                        file_bytes=cfg.file_bytes, io_threads=cfg.io_threads,
+                        index_sync=cfg.index_sync, access_flush_s=cfg.access_flush_s)
+    if cfg.kind == "gpu":
+        from tiers.gpu import GpuTier
+
+        return GpuTier(cfg.capacity, name=cfg.name, device=cfg.device)
+    if cfg.kind == "remote":
+        from tiers.remote import RemoteTier
+
+        return RemoteTier(cfg.address, cfg.capacity, name=cfg.name, token=cfg.token, timeout_s=cfg.timeout_s)
     if cfg.kind == "s3":
         try:
             from tiers.s3 import S3Tier

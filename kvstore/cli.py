@@ -10,7 +10,7 @@ import sys
 
 from kvstore.errors import KVStoreError
 
-COMMANDS = ("config", "bench")
+COMMANDS = ("config", "bench", "serve", "stats", "fsck", "demo")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -92,6 +92,16 @@ class NvmeTierConfig(_TierBase):
     direct_io: bool = True
     file_bytes: Size = Field(1 << 30, gt=0)   # size of each preallocated data file
     io_threads: int = Field(8, ge=1)
+    index_sync: bool = True         # fsync each index commit (survives power loss)
+    access_flush_s: float = Field(5.0, ge=0)  # how often last-access times reach the index
+
+    @field_validator("path")
+    @classmethod
+    def _some_path(cls, path: str | list[str]) -> str | list[str]:
+        paths = [path] if isinstance(path, str) else path
+        if not paths or any(not p for p in paths):
+            raise ValueError("give one directory or a non-empty list of directories")
+        return path
 
     @property
     def paths(self) -> list[str]:
@@ -146,6 +156,8 @@ class ServerConfig(_Frozen):
     max_batch: int = Field(4096, ge=1)
     max_inflight_bytes: Size = Field(1 << 30, gt=0)
     idle_timeout_s: float = Field(300.0, gt=0)
+    shm_lease_s: float = Field(30.0, gt=0)       # a same-host read lease ends after this at most
+    shutdown_grace_s: float = Field(10.0, ge=0)  # requests in flight get this long at shutdown
 
 
 class StoreConfig(_Frozen):
@@ -174,6 +186,7 @@ class StoreConfig(_Frozen):
 DEFAULT_CONFIG: dict[str, Any] = {
     "tiers": [
         {"name": "hot", "kind": "dram", "capacity": "1GiB", "eviction": "lru"},
+        {"name": "warm", "kind": "nvme", "path": "./kvstore-data", "capacity": "8GiB", "eviction": "lru"},
     ],
     "placement": {"write": "back", "promote_on_hit": True},
 }

@@ -15,8 +15,9 @@ import logging
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
 import numpy as np
 
@@ -139,6 +140,63 @@ class Store:
         with self._lock:
             for key in keys:
                 self._leases.pop(key, None)
+
+    @contextmanager
+    def borrow(self, keys: Sequence[BlockKey]) -> Iterator[list[Any]]:
+        """Zero-copy, read-only views of blocks held in the first tier, for the cache
+        server's send and shared-memory paths. Yields one entry per key: a view, or
+        ``None`` where the first tier does not hold the key or cannot expose its memory
+        (use :meth:`load` for those). Views are hits like a load (counted, recency
+        updated, leases dropped); each stays valid, its slot never reused, until the
+        ``with`` block exits. Thread-safe; exit the block from any thread."""
+        self._check_open()
+        lvl = self._levels[0]
+        where = self._where
+        held = [k if where.get(k, 0) & 1 else None for k in keys]
+        with lvl.tier.views([k for k in held if k is not None]) as got:
+            it = iter(got)
+            views = [next(it) if k is not None else None for k in held]
+            with self._lock:
+                self._ops["loads"] += len(keys)
+                for key, view in zip(keys, views):
+                    if view is None:
+                        continue
+                    lvl.counters["hits"] += 1
+                    lvl.counters["bytes_read"] += view.nbytes
+                    self._leases.pop(key, None)
+                    if self._where.get(key, 0) & 1:
+                        lvl.policy.on_access(key)
+            yield views
+
+    def flush(self) -> int:
+        """Write blocks held only in volatile tiers down into the first persistent tier,
+        so they survive a restart (the server calls this on shutdown). Returns how many
+        blocks were written. Blocks that tier refuses stay volatile."""
+        self._check_open()
+        target = next((i for i, lvl in enumerate(self._levels) if lvl.tier.capabilities.persistent), None)
+        if target is None:
+            return 0
+        volatile = 0
+        for i, lvl in enumerate(self._levels):
+            if not lvl.tier.capabilities.persistent:
+                volatile |= 1 << i
+        with self._lock:
+            todo = [(k, m) for k, m in self._where.items() if not m & ~volatile]
+        written = 0
+        for key, mask in todo:
+            src = next(i for i in range(len(self._levels)) if mask >> i & 1)
+            with self._levels[src].tier.view(key) as view:
+                if view is not None:
+                    written += bool(self._put(target, [key], [view])[0])
+                    continue
+            size = self._sizes.get(key)
+            if size is None:
+                continue
+            buf = self._staging(size)
+            ok = self._tier_call(self._levels[src], "read_into", [key], [buf])
+            if ok and ok[0]:
+                written += bool(self._put(target, [key], [buf])[0])
+        return written
 
     def contains(self, keys: Sequence[BlockKey]) -> list[bool]:
         """Whether each key is cached in any tier (may be stale on return)."""

@@ -81,19 +81,21 @@ class ArcPolicy(EvictionPolicy):
         self._trim_ghosts()
 
     def victims(self) -> Iterator[Hashable]:
-        skips = 0
-        while (self._t1 or self._t2) and skips <= len(self):
-            if self._t1 and (self._bytes["t1"] > self.target_t1_bytes or not self._t2):
-                held = self._t1
-            else:
-                held = self._t2
+        # A skipped key (leased or pinned) moves to the end of its list, so a list whose
+        # head was skipped has been skipped whole: then the other list is tried, and
+        # the walk ends once both heads were skipped.
+        skipped: set[Hashable] = set()
+        while self._t1 or self._t2:
+            prefer_t1 = self._t1 and (self._bytes["t1"] > self.target_t1_bytes or not self._t2)
+            order = (self._t1, self._t2) if prefer_t1 else (self._t2, self._t1)
+            held = next((q for q in order if q and next(iter(q)) not in skipped), None)
+            if held is None:
+                return
             key = next(iter(held))
             yield key
             if key in held:
-                held.move_to_end(key)  # skipped (leased or pinned): look further on
-                skips += 1
-            else:
-                skips = 0
+                held.move_to_end(key)
+                skipped.add(key)
 
     def list_of(self, key: Hashable) -> str | None:
         """``"t1"``, ``"t2"``, ``"b1"``, ``"b2"`` or None: where the key sits now."""

@@ -154,6 +154,13 @@ class LineagePolicy(EvictionPolicy):
                     self._offered = key
                     yield key
                     key = above
+            # Parent links that never lead to a leaf (a cycle from inconsistent parents,
+            # impossible with chained digests) must not hide keys: offer what is left.
+            seen_leaves = set(skipped_leaves)
+            for key in list(self._parent):
+                if key in self._parent and key not in offered_interior and key not in seen_leaves:
+                    self._offered = key
+                    yield key
         finally:
             self._unpark()
 

@@ -85,11 +85,18 @@ class S3FifoPolicy(EvictionPolicy):
 
     def victims(self) -> Iterator[Hashable]:
         steps_without_eviction = 0
-        # Every key can be promoted once and reinserted MAX_FREQ times before it is
-        # yielded, so this bound only ends walks where the Store skips everything.
+        # A skipped key (leased or pinned) moves to the end of its queue, so a queue whose
+        # head was skipped has been skipped whole: then the other queue is used. Every
+        # key can be promoted once and reinserted MAX_FREQ times before it is yielded,
+        # so the step bound only ends walks where the Store skips everything.
+        skipped: set[Hashable] = set()
         while self._freq and steps_without_eviction <= (MAX_FREQ + 2) * len(self._freq):
             steps_without_eviction += 1
-            if self._small and (self._small_bytes >= self._small_target() or not self._main):
+            small_open = bool(self._small) and next(iter(self._small)) not in skipped
+            main_open = bool(self._main) and next(iter(self._main)) not in skipped
+            if not small_open and not main_open:
+                return
+            if small_open and (self._small_bytes >= self._small_target() or not main_open):
                 key = next(iter(self._small))
                 if self._freq[key] > 0:
                     self._promote(key)
@@ -104,7 +111,8 @@ class S3FifoPolicy(EvictionPolicy):
                 queue = self._main
             yield key
             if key in self._freq:
-                queue.move_to_end(key)  # skipped (leased or pinned): look further on
+                queue.move_to_end(key)
+                skipped.add(key)
             else:
                 steps_without_eviction = 0
 

@@ -24,6 +24,22 @@ class ExtentAllocator:
         self._by_size: dict[int, set[int]] = {self.size: {0}} if self.size else {}
         self.free_bytes = self.size
 
+    @classmethod
+    def with_used(cls, size: int, align: int, used: list[tuple[int, int]]) -> "ExtentAllocator":
+        """An allocator with ``used`` extents ``(offset, nbytes)`` already taken: the bulk
+        form of :meth:`reserve` for index recovery, linear in ``len(used)``. The extents
+        must be sorted by offset, aligned, inside the region and not overlap."""
+        alloc = cls(0, align)
+        alloc.size = size - size % align
+        pos = 0
+        for offset, nbytes in used:
+            if offset > pos:
+                alloc._add(pos, offset - pos)
+            pos = offset + alloc.rounded(nbytes)
+        if pos < alloc.size:
+            alloc._add(pos, alloc.size - pos)
+        return alloc
+
     def rounded(self, nbytes: int) -> int:
         return -(-nbytes // self.align) * self.align if nbytes else self.align
 

@@ -8,7 +8,7 @@ buffer after a call returns. Every method is thread-safe unless it says otherwis
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
 
@@ -96,6 +96,13 @@ class Tier(ABC):
         """Borrow a read-only view of a stored block (``None`` when absent or when the
         tier cannot expose its memory). The block stays valid inside the ``with``."""
         yield None
+
+    @contextmanager
+    def views(self, keys: Sequence[BlockKey]) -> Iterator[list[Any]]:
+        """:meth:`view` for a batch: one entry per key (``None`` where absent), all
+        valid until the ``with`` exits. Tiers with cheap batch pinning override it."""
+        with ExitStack() as stack:
+            yield [stack.enter_context(self.view(key)) for key in keys]
 
     def stats(self) -> dict[str, Any]:
         """Tier-specific counters (health, errors, I/O mode), merged into Store stats."""

@@ -16,7 +16,8 @@ from typing import Any, Iterator, Sequence
 
 import numpy as np
 
-from kvstore.buffers import copy_bytes, host_view, is_device, nbytes_of
+from kvstore._transfer import copy_device_pairs
+from kvstore.buffers import host_view, is_device, nbytes_of
 from kvstore.errors import BufferSizeError, InvalidArgumentError
 from kvstore.keys import BlockKey
 from tiers._extents import ExtentAllocator
@@ -62,6 +63,8 @@ class DramTier(Tier):
             flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
             self._mmap = mmap.mmap(-1, size, flags=flags)
         self.arena = np.frombuffer(self._mmap, dtype=np.uint8)
+        self._readonly = self.arena.view()
+        self._readonly.flags.writeable = False
         self.pinned = self._pin() if pin is not False else False
         self._alloc = ExtentAllocator(size, SLOT_ALIGN)
         self._slots: dict[BlockKey, _Slot] = {}
@@ -106,59 +109,74 @@ class DramTier(Tier):
 
     def read_into(self, keys: Sequence[BlockKey], dsts: Sequence[Any]) -> list[bool]:
         out = []
-        for key, dst in zip(keys, dsts, strict=True):
-            slot = self._acquire(key)
-            if slot is None:
-                out.append(False)
-                continue
-            try:
+        held: list[_Slot] = []   # released once every copy, device ones included, is done
+        device: list[tuple[Any, np.ndarray]] = []
+        try:
+            for key, dst in zip(keys, dsts, strict=True):
+                slot = self._acquire(key)
+                if slot is None:
+                    out.append(False)
+                    continue
+                held.append(slot)
                 if nbytes_of(dst) != slot.nbytes:
                     raise BufferSizeError(
                         f"[{self.name}] buffer has {nbytes_of(dst)} bytes, block has {slot.nbytes}")
                 src = self.arena[slot.offset:slot.offset + slot.nbytes]
                 if is_device(dst):
-                    copy_bytes(dst, src)
+                    device.append((dst, src))
                 else:
                     np.copyto(host_view(dst, writable=True), src, casting="no")
-            finally:
+                out.append(True)
+            # One batch per device on its copy stream; the arena is pinned where CUDA is.
+            copy_device_pairs(device, pinned=self.pinned)
+        finally:
+            for slot in held:
                 self._release(slot)
-            out.append(True)
         return out
 
     def write(self, keys: Sequence[BlockKey], srcs: Sequence[Any]) -> list[bool]:
-        out = []
-        for key, src in zip(keys, srcs, strict=True):
-            n = nbytes_of(src)
-            with self._lock:
+        # Reserve every slot of the batch under one lock hold, so a batch lands in
+        # adjacent slots when the arena has the room (same-host readers then copy it
+        # as one range); copy outside the lock (device sources as one batch), publish
+        # at the end.
+        out = [False] * len(keys)
+        plan: list[tuple[int, BlockKey, Any, int, int]] = []
+        with self._lock:
+            for j, (key, src) in enumerate(zip(keys, srcs, strict=True)):
                 if key in self._slots:
-                    out.append(True)
+                    out[j] = True
                     continue
+                n = nbytes_of(src)
                 if self._used + n > self._capacity:
-                    out.append(False)
                     continue
                 offset = self._alloc.alloc(n)
                 if offset is None:
-                    out.append(False)
                     continue
                 self._used += n  # reserved now; visible once the bytes are in place
-            try:
+                plan.append((j, key, src, offset, n))
+        device: list[tuple[np.ndarray, Any]] = []
+        try:
+            for _, _, src, offset, n in plan:
                 dst = self.arena[offset:offset + n]
                 if is_device(src):
-                    copy_bytes(dst, src)
+                    device.append((dst, src))
                 else:
                     np.copyto(dst, host_view(src), casting="no")
-            except BaseException:
-                with self._lock:
+            copy_device_pairs(device, pinned=self.pinned)
+        except BaseException:
+            with self._lock:
+                for _, _, _, offset, n in plan:
                     self._alloc.free(offset, n)
                     self._used -= n
-                raise
-            with self._lock:
+            raise
+        with self._lock:
+            for j, key, _, offset, n in plan:
                 if key in self._slots:  # a concurrent writer won; keep its copy
                     self._alloc.free(offset, n)
                     self._used -= n
                 else:
                     self._slots[key] = _Slot(offset, n)
-            out.append(True)
+                out[j] = True
         return out
 
     def delete(self, keys: Sequence[BlockKey]) -> int:
@@ -194,6 +212,27 @@ class DramTier(Tier):
         finally:
             self._release(slot)
 
+    @contextmanager
+    def views(self, keys: Sequence[BlockKey]) -> Iterator[list[np.ndarray | None]]:
+        """Read-only views of many blocks, their slots held under one lock round trip
+        each way (the cache server borrows whole batches this way)."""
+        with self._lock:
+            slots = [self._slots.get(k) for k in keys]
+            for slot in slots:
+                if slot is not None:
+                    slot.readers += 1
+        try:
+            ro = self._readonly
+            yield [ro[s.offset:s.offset + s.nbytes] if s is not None else None for s in slots]
+        finally:
+            with self._lock:
+                for slot in slots:
+                    if slot is None:
+                        continue
+                    slot.readers -= 1
+                    if slot.dead and slot.readers == 0:
+                        self._alloc.free(slot.offset, slot.nbytes)
+
     def _acquire(self, key: BlockKey) -> _Slot | None:
         with self._lock:
             slot = self._slots.get(key)
@@ -218,7 +257,7 @@ class DramTier(Tier):
             self._slots.clear()
             self._used = 0
             mm, self._mmap = self._mmap, None
-        self.arena = np.empty(0, dtype=np.uint8)
+        self.arena = self._readonly = np.empty(0, dtype=np.uint8)
         try:
             mm.close()
         except BufferError:  # a view is still exported; the GC unmaps it later

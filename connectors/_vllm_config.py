@@ -1,0 +1,121 @@
+"""The vLLM connector's own config (``kv_connector_extra_config``) and the namespace
+that ties stored bytes to a model, KV dtype, layout and parallel rank.
+
+Only what ``kv_connector_extra_config`` says is used; nothing is read from the
+environment.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from typing import Any, Mapping
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from kvstore.errors import ConfigError, InvalidArgumentError
+from kvstore.keys import Namespace
+
+
+class VllmConnectorConfig(BaseModel):
+    """Options of :class:`connectors.vllm.KVStoreConnector` (see docs/vllm.md)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    store: dict[str, Any] | str | None = None   # embedded StoreConfig dict or YAML path
+    server: str | None = None                   # "host:port" of a kvstore server
+    token: str | None = None                    # server auth token
+    chunk_tokens: int = Field(256, gt=0)        # tokens per stored chunk (multiple of block size)
+    model_id: str | None = None                 # namespace model name; default: the served model
+    lease_s: float = Field(60.0, gt=0)          # how long a planned load protects its chunks
+    load_async: bool = False                    # load while the request waits (WAITING_FOR_REMOTE_KVS)
+    save_async: bool = True                     # saves finish in the background
+    layerwise: bool = False                     # per-layer load/save in the attention hooks
+    save: bool | None = None                    # default: kv_role is kv_producer or kv_both
+    load: bool | None = None                    # default: kv_role is kv_consumer or kv_both
+    timeout_s: float = Field(60.0, gt=0)        # longest wait for one store operation
+
+    @model_validator(mode="after")
+    def _one_backend(self) -> "VllmConnectorConfig":
+        if (self.store is None) == (self.server is None):
+            raise ValueError("set exactly one of 'store' (embedded StoreConfig) and 'server' ('host:port')")
+        return self
+
+    @classmethod
+    def parse(cls, extra: Mapping[str, Any] | None) -> "VllmConnectorConfig":
+        try:
+            return cls.model_validate(dict(extra or {}))
+        except ValidationError as exc:
+            lines = [f"  {'.'.join(map(str, e['loc'])) or '<root>'}: "
+                     f"{'unknown field' if e['type'] == 'extra_forbidden' else e['msg'].removeprefix('Value error, ')}"
+                     for e in exc.errors()]
+            raise ConfigError("invalid kv_connector_extra_config for the kvstore connector:\n"
+                              + "\n".join(lines)) from None
+
+
+class KVShape:
+    """What one block means, read from vLLM's ``KVCacheConfig`` and ``VllmConfig`` the
+    same way in the scheduler and in the workers."""
+
+    def __init__(self, vllm_config: Any, kv_cache_config: Any, chunk_tokens: int, model_id: str | None) -> None:
+        groups = kv_cache_config.kv_cache_groups
+        if len(groups) != 1:
+            raise ConfigError(f"the kvstore connector supports one KV cache group, got {len(groups)} "
+                              "(hybrid models with the hybrid KV cache manager are not supported)")
+        spec = groups[0].kv_cache_spec
+        self.block_size = int(spec.block_size)
+        if chunk_tokens % self.block_size:
+            raise ConfigError(f"chunk_tokens ({chunk_tokens}) must be a multiple of vLLM's block size "
+                              f"({self.block_size})")
+        self.chunk_tokens = chunk_tokens
+        self.blocks_per_chunk = chunk_tokens // self.block_size
+        self.layer_names = list(groups[0].layer_names)
+        mc = vllm_config.model_config
+        self.model = model_id or f"{mc.model}@{getattr(mc, 'revision', None) or 'main'}"
+        self.dtype = str(spec.dtype).removeprefix("torch.")
+        layout = (getattr(kv_cache_config, "kv_cache_layout", None)
+                  or getattr(vllm_config.cache_config, "kv_cache_layout", None) or "default")
+        parts = [f"vllm:{layout}", type(spec).__name__, f"L{len(self.layer_names)}",
+                 f"bs{self.block_size}", f"page{spec.page_size_bytes}"]
+        for attr in ("num_kv_heads", "head_size", "head_size_v", "use_mla"):
+            if hasattr(spec, attr):
+                parts.append(f"{attr}={getattr(spec, attr)}")
+        self.layout = ";".join(parts)
+        pc = vllm_config.parallel_config
+        self.tp_size = int(pc.tensor_parallel_size)
+        self.world_size = self.tp_size * int(pc.pipeline_parallel_size)
+
+    def namespace(self, rank: int, salt: str) -> Namespace:
+        return Namespace(self.model, self.dtype, self.chunk_tokens, self.layout, rank, self.world_size, salt)
+
+
+def request_salt(request: Any) -> str:
+    """Everything besides the token ids that changes a request's KV: its cache salt,
+    its LoRA adapter and its multimodal inputs (hashes and positions)."""
+    parts = [getattr(request, "cache_salt", None) or ""]
+    lora = getattr(request, "lora_request", None)
+    if lora is not None:
+        parts.append(f"lora={getattr(lora, 'lora_name', '')}#{getattr(lora, 'lora_int_id', '')}")
+    mm = getattr(request, "mm_features", None) or []
+    if mm:
+        h = hashlib.blake2b(digest_size=16)
+        for f in mm:
+            pos = getattr(f, "mm_position", None)
+            h.update(f"{f.identifier}@{getattr(pos, 'offset', '')}+{getattr(pos, 'length', '')};".encode())
+        parts.append(f"mm={h.hexdigest()}")
+    return "|".join(parts)
+
+
+def token_array(tokens: Any) -> np.ndarray:
+    """A ``uint32`` array of token ids; ``array('I')`` converts a Python list about
+    twice as fast as numpy does."""
+    if isinstance(tokens, np.ndarray):
+        return tokens
+    try:
+        return np.frombuffer(array("I", tokens), dtype=np.uint32)
+    except (OverflowError, TypeError) as exc:
+        raise InvalidArgumentError(f"token ids must be integers in [0, 2**32): {exc}") from exc
+
+
+__all__ = ["KVShape", "VllmConnectorConfig", "request_salt", "token_array"]

@@ -1,0 +1,384 @@
+"""Worker side of the vLLM connector: moves whole chunks between vLLM's paged KV
+blocks and the store.
+
+A stored chunk is ``blocks_per_chunk`` blocks of every layer, as raw page bytes laid
+out ``[layer][block][page]`` (see :class:`kvstore.paged.PagedLayers`); the namespace
+carries the layout, so bytes are only ever loaded into caches of the same layout.
+
+Loads fail closed: a chunk is scattered into vLLM's blocks only when the store reports
+it loaded (verified), and never after a chunk of the same request that failed; the
+blocks of every chunk not scattered are reported through
+:meth:`WorkerSide.take_load_errors` so vLLM recomputes them.
+
+Pages are gathered and scattered on the caches' own device; with device (CUDA) caches the
+chunks cross to host staging (pinned) in one copy per transfer, which the store reads
+or fills.
+
+Threading: vLLM calls every hook from the worker's main thread. Store futures complete
+on store threads; their callbacks only return staging buffers to the pool.
+"""
+
+from __future__ import annotations
+
+import logging
+from concurrent.futures import Future, TimeoutError as FutureTimeout
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from connectors._staging import StagingPool, give_when_done
+from connectors._vllm_config import KVShape, VllmConnectorConfig
+from connectors._vllm_meta import ChunkTransfer, KVStoreConnectorMetadata
+from kvstore.errors import ConfigError, KVStoreError
+from kvstore.paged import PagedLayers
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Load:
+    spec: ChunkTransfer
+    ids: torch.Tensor            # [n, blocks_per_chunk]
+    buf: torch.Tensor            # host staging, n * chunk_bytes
+    groups: list[tuple[int, int, Future | None]]  # chunks [lo, hi) and their store load
+    ok: list[bool] | None = None
+    layers_done: int = 0
+    dev: torch.Tensor | None = None   # device copy of the verified chunks (device caches)
+
+
+@dataclass
+class _Save:
+    spec: ChunkTransfer
+    ids: torch.Tensor
+    buf: torch.Tensor            # host staging handed to the store
+    target: torch.Tensor         # where pages are gathered: ``buf``, or a device buffer
+    layers: set[int]
+
+
+class WorkerSide:
+    def __init__(self, config: VllmConnectorConfig, shape: KVShape, store: Any, rank: int) -> None:
+        self.config = config
+        self.shape = shape
+        self.store = store
+        self.rank = rank
+        self.pages: PagedLayers | None = None
+        self._layer_index: dict[str, int] = {}
+        self._pool: StagingPool | None = None          # host staging
+        self._dev_pool: StagingPool | None = None      # device staging (device caches only)
+        self._load_parts = 1
+        self._loads: list[_Load] = []            # sync loads of this step (layer-wise)
+        self._async_loads: list[_Load] = []
+        self._saves: list[_Save] = []            # saves gathered during this step
+        self._save_futures: dict[str, list[Future]] = {}
+        self._finishing: set[str] = set()        # finished requests whose saves are pending
+        self._errors: set[int] = set()
+
+    # -- setup ----------------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], num_blocks: int) -> None:
+        """Index the per-layer caches in model order; layers sharing one tensor are moved
+        once. Works for any layout: pages are raw bytes."""
+        unique: dict[tuple, int] = {}
+        tensors: list[torch.Tensor] = []
+        names = [n for n in self.shape.layer_names if n in kv_caches] or sorted(kv_caches)
+        for name in names:
+            t = kv_caches[name]
+            ident = (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype)
+            if ident not in unique:
+                unique[ident] = len(tensors)
+                tensors.append(t)
+            self._layer_index[name] = unique[ident]
+        if not tensors:
+            raise ConfigError("register_kv_caches: vLLM passed no KV cache tensors")
+        page_dim, ratio = _page_dim(tensors[0], num_blocks)
+        self.pages = PagedLayers(tensors, blocks_per_chunk=self.shape.blocks_per_chunk,
+                                 page_dim=page_dim, pages_per_block=ratio)
+        device = self.pages.device
+        self._pool = StagingPool(torch.device("cpu"), pin=device.type == "cuda")
+        self._dev_pool = StagingPool(device) if device.type != "cpu" else None
+        # Device caches: scatter group i on the device while the store copies group
+        # i + 1 on the host. Host caches: both are CPU copies and would only compete.
+        self._load_parts = 1 if device.type == "cpu" else 4
+
+    # -- loads ----------------------------------------------------------------------------
+
+    def start_load(self, meta: KVStoreConnectorMetadata) -> None:
+        for spec in meta.loads:
+            load = self._submit_load(spec)
+            if spec.is_async:
+                self._async_loads.append(load)
+            elif self.config.layerwise:
+                self._loads.append(load)
+            else:
+                self._finish_load(load, layers=None)
+
+    def wait_for_layer(self, layer_name: str) -> None:
+        layer = self._layer_index.get(layer_name)
+        if layer is None:
+            return
+        for load in self._loads:
+            self._finish_load(load, layers=[layer])
+
+    def finish_step_loads(self) -> None:
+        """Scatter whatever a layer-wise step did not ask for (layers without a hook)."""
+        for load in self._loads:
+            self._finish_load(load, layers=None)
+        self._loads = []
+
+    def _submit_load(self, spec: ChunkTransfer) -> _Load:
+        """Ask the store for the chunks (in groups for device caches, so that
+        scattering one group overlaps the store's copy of the next)."""
+        cb = self._pages().chunk_bytes
+        n = len(spec.block_ids)
+        ids = torch.tensor(spec.block_ids, dtype=torch.long).view(n, self.shape.blocks_per_chunk)
+        buf = self._pool.take(n * cb)
+        keys = spec.keys_for(self.rank)
+        groups = []
+        for lo, hi in _groups(n, self._load_parts):
+            try:
+                future = self.store.load(keys[lo:hi], [buf[i * cb:(i + 1) * cb] for i in range(lo, hi)])
+            except KVStoreError as exc:
+                log.warning("request %s: load of %d chunks refused: %s", spec.req_id, hi - lo, exc)
+                future = None
+            groups.append((lo, hi, future))
+        return _Load(spec, ids, buf, groups)
+
+    def _stream_load(self, load: _Load) -> None:
+        """Scatter each group of a whole load as soon as the store has verified it; stop
+        at the first chunk that failed."""
+        pages, cb = self._pages(), self._pages().chunk_bytes
+        ok_all: list[bool] = []
+        stopped = False
+        for lo, hi, future in load.groups:
+            ok = self._wait_load(load, future, hi - lo)
+            ok_all += ok
+            good = 0 if stopped or load.buf is None else _prefix_len(ok)
+            stopped = stopped or good < hi - lo
+            if good == 0:
+                continue
+            src = load.buf[lo * cb:(lo + good) * cb]
+            dev = None
+            if self._dev_pool is not None:
+                dev = self._dev_pool.take(src.numel())
+                src = dev.copy_(src)
+            keep = _keep_mask(good, self.shape.blocks_per_chunk, load.spec.skip_blocks) if lo == 0 else None
+            pages.scatter(load.ids[lo:lo + good], src, keep=keep)
+            if dev is not None:
+                self._dev_pool.give(dev)
+        load.ok = ok_all
+        self._note_errors(load)
+        load.layers_done = (1 << pages.num_layers) - 1
+        if load.buf is not None:
+            self._pool.give(load.buf)
+            load.buf = None
+
+    def _note_errors(self, load: _Load) -> None:
+        for c in range(_prefix_len(load.ok), len(load.ok)):
+            skip = load.spec.skip_blocks if c == 0 else 0
+            self._errors.update(load.spec.block_ids[c][skip:])
+
+    def _finish_load(self, load: _Load, layers: list[int] | None) -> None:
+        """Wait for the store, then scatter verified chunks (the requested layers, or
+        all remaining ones). Failed chunks and everything after them become load errors."""
+        pages = self._pages()
+        if load.ok is None and layers is None:
+            self._stream_load(load)
+            return
+        if load.ok is None:
+            load.ok = [hit for lo, hi, f in load.groups for hit in self._wait_load(load, f, hi - lo)]
+            self._note_errors(load)
+        good = _prefix_len(load.ok)
+        if load.buf is None:
+            return                      # finished earlier, or abandoned after a timeout
+        if good == 0:
+            self._pool.give(load.buf)
+            load.buf = None
+            return
+        todo = range(pages.num_layers) if layers is None else layers
+        ids, keep = load.ids[:good], _keep_mask(good, self.shape.blocks_per_chunk, load.spec.skip_blocks)
+        src = load.buf[: good * pages.chunk_bytes]
+        if self._dev_pool is not None:
+            if load.dev is None:
+                load.dev = self._dev_pool.take(src.numel())
+                load.dev.copy_(src)
+            src = load.dev
+        if layers is None and load.layers_done == 0:
+            pages.scatter(ids, src, keep=keep)
+            load.layers_done = (1 << pages.num_layers) - 1
+        else:
+            for layer in todo:
+                if not load.layers_done >> layer & 1:
+                    pages.scatter_layer(layer, ids, src, keep=keep)
+                    load.layers_done |= 1 << layer
+        if load.layers_done == (1 << pages.num_layers) - 1:
+            self._pool.give(load.buf)
+            load.buf = None
+            if load.dev is not None:
+                self._dev_pool.give(load.dev)
+                load.dev = None
+
+    def _wait_load(self, load: _Load, future: Future | None, n: int) -> list[bool]:
+        if future is None:
+            return [False] * n
+        try:
+            ok = future.result(timeout=self.config.timeout_s)
+        except FutureTimeout:
+            # The store may still write into the buffer: never hand it out again.
+            log.warning("request %s: load timed out after %.1f s", load.spec.req_id, self.config.timeout_s)
+            load.buf = None
+            return [False] * n
+        except Exception as exc:  # a store or transport failure: fail closed
+            log.warning("request %s: load failed: %s", load.spec.req_id, exc)
+            return [False] * n
+        return list(ok)
+
+    def finished_loads(self) -> set[str]:
+        """Requests whose async loads are complete (scattered or reported as errors)."""
+        done = set()
+        for load in list(self._async_loads):
+            if all(f is None or f.done() for _, _, f in load.groups):
+                self._finish_load(load, layers=None)
+                self._async_loads.remove(load)
+                done.add(load.spec.req_id)
+        return done
+
+    def take_load_errors(self) -> set[int]:
+        errors, self._errors = self._errors, set()
+        return errors
+
+    # -- saves ----------------------------------------------------------------------------
+
+    def save_layer(self, layer_name: str, meta: KVStoreConnectorMetadata) -> None:
+        layer = self._layer_index.get(layer_name)
+        if layer is None or not meta.saves:
+            return
+        for save in self._step_saves(meta):
+            if layer not in save.layers:
+                self._pages().gather_layer(layer, save.ids, save.target)
+                save.layers.add(layer)
+
+    def wait_for_save(self, meta: KVStoreConnectorMetadata) -> None:
+        """Gather this step's new chunks (layers not gathered yet) and hand them to the
+        store; with ``save_async`` off, wait until stored. vLLM's blocks are free on
+        return."""
+        pages = self._pages()
+        cb = pages.chunk_bytes
+        saves = self._step_saves(meta)
+        for save in saves:
+            for layer in range(pages.num_layers):
+                if save.layers and layer not in save.layers:
+                    pages.gather_layer(layer, save.ids, save.target)
+            if not save.layers:
+                pages.gather(save.ids, save.target)
+            if save.target is not save.buf:         # device -> host
+                save.buf.copy_(save.target)
+        # Gather everything first, then hand the store groups it copies in parallel:
+        # copying while gathering would slow down the gather that the step waits for.
+        for save in saves:
+            keys, n = save.spec.keys_for(self.rank), len(save.spec.block_ids)
+            futures = []
+            for lo, hi in _groups(n):
+                try:
+                    futures.append(self.store.save(keys[lo:hi], [save.buf[i * cb:(i + 1) * cb] for i in range(lo, hi)]))
+                except KVStoreError as exc:
+                    log.warning("request %s: save refused: %s", save.spec.req_id, exc)
+                    break
+            if save.target is not save.buf:
+                self._dev_pool.give(save.target)
+                save.target = save.buf
+            if not futures:
+                self._pool.give(save.buf)
+                continue
+            give_when_done(futures, save.buf, self._pool, save.spec.req_id)
+            self._save_futures.setdefault(save.spec.req_id, []).extend(futures)
+            if not self.config.save_async:
+                for future in futures:
+                    _wait(future, self.config.timeout_s, save.spec.req_id)
+        self._saves = []
+
+    def finished_saves(self, finished_req_ids: set[str]) -> set[str]:
+        """Finished requests whose saves are all done. Only with ``save_async``: then
+        the scheduler side kept their blocks (``request_finished`` returned True) and
+        frees them when every worker reports them here."""
+        if not self.config.save_async:
+            for req_id in finished_req_ids:
+                self._save_futures.pop(req_id, None)
+            return set()
+        self._finishing |= {r for r in finished_req_ids if r in self._save_futures}
+        done = set()
+        for req_id in list(self._finishing):
+            if all(f.done() for f in self._save_futures[req_id]):
+                del self._save_futures[req_id]
+                self._finishing.discard(req_id)
+                done.add(req_id)
+        for req_id, futures in self._save_futures.items():
+            if req_id not in self._finishing:
+                futures[:] = [f for f in futures if not f.done()]
+        return done
+
+    def close(self, timeout_s: float) -> None:
+        for futures in self._save_futures.values():
+            for f in futures:
+                _wait(f, timeout_s, "shutdown")
+
+    # -- internals ------------------------------------------------------------------------
+
+    def _step_saves(self, meta: KVStoreConnectorMetadata) -> list[_Save]:
+        if not self._saves and meta.saves:
+            pages = self._pages()
+            for spec in meta.saves:
+                n = len(spec.block_ids)
+                ids = torch.tensor(spec.block_ids, dtype=torch.long).view(n, self.shape.blocks_per_chunk)
+                buf = self._pool.take(n * pages.chunk_bytes)
+                target = buf if self._dev_pool is None else self._dev_pool.take(buf.numel())
+                self._saves.append(_Save(spec, ids, buf, target, set()))
+        return self._saves
+
+    def _pages(self) -> PagedLayers:
+        if self.pages is None:
+            raise ConfigError("the kvstore connector got KV transfers before register_kv_caches")
+        return self.pages
+
+
+def _page_dim(t: torch.Tensor, num_blocks: int) -> tuple[int, int]:
+    """The dim indexing blocks (vLLM 0.33: dim 0 of ``[B, H, N, C]``) and how many
+    kernel pages make one block."""
+    for d, size in enumerate(t.shape):
+        if num_blocks and size >= num_blocks and size % num_blocks == 0:
+            return d, size // num_blocks
+    raise ConfigError(f"cannot find the block dim of a KV cache of shape {tuple(t.shape)} "
+                      f"for {num_blocks} blocks")
+
+
+def _groups(n: int, parts: int = 4) -> list[tuple[int, int]]:
+    """``n`` chunks split into up to ``parts`` consecutive groups."""
+    size = max(1, -(-n // parts))
+    return [(lo, min(n, lo + size)) for lo in range(0, n, size)]
+
+
+def _prefix_len(ok: list[bool]) -> int:
+    n = 0
+    for hit in ok:
+        if not hit:
+            break
+        n += 1
+    return n
+
+
+def _keep_mask(n: int, per_chunk: int, skip: int) -> torch.Tensor | None:
+    if not skip:
+        return None
+    keep = torch.ones(n, per_chunk, dtype=torch.bool)
+    keep[0, :skip] = False
+    return keep
+
+
+def _wait(future: Future, timeout_s: float, what: str) -> None:
+    try:
+        future.result(timeout=timeout_s)
+    except Exception as exc:  # saves are best-effort: a failed save is only a lost hit
+        log.warning("%s: save did not complete: %s", what, exc)
+
+
+__all__ = ["WorkerSide"]

@@ -1,0 +1,340 @@
+"""SGLang HiCache L3 storage backed by kvstore (sglang 0.5.23).
+
+Load it through SGLang's ``dynamic`` storage backend (see docs/sglang.md)::
+
+    --enable-hierarchical-cache --hicache-storage-backend dynamic
+    --hicache-storage-backend-extra-config '{"backend_name": "kvstore",
+        "module_path": "connectors.sglang", "class_name": "KVStoreHiCacheStorage",
+        "interface_v1": 1, "server": "127.0.0.1:7480"}'
+
+Options in ``extra_config`` (besides SGLang's own ``backend_name``/``module_path``/
+``class_name``/``interface_v1``):
+
+- ``store``: an embedded StoreConfig dict or YAML path, or ``server`` (``host:port``)
+  with an optional ``token``, for a shared ``kvstore serve``;
+- ``namespace``: a tenant / deployment salt mixed into every key;
+- ``model``: overrides SGLang's model name in the keys;
+- ``lease_s``: how long pages counted by ``batch_exists`` are kept from eviction
+  (default 30 s), so a prefetch that follows finds them.
+
+Keys are SGLang's page hashes (a SHA-256 chain over token ids) mapped into a
+:class:`~kvstore.keys.Namespace` of model, dtype, pool layout and shard, so a new
+SGLang process finds what an earlier one stored. Loads fail closed: a page is
+reported loaded only when every byte of it was verified into the destination.
+
+Thread-safety: SGLang calls a backend from its prefetch and backup threads at once;
+every method here may run concurrently (the Store is thread-safe, counters are locked).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any, List, Optional
+
+try:
+    from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig
+except ImportError as exc:  # pragma: no cover - exercised only without sglang
+    raise ImportError("connectors.sglang needs sglang==0.5.23 (install: scripts/deps/50-sglang.sh, "
+                      "see docs/sglang.md)") from exc
+
+from connectors._open_store import open_store
+from connectors._sglang_pages import PageKeys, PoolSegments, make_namespace, pool_signature
+from kvstore.buffers import copy_bytes, nbytes_of
+from kvstore.errors import (BufferSizeError, ConfigError, InvalidArgumentError, RemoteError,
+                            StoreClosedError, TierError)
+
+log = logging.getLogger(__name__)
+
+# SGLang passes its own keys through; file_storage_path is added when --file-storage-path is set.
+_SGLANG_KEYS = {"backend_name", "module_path", "class_name", "interface_v1", "file_storage_path"}
+_OUR_KEYS = {"store", "server", "token", "namespace", "model", "lease_s"}
+# Failures of the store behind us: reported as misses / failed saves, never raised
+# into SGLang's I/O threads. Bad arguments (InvalidArgumentError) still raise.
+_STORE_FAILURES = (TierError, RemoteError, StoreClosedError, OSError)
+
+
+class KVStoreHiCacheStorage(HiCacheStorage):
+    """A ``HiCacheStorage`` over a kvstore Store or cache server.
+
+    Built by SGLang as ``KVStoreHiCacheStorage(storage_config, kwargs)``; SGLang then
+    calls :meth:`register_mem_pool_host`. Owns the Store/Client it opens.
+    """
+
+    def __init__(self, storage_config: HiCacheStorageConfig, kwargs: Optional[dict] = None) -> None:
+        extra = dict(storage_config.extra_config or {})
+        unknown = sorted(set(extra) - _SGLANG_KEYS - _OUR_KEYS)
+        if unknown:
+            raise ConfigError(f"sglang extra_config: unknown option(s) {', '.join(unknown)}; "
+                              f"kvstore accepts {', '.join(sorted(_OUR_KEYS))}")
+        self.storage_config = storage_config
+        self.interface_v1 = bool(int(extra.get("interface_v1", 0)))
+        self.model = str(extra.get("model") or storage_config.model_name or "")
+        if not self.model:
+            raise ConfigError("sglang: no model name (SGLang passed none); set extra_config 'model'")
+        self._salt = str(extra.get("namespace", ""))
+        try:
+            self.lease_s = float(extra.get("lease_s", 30.0))
+        except (TypeError, ValueError):
+            raise ConfigError(f"sglang extra_config 'lease_s' must be a number, got {extra['lease_s']!r}") from None
+        self.is_writer = storage_config.is_storage_writer
+        self._store = open_store(extra, owner="sglang extra_config")
+        self._server = extra.get("server")
+        self._embedded = self._server is None
+        self._lock = threading.Lock()
+        self._counters = dict.fromkeys(("pages_loaded", "pages_missed", "pages_saved", "pages_save_failed",
+                                        "store_failures"), 0)
+        self._metrics: dict[str, list] = {"prefetch_pgs": [], "backup_pgs": [],
+                                          "prefetch_bandwidth": [], "backup_bandwidth": []}
+        self.mem_pool_host = None
+        self._segments: PoolSegments | None = None
+        page = int(getattr(storage_config, "logical_page_size", None) or 1)
+        # Until a host pool is registered, values are opaque bytes in their own namespace.
+        self._v0 = PageKeys(make_namespace(self.model, "raw", "sglang-v0:raw", page,
+                                           storage_config, self._salt), 1)
+        self._v1: PageKeys | None = None
+        self._closed = False
+
+    # -- registration -------------------------------------------------------------------
+
+    def register_mem_pool_host(self, mem_pool_host: Any) -> None:
+        super().register_mem_pool_host(mem_pool_host)
+        dtype, layout, page = pool_signature(mem_pool_host)
+        cfg = self.storage_config
+        self._v0 = PageKeys(make_namespace(self.model, dtype, f"sglang-v0:{layout}", page, cfg, self._salt), 1)
+        if self.interface_v1:
+            self._segments = PoolSegments(mem_pool_host)
+            ns = make_namespace(self.model, dtype, f"sglang-v1:{layout}", page, cfg, self._salt)
+            self._v1 = PageKeys(ns, self._segments.per_page)
+
+    @property
+    def store(self) -> Any:
+        """The Store or Client behind this backend (owned by it)."""
+        return self._store
+
+    # -- generic (v0) path: one flat page per block --------------------------------------
+
+    def get(self, key: str, target_location: Optional[Any] = None,
+            target_sizes: Optional[Any] = None) -> Any:
+        """Load one page into ``target_location`` (or a new flat page); ``None`` on a miss."""
+        return self.batch_get([key], None if target_location is None else [target_location])[0]
+
+    def batch_get(self, keys: List[str], target_locations: Optional[Any] = None,
+                  target_sizes: Optional[Any] = None) -> List[Any]:
+        """Load pages into caller-owned flat tensors; each entry is the tensor or ``None``."""
+        if target_locations is None:
+            if self.mem_pool_host is None:
+                raise InvalidArgumentError("batch_get needs target_locations before a host pool is registered")
+            target_locations = [self.mem_pool_host.get_dummy_flat_data_page() for _ in keys]
+        if len(target_locations) != len(keys):
+            raise InvalidArgumentError(f"{len(keys)} keys but {len(target_locations)} target locations")
+        start = time.perf_counter()
+        ok = self._load(self._v0.keys(keys), list(target_locations))
+        self._count_load(ok, sum(nbytes_of(t) for t, hit in zip(target_locations, ok) if hit), start)
+        return [t if hit else None for t, hit in zip(target_locations, ok)]
+
+    def set(self, key: str, value: Optional[Any] = None, target_location: Optional[Any] = None,
+            target_sizes: Optional[Any] = None) -> bool:
+        return self.batch_set([key], [value])
+
+    def batch_set(self, keys: List[str], values: Optional[Any] = None, target_locations: Optional[Any] = None,
+                  target_sizes: Optional[Any] = None) -> bool:
+        """Store flat pages; ``True`` only if every page is stored. The caller keeps
+        ownership of ``values``; nothing references them after the call returns."""
+        if values is None or len(values) != len(keys):
+            raise InvalidArgumentError(f"batch_set needs one value per key, got {keys and len(values or [])}")
+        if not self.is_writer:
+            return True  # MLA: another rank writes the shared copy
+        values = [v.contiguous() if hasattr(v, "is_contiguous") and not v.is_contiguous() else v for v in values]
+        start = time.perf_counter()
+        ok = self._save(self._v0.keys(keys), values)
+        self._count_save(ok, sum(nbytes_of(v) for v in values), start)
+        return all(ok)
+
+    def exists(self, key: str) -> bool:
+        """Whether every block of the page is stored (may be stale on return)."""
+        return all(self._store.contains(self._space().keys([key])))
+
+    def batch_exists(self, keys: List[str], extra_info: Optional[Any] = None) -> int:
+        """Number of leading pages that are stored. Those pages are leased for
+        ``lease_s`` so the prefetch that follows finds them."""
+        space = self._space()
+        prefix = getattr(extra_info, "prefix_keys", None) if extra_info is not None else None
+        try:
+            n = self._store.lookup(space.keys(keys, prefix), lease_s=self.lease_s or None)
+        except _STORE_FAILURES as exc:
+            self._failure("lookup", exc)
+            return 0
+        return n // space.segments
+
+    # -- zero-copy (v1) path: segments read and written in place -------------------------
+
+    def batch_get_v1(self, keys: List[str], host_indices: Any, extra_info: Optional[Any] = None) -> List[bool]:
+        """Load pages straight into the host pool at ``host_indices`` (token slots,
+        ``page_size`` per key). ``True`` per page only if all of its bytes verified."""
+        segs, space = self._require_v1()
+        views = segs.views(host_indices, len(keys))
+        prefix = getattr(extra_info, "prefix_keys", None) if extra_info is not None else None
+        start = time.perf_counter()
+        ok = self._per_page(self._load(space.keys(keys, prefix), views), space.segments)
+        self._count_load(ok, sum(v.nbytes for v in views) * sum(ok) // max(len(keys), 1), start)
+        return ok
+
+    def batch_set_v1(self, keys: List[str], host_indices: Any, extra_info: Optional[Any] = None) -> List[bool]:
+        """Store pages straight from the host pool. A page is stored only if all of its
+        segments are; stray segments of a failed page are removed."""
+        segs, space = self._require_v1()
+        if not self.is_writer:
+            return [True] * len(keys)
+        views = segs.views(host_indices, len(keys))
+        prefix = getattr(extra_info, "prefix_keys", None) if extra_info is not None else None
+        block_keys = space.keys(keys, prefix)
+        start = time.perf_counter()
+        raw = self._save(block_keys, views)
+        ok = self._per_page(raw, space.segments)
+        stray = [k for i, k in enumerate(block_keys) if raw[i] and not ok[i // space.segments]]
+        if stray:
+            try:
+                self._store.delete(stray)
+            except _STORE_FAILURES as exc:
+                self._failure("delete", exc)
+        self._count_save(ok, sum(v.nbytes for v in views), start)
+        return ok
+
+    # -- management ---------------------------------------------------------------------
+
+    def clear(self) -> None:
+        """Remove every block from an embedded Store (SGLang calls this on
+        ``/flush_cache``). A shared server is left alone: one engine's cache flush
+        must not wipe what other engines and tenants stored there."""
+        if self._embedded:
+            self._store.clear()
+        else:
+            log.info("sglang: clear() leaves the shared kvstore server %s as it is", self._server)
+
+    def get_stats(self) -> Any:
+        """SGLang's ``StorageMetrics`` for the batches since the last call (drained),
+        or ``None`` where SGLang's metrics module is not importable."""
+        with self._lock:
+            drained = {k: list(v) for k, v in self._metrics.items()}
+            for v in self._metrics.values():
+                v.clear()
+        try:
+            from sglang.srt.observability.metrics_collector import StorageMetrics
+        except ImportError:
+            return None
+        metrics = StorageMetrics()
+        for name, values in drained.items():
+            getattr(metrics, name).extend(values)
+        return metrics
+
+    @property
+    def counters(self) -> dict[str, int]:
+        """A snapshot of the connector's page counters."""
+        with self._lock:
+            return dict(self._counters)
+
+    def stats(self) -> dict[str, Any]:
+        """Connector counters plus the Store's own ``stats()``."""
+        return {**self.counters, "store": self._store.stats()}
+
+    def close(self) -> None:
+        """Close the Store/Client this backend opened. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._store.close()
+
+    # -- internals ----------------------------------------------------------------------
+
+    def _space(self) -> PageKeys:
+        if self.interface_v1:
+            return self._require_v1()[1]
+        return self._v0
+
+    def _require_v1(self) -> tuple[PoolSegments, PageKeys]:
+        if self._segments is None or self._v1 is None:
+            raise InvalidArgumentError("the v1 interface needs extra_config interface_v1=1 and a registered host pool")
+        return self._segments, self._v1
+
+    @staticmethod
+    def _per_page(ok: list[bool], segments: int) -> list[bool]:
+        return [all(ok[i:i + segments]) for i in range(0, len(ok), segments)]
+
+    def _load(self, keys: list, dsts: list) -> list[bool]:
+        """Fail-closed load; a repeated key is loaded once and copied."""
+        first: dict = {}
+        uniq = []
+        for i, key in enumerate(keys):
+            if key not in first:
+                first[key] = i
+                uniq.append(i)
+        try:
+            got = self._store.load([keys[i] for i in uniq], [dsts[i] for i in uniq]).result()
+        except BufferSizeError:
+            got = [self._load_one(keys[i], dsts[i]) for i in uniq]
+        except _STORE_FAILURES as exc:
+            self._failure("load", exc)
+            got = [False] * len(uniq)
+        ok = [False] * len(keys)
+        for i, hit in zip(uniq, got):
+            ok[i] = bool(hit)
+        for i, key in enumerate(keys):
+            j = first[key]
+            if j != i and ok[j]:
+                copy_bytes(dsts[i], dsts[j])
+                ok[i] = True
+        return ok
+
+    def _load_one(self, key: Any, dst: Any) -> bool:
+        try:
+            return bool(self._store.load([key], [dst]).result()[0])
+        except BufferSizeError as exc:
+            log.warning("sglang: stored block %r does not fit the page buffer (%s); reported as a miss", key, exc)
+            return False
+        except _STORE_FAILURES as exc:
+            self._failure("load", exc)
+            return False
+
+    def _save(self, keys: list, srcs: list) -> list[bool]:
+        first: dict = {}
+        uniq = []
+        for i, key in enumerate(keys):
+            if key not in first:
+                first[key] = i
+                uniq.append(i)
+        try:
+            got = self._store.save([keys[i] for i in uniq], [srcs[i] for i in uniq]).result()
+        except _STORE_FAILURES as exc:
+            self._failure("save", exc)
+            got = [False] * len(uniq)
+        stored = dict(zip(uniq, got))
+        return [bool(stored[first[key]]) for key in keys]
+
+    def _failure(self, op: str, exc: BaseException) -> None:
+        with self._lock:
+            self._counters["store_failures"] += 1
+        log.warning("sglang: kvstore %s failed (%s: %s); treated as a miss", op, type(exc).__name__, exc)
+
+    def _count_load(self, ok: list[bool], nbytes: int, start: float) -> None:
+        hits = sum(ok)
+        with self._lock:
+            self._counters["pages_loaded"] += hits
+            self._counters["pages_missed"] += len(ok) - hits
+            if self.storage_config.enable_storage_metrics and hits:
+                self._metrics["prefetch_pgs"].append(hits)
+                self._metrics["prefetch_bandwidth"].append(nbytes / max(time.perf_counter() - start, 1e-9) / 1e9)
+
+    def _count_save(self, ok: list[bool], nbytes: int, start: float) -> None:
+        good = sum(ok)
+        with self._lock:
+            self._counters["pages_saved"] += good
+            self._counters["pages_save_failed"] += len(ok) - good
+            if self.storage_config.enable_storage_metrics and good:
+                self._metrics["backup_pgs"].append(good)
+                self._metrics["backup_bandwidth"].append(nbytes / max(time.perf_counter() - start, 1e-9) / 1e9)
+
+
+__all__ = ["KVStoreHiCacheStorage"]

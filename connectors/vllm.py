@@ -1,0 +1,175 @@
+"""kvstore for vLLM (0.33): a V1 KV connector, and a secondary tier for vLLM's own
+offloading.
+
+``KVStoreConnector`` is loaded by vLLM from its module path::
+
+    --kv-transfer-config '{"kv_connector": "KVStoreConnector",
+                           "kv_connector_module_path": "connectors.vllm",
+                           "kv_role": "kv_both",
+                           "kv_connector_extra_config": {"server": "127.0.0.1:7480"}}'
+
+vLLM builds one instance in the scheduler (engine-core) process and one in each
+worker. The scheduler side answers prefix lookups from the store and plans which whole
+chunks (``chunk_tokens`` tokens, a multiple of vLLM's block size) to load and save; the
+worker side moves those chunks between vLLM's paged KV blocks and the store. Keys are
+content hashes of the token prefix, namespaced by model, KV dtype and layout, parallel
+rank and the request's cache salt / LoRA / multimodal inputs. Options: docs/vllm.md.
+
+``KVStoreTier`` is a ``SecondaryTierManager`` that puts kvstore under vLLM's CPU tier
+(``OffloadingConnector`` with ``TieringOffloadingSpec``); see :mod:`connectors._vllm_tier`.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
+
+from connectors._store_handle import open_store, release_store
+from connectors._vllm_config import KVShape, VllmConnectorConfig
+from connectors._vllm_meta import KVStoreConnectorMetadata
+from connectors._vllm_scheduler import SchedulerSide
+from connectors._vllm_tier import KVStoreTier
+from connectors._vllm_worker import WorkerSide
+from kvstore.errors import ConfigError
+
+if TYPE_CHECKING:
+    import torch
+
+log = logging.getLogger(__name__)
+
+
+class KVStoreConnector(KVConnectorBase_V1):
+    """vLLM V1 KV connector over a kvstore Store (embedded) or cache server.
+
+    Thread-safety: vLLM calls each role's hooks from one thread; the store it talks to
+    is thread-safe and may be shared (embedded mode shares one Store per config within
+    a process).
+    """
+
+    def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        tc = self._kv_transfer_config
+        self.config = VllmConnectorConfig.parse(tc.kv_connector_extra_config)
+        self.shape = KVShape(vllm_config, kv_cache_config, self.config.chunk_tokens, self.config.model_id)
+        do_save = self.config.save if self.config.save is not None else tc.is_kv_producer
+        do_load = self.config.load if self.config.load is not None else tc.is_kv_consumer
+        if self.config.store is not None and self.shape.world_size > 1:
+            # Workers of a TP/PP group are separate processes: each would get its own
+            # Store, and the scheduler's lookups would never see what workers saved.
+            raise ConfigError("the embedded 'store' is for single-process serving (TP=1, PP=1); "
+                              f"this engine has {self.shape.world_size} workers: use 'server'")
+        self.store, self._handle = open_store(self.config.store, self.config.server, self.config.token,
+                                              self.config.timeout_s)
+        self._scheduler: SchedulerSide | None = None
+        self._worker: WorkerSide | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self._scheduler = SchedulerSide(self.config, self.shape, self.store, do_load=do_load, do_save=do_save)
+        else:
+            self._worker = WorkerSide(self.config, self.shape, self.store, _worker_rank(vllm_config, self.shape))
+
+    # -- class-level answers --------------------------------------------------------------
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False   # a cache: a dropped save is only a future miss
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: Any) -> str | None:
+        return None    # any layout: pages move as bytes, the layout is in the namespace
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        return bool((extra_config or {}).get("layerwise", False))
+
+    # -- scheduler side -------------------------------------------------------------------
+
+    def on_new_request(self, request: Any) -> None:
+        if self._scheduler is not None:
+            self._scheduler.on_new_request(request)
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        return self._sched().get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        self._sched().update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVStoreConnectorMetadata:
+        return self._sched().build_connector_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        if self._scheduler is not None:
+            self._scheduler.update_connector_output(connector_output)
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict | None]:
+        return self._sched().request_finished(request, block_ids)
+
+    # -- worker side ----------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, "torch.Tensor"]) -> None:
+        self._work().register_kv_caches(kv_caches, int(self._kv_cache_config.num_blocks))
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        meta = self._meta()
+        if meta is not None and meta.loads:
+            self._work().start_load(meta)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        if self.config.layerwise:
+            self._work().wait_for_layer(layer_name)
+
+    def save_kv_layer(self, layer_name: str, kv_layer: "torch.Tensor", attn_metadata: Any, **kwargs: Any) -> None:
+        meta = self._meta()
+        if self.config.layerwise and meta is not None:
+            self._work().save_layer(layer_name, meta)
+
+    def wait_for_save(self) -> None:
+        worker = self._work()
+        worker.finish_step_loads()
+        meta = self._meta()
+        if meta is not None and meta.saves:
+            worker.wait_for_save(meta)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        worker = self._work()
+        return worker.finished_saves(finished_req_ids) or None, worker.finished_loads() or None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._work().take_load_errors()
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.close(self.config.timeout_s)
+        if self.store is not None:
+            store, self.store = self.store, None
+            release_store(store, self._handle)
+
+    # -- internals ------------------------------------------------------------------------
+
+    def _meta(self) -> KVStoreConnectorMetadata | None:
+        meta = self._connector_metadata
+        return meta if isinstance(meta, KVStoreConnectorMetadata) else None
+
+    def _sched(self) -> SchedulerSide:
+        if self._scheduler is None:
+            raise ConfigError("scheduler-side hook called on a worker-role kvstore connector")
+        return self._scheduler
+
+    def _work(self) -> WorkerSide:
+        if self._worker is None:
+            raise ConfigError("worker-side hook called on a scheduler-role kvstore connector")
+        return self._worker
+
+
+def _worker_rank(vllm_config: Any, shape: KVShape) -> int:
+    """This worker's place among ``tp * pp`` shards (keys differ per shard)."""
+    if shape.world_size == 1:
+        return 0
+    from vllm.distributed.parallel_state import get_pp_group, get_tp_group
+
+    pp_rank = get_pp_group().rank_in_group if vllm_config.parallel_config.pipeline_parallel_size > 1 else 0
+    return pp_rank * shape.tp_size + get_tp_group().rank_in_group
+
+
+__all__ = ["KVStoreConnector", "KVStoreConnectorMetadata", "KVStoreTier", "VllmConnectorConfig"]

@@ -1,0 +1,353 @@
+"""A client of the kvstore cache server with the Store's API.
+
+``Client("host:port", token=...)`` connects, authenticates, and, when the server runs
+on this host and shares its DRAM arena, moves block bytes through shared memory: a
+load copies straight out of the server's arena (one memcpy, or one H2D copy into a GPU
+tensor) under a lease, a save goes through a per-connection staging region; only small
+control frames cross the (Unix) socket. Otherwise bytes travel over TCP, received
+straight into the caller's buffers.
+
+Thread-safety: every method may be called from any thread. Calls check out a pooled
+connection each, so up to ``pool_size`` run at once. ``save``/``load`` return futures;
+callers must not touch their buffers until the future is done. A network failure is
+retried once on a fresh connection and then raised as
+:class:`~kvstore.errors.TierUnavailableError`; a load never reports ``True`` for a
+block whose bytes did not fully arrive.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator, Sequence
+
+import numpy as np
+
+from kvstore.buffers import copy_bytes, host_view, is_device, nbytes_of
+from kvstore.errors import (BufferSizeError, InvalidArgumentError, RemoteError, StoreClosedError,
+                            TierUnavailableError)
+from kvstore.keys import BlockKey
+from kvstore.server import _protocol as P
+from kvstore._copy import copy_batch
+from kvstore._wire import Address, ArenaMap, Conn
+
+DEFAULT_STAGING_BYTES = 64 << 20
+
+
+class Client:
+    """``address``: ``host:port`` or a Unix socket path. ``transport``: ``auto`` (shared
+    memory when the server is on this host), ``tcp``, or ``shm`` (fail if unavailable)."""
+
+    def __init__(self, address: str, *, token: str | None = None, timeout_s: float = 10.0,
+                 pool_size: int = 8, transport: str = "auto",
+                 staging_bytes: int = DEFAULT_STAGING_BYTES, copy_threads: int | None = None) -> None:
+        if transport not in ("auto", "tcp", "shm"):
+            raise InvalidArgumentError(f"transport must be auto, tcp or shm, got {transport!r}")
+        self.address = Address.parse(address)
+        self._token, self._timeout_s = token, timeout_s
+        self._pool_size, self._staging_bytes = max(1, pool_size), staging_bytes
+        self._idle: list[Conn] = []
+        self._lock = threading.Lock()
+        self._closed = False
+        first = Conn(self.address, token, timeout_s)
+        self.info = first.info
+        self._max_batch = int(self.info.get("max_batch", 4096))
+        self._max_payload = min(int(self.info.get("max_frame_bytes", 256 << 20)),
+                                int(self.info.get("max_inflight_bytes", 1 << 30))) - (1 << 20)
+        self._arena: ArenaMap | None = None
+        self._conn_addr = self.address
+        if transport != "tcp" and ArenaMap.is_local(self.info.get("shm")):
+            self._arena = ArenaMap(self.info["shm"])
+            if self.info.get("socket_path") and not self.address.path:
+                self._conn_addr = Address(None, None, self.info["socket_path"])
+        elif transport == "shm":
+            first.close()
+            raise RemoteError(f"server {self.address} offers no shared memory to this host")
+        if self._conn_addr == self.address:
+            self._idle.append(first)
+        else:
+            first.close()
+        self._pool = ThreadPoolExecutor(self._pool_size, thread_name_prefix="kvstore-client")
+        # Same-host copies of a large batch are split over a few threads: one memcpy
+        # stream does not saturate memory bandwidth, and numpy/torch copies drop the GIL.
+        if copy_threads is None:
+            copy_threads = min(2, os.cpu_count() or 1)
+        self._copy_threads = max(1, copy_threads) if self._arena is not None else 1
+        self._copier = ThreadPoolExecutor(self._copy_threads - 1, thread_name_prefix="kvstore-copy") \
+            if self._copy_threads > 1 else None
+
+    @property
+    def transport(self) -> str:
+        """``shm`` when bulk bytes move through shared memory, else ``tcp``."""
+        return "shm" if self._arena is not None else "tcp"
+
+    # -- connections ---------------------------------------------------------------------------
+
+    @contextmanager
+    def _conn(self) -> Iterator[Conn]:
+        if self._closed:
+            raise StoreClosedError("the Client is closed")
+        with self._lock:
+            conn = self._idle.pop() if self._idle else None
+        if conn is None:
+            conn = Conn(self._conn_addr, self._token, self._timeout_s)
+        try:
+            yield conn
+        finally:
+            if conn.broken or self._closed:
+                conn.close()
+            else:
+                with self._lock:
+                    if len(self._idle) < self._pool_size:
+                        self._idle.append(conn)
+                        conn = None
+                if conn is not None:
+                    conn.close()
+
+    def _run(self, fn: Callable[[Conn], Any]) -> Any:
+        """Run ``fn`` on a pooled connection; on a network failure retry once on a fresh
+        connection (a restarted server, a connection the server closed while idle)."""
+        try:
+            with self._conn() as conn:
+                return fn(conn)
+        except TierUnavailableError:
+            with self._lock:
+                stale, self._idle = self._idle, []
+            for c in stale:
+                c.close()
+            with self._conn() as conn:
+                return fn(conn)
+
+    # -- control operations ----------------------------------------------------------------------
+
+    def ping(self) -> float:
+        """Round-trip time in seconds."""
+        t0 = time.perf_counter()
+        self._run(lambda c: c.call(P.Op.PING))
+        return time.perf_counter() - t0
+
+    def lookup(self, keys: Sequence[BlockKey], lease_s: float | None = None) -> int:
+        """Length of the prefix of ``keys`` the server holds; with ``lease_s`` those
+        blocks are protected from eviction until loaded or the lease expires."""
+        _check_keys(keys)
+        total = 0
+        for part in self._chunks(keys):
+            body = P.encode_lookup(part, lease_s)
+            n = P.decode_u32(self._run(lambda c: c.call(P.Op.LOOKUP, body))[1])
+            total += n
+            if n < len(part):
+                break
+        return total
+
+    def contains(self, keys: Sequence[BlockKey]) -> list[bool]:
+        _check_keys(keys)
+        out: list[bool] = []
+        for part in self._chunks(keys):
+            body = P.encode_keys(part)
+            out += P.decode_flags(self._run(lambda c: c.call(P.Op.CONTAINS, body))[1], len(part))
+        return out
+
+    def delete(self, keys: Sequence[BlockKey]) -> int:
+        _check_keys(keys)
+        return sum(P.decode_u32(self._run(lambda c: c.call(P.Op.DELETE, P.encode_keys(p)))[1])
+                   for p in self._chunks(keys))
+
+    def release(self, keys: Sequence[BlockKey]) -> None:
+        _check_keys(keys)
+        for part in self._chunks(keys):
+            self._run(lambda c: c.call(P.Op.RELEASE, P.encode_keys(part)))
+
+    def stats(self) -> dict[str, Any]:
+        return P.decode_json(self._run(lambda c: c.call(P.Op.STATS))[1])
+
+    # -- data operations ---------------------------------------------------------------------------
+
+    def save(self, keys: Sequence[BlockKey], srcs: Sequence[Any]) -> "Future[list[bool]]":
+        """Store copies of ``srcs`` on the server; resolves to whether each is stored."""
+        keys, srcs = _check_pairs(keys, srcs)
+        return self._submit(self._save, keys, srcs)
+
+    def load(self, keys: Sequence[BlockKey], dsts: Sequence[Any]) -> "Future[list[bool]]":
+        """Copy blocks into caller-owned buffers; ``True`` only where every byte arrived.
+        A stored block whose size differs from its buffer raises BufferSizeError."""
+        keys, dsts = _check_pairs(keys, dsts)
+        return self._submit(self._load, keys, dsts)
+
+    def _submit(self, fn: Callable, keys: list, bufs: list) -> Future:
+        if self._closed:
+            raise StoreClosedError("the Client is closed")
+        return self._pool.submit(fn, keys, bufs)
+
+    def _save(self, keys: list[BlockKey], srcs: list[Any]) -> list[bool]:
+        out: list[bool] = []
+        if not keys:
+            return out
+        limit = min(self._max_payload, self._staging_bytes) if self._arena is not None else self._max_payload
+        for lo, hi in self._batches(srcs, limit):
+            put = self._shm_put if self._arena is not None else self._tcp_put
+            out += self._run(lambda c: put(c, keys[lo:hi], srcs[lo:hi]))
+        return out
+
+    def _load(self, keys: list[BlockKey], dsts: list[Any]) -> list[bool]:
+        out: list[bool] = []
+        if not keys:
+            return out
+        get = self._shm_get if self._arena is not None else self._tcp_get
+        for lo, hi in self._batches(dsts, self._max_payload):
+            out += self._run(lambda c: get(c, keys[lo:hi], dsts[lo:hi]))
+        return out
+
+    def _tcp_put(self, conn: Conn, keys: list[BlockKey], srcs: list[Any]) -> list[bool]:
+        sizes = [nbytes_of(s) for s in srcs]
+        views = [memoryview(_host_copy(s)) for s in srcs]
+        _, body = conn.call(P.Op.PUT, P.encode_records(P.SIZED, keys, sizes), views)
+        return P.decode_flags(body, len(keys))
+
+    def _tcp_get(self, conn: Conn, keys: list[BlockKey], dsts: list[Any]) -> list[bool]:
+        sizes = [nbytes_of(d) for d in dsts]
+        hdr, body = conn.call(P.Op.GET, P.encode_records(P.SIZED, keys, sizes))
+        got = P.decode_sizes(body, len(keys)).tolist()
+        expected = sum(s for s in got if s > 0)
+        if hdr.payload_len != expected or any(s >= 0 and s != w for s, w in zip(got, sizes)):
+            conn.close()
+            raise RemoteError(f"server {conn.addr}: GET reply sizes do not match the request")
+        for dst, size in zip(dsts, got):
+            if size > 0:
+                _recv_block(conn, dst, size)
+        _raise_mismatch(keys, got, sizes)
+        return [s >= 0 for s in got]
+
+    def _shm_put(self, conn: Conn, keys: list[BlockKey], srcs: list[Any]) -> list[bool]:
+        staging = conn.attach_staging(self._staging_bytes)
+        sizes, offsets, pairs, pos = [], [], [], 0
+        for src in srcs:
+            n = nbytes_of(src)
+            pairs.append((staging.array[pos:pos + n], src))
+            sizes.append(n)
+            offsets.append(pos)
+            pos += n
+        copy_batch(pairs, pos, self._copier, self._copy_threads)
+        _, body = conn.call(P.Op.SHM_PUT, P.encode_records(P.STAGED, keys, sizes, offsets))
+        return P.decode_flags(body, len(keys))
+
+    def _shm_get(self, conn: Conn, keys: list[BlockKey], dsts: list[Any]) -> list[bool]:
+        sizes = [nbytes_of(d) for d in dsts]
+        _, body = conn.call(P.Op.SHM_GET, P.encode_records(P.SIZED, keys, sizes))
+        lid, placed = P.decode_placed(body, len(keys))
+        out = [False] * len(keys)
+        socket_idx, pairs, addrs, total = [], [], [], 0
+        try:
+            regions = {P.WHERE_ARENA: (self._arena.array, self._arena.address)}
+            if conn.staging is not None:
+                regions[P.WHERE_STAGING] = (conn.staging.array, conn.staging.address)
+            for i, (n, off, where) in enumerate(placed.tolist()):
+                if n < 0:
+                    continue
+                if n != sizes[i]:
+                    raise RemoteError(f"server {conn.addr}: SHM_GET placed {n} bytes for a {sizes[i]}-byte buffer")
+                if where == P.WHERE_SOCKET:
+                    socket_idx.append(i)
+                    continue
+                src, base = regions.get(where, (None, 0))
+                if src is None or off + n > src.nbytes:
+                    raise RemoteError(f"server {conn.addr}: SHM_GET placement outside the shared regions")
+                pairs.append((dsts[i], src[off:off + n]))
+                addrs.append(base + off)
+                total += n
+                out[i] = True
+            copy_batch(pairs, total, self._copier, self._copy_threads, addrs)
+        finally:
+            if lid:
+                conn.send(P.Op.SHM_DONE, P.encode_u64(lid))
+        _raise_mismatch(keys, placed["nbytes"].tolist(), sizes)
+        if socket_idx:
+            got = self._tcp_get(conn, [keys[i] for i in socket_idx], [dsts[i] for i in socket_idx])
+            for i, ok in zip(socket_idx, got):
+                out[i] = ok
+        return out
+
+    # -- batching ---------------------------------------------------------------------------------
+
+    def _chunks(self, keys: Sequence[BlockKey]) -> Iterator[list[BlockKey]]:
+        keys = list(keys)
+        for lo in range(0, len(keys), self._max_batch):
+            yield keys[lo:lo + self._max_batch]
+
+    def _batches(self, bufs: list[Any], limit: int) -> Iterator[tuple[int, int]]:
+        """Index ranges of at most ``max_batch`` buffers and ``limit`` bytes (a single
+        larger buffer goes alone; the server refuses it if it exceeds its limits)."""
+        lo, acc = 0, 0
+        for i, buf in enumerate(bufs):
+            n = nbytes_of(buf)
+            if i > lo and (acc + n > limit or i - lo >= self._max_batch):
+                yield lo, i
+                lo, acc = i, 0
+            acc += n
+        if lo < len(bufs):
+            yield lo, len(bufs)
+
+    def close(self) -> None:
+        """Close every connection and unmap shared memory. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._pool.shutdown(wait=True)
+        if self._copier is not None:
+            self._copier.shutdown(wait=True)
+        with self._lock:
+            idle, self._idle = self._idle, []
+        for c in idle:
+            c.close()
+        if self._arena is not None:
+            self._arena.close()
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _check_keys(keys: Sequence[BlockKey]) -> None:
+    for key in keys:
+        if not isinstance(key, BlockKey):
+            raise InvalidArgumentError(f"keys must be BlockKey, got {type(key).__name__}")
+
+
+def _check_pairs(keys: Sequence[BlockKey], bufs: Sequence[Any]) -> tuple[list, list]:
+    if len(keys) != len(bufs):
+        raise InvalidArgumentError(f"{len(keys)} keys but {len(bufs)} buffers")
+    _check_keys(keys)
+    if len(set(keys)) != len(keys):
+        raise InvalidArgumentError("a key appears twice in one batch")
+    return list(keys), list(bufs)
+
+
+def _host_copy(buf: Any) -> np.ndarray:
+    """A host view of ``buf`` (a staged copy only for device tensors)."""
+    if is_device(buf):
+        out = np.empty(nbytes_of(buf), np.uint8)
+        copy_bytes(out, buf)
+        return out
+    return host_view(buf)
+
+
+def _recv_block(conn: Conn, dst: Any, size: int) -> None:
+    if is_device(dst):
+        tmp = np.empty(size, np.uint8)
+        conn.recv_into(memoryview(tmp))
+        copy_bytes(dst, tmp)
+    else:
+        conn.recv_into(memoryview(host_view(dst, writable=True)))
+
+
+def _raise_mismatch(keys: list[BlockKey], got: list[int], sizes: list[int]) -> None:
+    for key, g, want in zip(keys, got, sizes):
+        if g == P.SIZE_MISMATCH:
+            raise BufferSizeError(f"buffer for {key!r} has {want} bytes; the stored block differs")
+
+
+__all__ = ["Client"]

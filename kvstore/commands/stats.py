@@ -1,0 +1,54 @@
+"""``kvstore stats --server ADDR``: a live summary of a running cache server."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from typing import Any
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    parser = sub.add_parser("stats", help="print a running server's tiers, hit rates and traffic")
+    parser.add_argument("--server", default="127.0.0.1:7480", help="server address host:port or socket path")
+    parser.add_argument("--token", default=os.environ.get("KVSTORE_TOKEN"),
+                        help="shared-secret token (default: $KVSTORE_TOKEN)")
+    parser.add_argument("--watch", type=float, metavar="SECONDS", help="refresh every SECONDS until Ctrl-C")
+    parser.add_argument("--json", action="store_true", help="print the raw JSON")
+    parser.set_defaults(handler=run)
+
+
+def _gib(n: float) -> str:
+    return f"{n / (1 << 30):.2f} GiB"
+
+
+def render(stats: dict[str, Any]) -> str:
+    srv = stats.get("server", {})
+    lines = [f"kvstore {srv.get('version', '?')}  up {srv.get('uptime_s', 0):.0f} s  "
+             f"connections {srv.get('connections', 0)}  blocks {stats['blocks']}  leases {stats['leases']}",
+             f"{'tier':<12}{'kind':<8}{'used':>12}{'capacity':>12}{'blocks':>9}{'hits':>10}{'misses':>9}"
+             f"{'hit %':>7}{'evicted':>9}{'corrupt':>8}"]
+    for t in stats["tiers"]:
+        asked = t["hits"] + t["misses"]
+        rate = f"{100 * t['hits'] / asked:.1f}" if asked else "-"
+        lines.append(f"{t['name']:<12}{t['kind']:<8}{_gib(t['used_bytes']):>12}{_gib(t['capacity_bytes']):>12}"
+                     f"{t['blocks']:>9}{t['hits']:>10}{t['misses']:>9}{rate:>7}{t['evictions']:>9}"
+                     f"{t['corruptions']:>8}")
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvstore.client import Client
+
+    with Client(args.server, token=args.token, transport="tcp", pool_size=1) as client:
+        while True:
+            stats = client.stats()
+            print(json.dumps(stats, indent=2, default=str) if args.json else render(stats), flush=True)
+            if not args.watch:
+                return 0
+            try:
+                time.sleep(args.watch)
+            except KeyboardInterrupt:
+                return 0
+            print()

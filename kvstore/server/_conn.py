@@ -1,0 +1,381 @@
+"""One client connection: read a frame, dispatch it to the Store, reply; repeat.
+
+Runs on the server's event loop with non-blocking sockets (``sock_recv_into`` /
+``sock_sendall``): PUT payloads land straight in a per-connection buffer that is reused
+across requests, GET payloads leave from the DRAM tier's memory through read-only views
+held with :meth:`Store.borrow`. Store calls that can block run on the Store's pool and
+are awaited with ``asyncio.wrap_future``. One request at a time per connection; a
+client pipelines by opening more connections.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import socket
+import time
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from kvstore.errors import (AuthError, BufferSizeError, InvalidArgumentError, KVStoreError, ProtocolError,
+                            StoreClosedError)
+from kvstore.server import _protocol as P
+from kvstore.server._shm import Lease, Staging
+
+if TYPE_CHECKING:
+    from kvstore.server._server import Server
+
+log = logging.getLogger("kvstore.server")
+_KEEP_BUFFER_BYTES = 256 << 20  # scratch buffers up to this size are kept for the next request
+
+
+class _Disconnected(Exception):
+    """The peer closed the connection (between or inside frames)."""
+
+
+class _Fatal(Exception):
+    """Reply with this status, then close the connection."""
+
+    def __init__(self, status: P.Status, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class _Busy(KVStoreError):
+    """A per-client limit is reached; the request is refused, the connection kept."""
+
+
+class Connection:
+    """State of one client connection; all of it lives on the event loop thread.
+    Memory it may hold: a scratch buffer of at most ``max_inflight_bytes`` (dropped after
+    use when over 256 MiB) and leases on at most ``max_inflight_bytes`` of slots."""
+
+    def __init__(self, server: "Server", sock: socket.socket, peer: str, local: bool) -> None:
+        self.server, self.sock, self.peer, self.local = server, sock, peer, local
+        self.loop = asyncio.get_running_loop()
+        self.head = bytearray(P.HEADER_BYTES)
+        self.body = bytearray(4096)
+        self.buf = np.empty(0, np.uint8)   # PUT payloads and lower-tier GETs, reused
+        self.authed = False
+        self.busy = False
+        self.last_active = time.monotonic()
+        self.leases: dict[int, Lease] = {}
+        self.leased_bytes = 0
+        self.next_lease = 1
+        self.staging: Staging | None = None
+        self.task: asyncio.Task | None = None
+
+    # -- I/O -------------------------------------------------------------------------------
+
+    async def _recv_exact(self, view: memoryview) -> None:
+        got, n = 0, view.nbytes
+        recv = self.loop.sock_recv_into
+        while got < n:
+            k = await recv(self.sock, view[got:])
+            if not k:
+                raise _Disconnected(f"peer closed after {got} of {n} bytes")
+            got += k
+
+    async def _reply(self, op: int, rid: int, body: bytes = b"", payload_len: int = 0,
+                     status: int = 0) -> None:
+        await self.loop.sock_sendall(self.sock, P.pack_header(op, rid, len(body), payload_len, status) + body)
+
+    def _buffer(self, nbytes: int) -> np.ndarray:
+        """The connection's scratch buffer, grown on demand and reused across requests."""
+        if nbytes > self.server.config.server.max_inflight_bytes:
+            raise _Fatal(P.Status.TOO_LARGE, f"{nbytes} bytes in flight exceed max_inflight_bytes "
+                         f"{self.server.config.server.max_inflight_bytes}")
+        if self.buf.nbytes < nbytes:
+            self.buf = np.empty(0, np.uint8)  # drop the old one before allocating
+            self.buf = np.empty(max(nbytes, 1 << 20), np.uint8)
+        return self.buf
+
+    # -- the loop ----------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        server, metrics = self.server, self.server.metrics
+        metrics.connections.inc()
+        rid = 0
+        try:
+            while not server.closing:
+                await self._recv_exact(memoryview(self.head))
+                self.busy, t0 = True, time.perf_counter()
+                self.last_active = time.monotonic()
+                header = P.parse_header(self.head, server.limits)
+                rid, op = header.request_id, P.Op(header.op)
+                if not self.authed and op is not P.Op.HELLO:
+                    raise _Fatal(P.Status.AUTH, "the first frame must be HELLO (with the token, if the "
+                                 "server has one)")
+                if len(self.body) < header.body_len:
+                    self.body = bytearray(header.body_len)
+                body = memoryview(self.body)[:header.body_len]
+                await self._recv_exact(body)
+                args = P.decode_request(header, body, server.limits)
+                status = await self._dispatch(op, rid, args, header)
+                if self.buf.nbytes > _KEEP_BUFFER_BYTES:  # a rare huge request: do not hold its memory
+                    self.buf = np.empty(0, np.uint8)
+                metrics.latency.labels(op.name).observe(time.perf_counter() - t0)
+                metrics.requests.labels(op.name, status.name).inc()
+                self.busy = False
+                self.last_active = time.monotonic()
+        except _Disconnected:
+            pass
+        except ProtocolError as exc:
+            await self._refuse(rid, P.Status.PROTOCOL, str(exc))
+        except _Fatal as exc:
+            await self._refuse(rid, exc.status, str(exc))
+        except (ConnectionError, OSError):
+            pass
+        except asyncio.CancelledError:
+            pass  # idle timeout or shutdown
+        except Exception as exc:  # a bug: tell the client, log, keep serving others
+            log.exception("connection %s: internal error", self.peer)
+            await self._refuse(rid, P.Status.INTERNAL, f"internal server error: {exc}")
+        finally:
+            self.busy = False
+            self.close()
+            metrics.connections.dec()
+
+    async def _refuse(self, rid: int, status: P.Status, message: str) -> None:
+        self.server.metrics.refused.labels(status.name).inc()
+        log.info("closing connection %s: %s", self.peer, message)
+        try:
+            await asyncio.wait_for(self._reply(P.Op.PING, rid, message.encode()[:4096], status=status), 1.0)
+        except (OSError, asyncio.TimeoutError, ConnectionError):
+            pass
+
+    def close(self) -> None:
+        """Release every lease and the staging map, close the socket. Idempotent."""
+        for lease in self.leases.values():
+            lease.release()
+        self.leases.clear()
+        self.leased_bytes = 0
+        if self.staging is not None:
+            self.staging.close()
+            self.staging = None
+        try:
+            self.sock.close()
+        except OSError:
+            pass
+        self.server.conns.discard(self)
+
+    def expire_leases(self, max_age_s: float) -> None:
+        now = time.monotonic()
+        for lid in [lid for lid, lease in self.leases.items() if now - lease.created > max_age_s]:
+            self._release_lease(lid)
+
+    def _release_lease(self, lid: int) -> None:
+        lease = self.leases.pop(lid, None)
+        if lease is not None:
+            self.leased_bytes -= lease.nbytes
+            lease.release()
+
+    # -- dispatch ----------------------------------------------------------------------------
+
+    async def _dispatch(self, op: P.Op, rid: int, args: Any, header: P.Header) -> P.Status:
+        try:
+            await getattr(self, f"_op_{op.name.lower()}")(rid, args, header)
+            return P.Status.OK
+        except BufferSizeError as exc:
+            status, msg = P.Status.BUFFER_SIZE, str(exc)
+        except (InvalidArgumentError, KeyError) as exc:
+            status, msg = P.Status.INVALID, str(exc)
+        except StoreClosedError as exc:
+            status, msg = P.Status.UNAVAILABLE, str(exc)
+        except _Busy as exc:
+            status, msg = P.Status.BUSY, str(exc)
+        except (AuthError, ProtocolError, _Fatal):
+            raise
+        except KVStoreError as exc:
+            status, msg = P.Status.INTERNAL, str(exc)
+        if op not in P.NO_REPLY:
+            await self._reply(op, rid, msg.encode()[:4096], status=status)
+        return status
+
+    async def _op_hello(self, rid: int, args: dict, header: P.Header) -> None:
+        expected = self.server.config.server.token
+        if expected is not None:
+            given = args.get("token")
+            if not isinstance(given, str) or not hmac.compare_digest(given.encode(), expected.encode()):
+                raise _Fatal(P.Status.AUTH, "wrong or missing token")
+        self.authed = True
+        await self._reply(P.Op.HELLO, rid, P.encode_json(self.server.hello_info(self.local)))
+
+    async def _op_ping(self, rid: int, args: None, header: P.Header) -> None:
+        await self._reply(P.Op.PING, rid)
+
+    async def _op_stats(self, rid: int, args: None, header: P.Header) -> None:
+        stats = await self.loop.run_in_executor(None, self.server.stats)
+        await self._reply(P.Op.STATS, rid, P.encode_json(stats))
+
+    async def _op_lookup(self, rid: int, args: tuple, header: P.Header) -> None:
+        lease_s, keys = args
+        await self._reply(P.Op.LOOKUP, rid, P.encode_u32(self.server.store.lookup(keys, lease_s)))
+
+    async def _op_contains(self, rid: int, keys: list, header: P.Header) -> None:
+        await self._reply(P.Op.CONTAINS, rid, bytes(self.server.store.contains(keys)))
+
+    async def _op_release(self, rid: int, keys: list, header: P.Header) -> None:
+        self.server.store.release(keys)
+        await self._reply(P.Op.RELEASE, rid)
+
+    async def _op_delete(self, rid: int, keys: list, header: P.Header) -> None:
+        n = await self.loop.run_in_executor(None, self.server.store.delete, keys)
+        await self._reply(P.Op.DELETE, rid, P.encode_u32(n))
+
+    async def _op_put(self, rid: int, args: tuple, header: P.Header) -> None:
+        keys, rec = args
+        total = header.payload_len
+        buf = self._buffer(total)
+        await self._recv_exact(memoryview(buf)[:total])  # straight off the socket, no copy
+        self.server.metrics.bytes.labels("in", "tcp").inc(total)
+        srcs, pos = [], 0
+        for n in rec["nbytes"].tolist():
+            srcs.append(buf[pos:pos + n])
+            pos += n
+        ok = await asyncio.wrap_future(self.server.store.save(keys, srcs)) if keys else []
+        await self._reply(P.Op.PUT, rid, bytes(ok))
+
+    async def _op_get(self, rid: int, args: tuple, header: P.Header) -> None:
+        keys, rec = args
+        want = rec["nbytes"].tolist()
+        sizes = [P.MISS] * len(keys)
+        with self.server.borrow(keys) as views:
+            srcs: list[Any] = [None] * len(keys)
+            lower = []
+            for i, v in enumerate(views):
+                if v is None:
+                    lower.append(i)
+                elif v.nbytes == want[i]:
+                    sizes[i], srcs[i] = want[i], v
+                else:
+                    sizes[i] = P.SIZE_MISMATCH
+            if lower:
+                buf = self._buffer(sum(want[i] for i in lower))
+                await self._load_lower(keys, want, lower, buf, 0, sizes, srcs)
+            total = sum(s for s in sizes if s > 0)
+            await self._reply(P.Op.GET, rid, P.encode_sizes(sizes), total)
+            send = self.loop.sock_sendall
+            for src in srcs:
+                if src is not None and src.nbytes:
+                    await send(self.sock, memoryview(src))
+            self.server.metrics.bytes.labels("out", "tcp").inc(total)
+
+    async def _load_lower(self, keys: list, want: list[int], idx: list[int], buf: np.ndarray, base: int,
+                          sizes: list[int], srcs: list[Any]) -> None:
+        """Load blocks the first tier does not hold (slower tiers) into ``buf`` from
+        ``base`` on; fills ``sizes`` and ``srcs`` (views of ``buf``) for the hits."""
+        store = self.server.store
+        idx = [i for i, c in zip(idx, store.contains([keys[i] for i in idx])) if c]
+        dsts, pos = [], base
+        for i in idx:
+            dsts.append(buf[pos:pos + want[i]])
+            pos += want[i]
+        if not idx:
+            return
+        try:
+            ok = await asyncio.wrap_future(store.load([keys[i] for i in idx], dsts))
+        except BufferSizeError:  # find which ones differ; the rest still load
+            ok = []
+            for i, dst in zip(idx, dsts):
+                try:
+                    ok.append((await asyncio.wrap_future(store.load([keys[i]], [dst])))[0])
+                except BufferSizeError:
+                    sizes[i] = P.SIZE_MISMATCH
+                    ok.append(False)
+        for i, dst, good in zip(idx, dsts, ok):
+            if good:
+                sizes[i], srcs[i] = want[i], dst
+
+    # -- same-host shared memory ---------------------------------------------------------------
+
+    def _need_local(self) -> None:
+        if not self.local or self.server.arena is None:
+            raise _Fatal(P.Status.UNAVAILABLE, "shared memory is only offered to same-host clients "
+                         "of a server whose first tier is a shared DRAM arena")
+
+    async def _op_shm_attach(self, rid: int, args: dict, header: P.Header) -> None:
+        self._need_local()
+        if self.staging is not None:
+            raise InvalidArgumentError("a staging region is already attached to this connection")
+        self.staging = Staging.attach(args.get("path"), args.get("nbytes"),
+                                      self.server.config.server.max_inflight_bytes)
+        await self._reply(P.Op.SHM_ATTACH, rid)
+
+    async def _op_shm_get(self, rid: int, args: tuple, header: P.Header) -> None:
+        self._need_local()
+        keys, rec = args
+        n = len(keys)
+        want = rec["nbytes"].tolist()
+        sizes, offsets, where = [P.MISS] * n, [0] * n, [P.WHERE_ARENA] * n
+        lease = Lease(self.server.borrow(keys))
+        try:
+            base = self.server.arena.base_address
+            lower = []
+            for i, v in enumerate(lease.views):
+                if v is None:
+                    lower.append(i)
+                elif v.nbytes != want[i]:
+                    sizes[i] = P.SIZE_MISMATCH
+                else:
+                    sizes[i], offsets[i] = want[i], v.ctypes.data - base
+                    lease.nbytes += want[i]
+            if self.leased_bytes + lease.nbytes > self.server.config.server.max_inflight_bytes:
+                raise _Busy(f"{self.leased_bytes + lease.nbytes} leased bytes would exceed "
+                            f"max_inflight_bytes; release earlier leases first")
+            if lower:
+                staged = self._place_lower(keys, want, lower, sizes, offsets, where)
+                if staged:
+                    got, srcs = [P.MISS] * n, [None] * n
+                    await self._load_lower(keys, want, staged, self.staging.array, 0, got, srcs)
+                    for i in staged:
+                        if got[i] < 0:
+                            sizes[i] = got[i]
+        except BaseException:
+            lease.release()
+            raise
+        lid = 0
+        if lease.nbytes:
+            lid, self.next_lease = self.next_lease, self.next_lease + 1
+            self.leases[lid] = lease
+            self.leased_bytes += lease.nbytes
+        else:
+            lease.release()
+        placed = np.empty(n, dtype=P.PLACED)
+        placed["nbytes"], placed["offset"], placed["where"] = sizes, offsets, where
+        self.server.metrics.bytes.labels("out", "shm").inc(lease.nbytes)
+        await self._reply(P.Op.SHM_GET, rid, P.encode_placed(lid, placed))
+
+    def _place_lower(self, keys: list, want: list[int], lower: list[int], sizes: list[int],
+                     offsets: list[int], where: list[int]) -> list[int]:
+        """Blocks held only below the first tier: into the client's staging region while
+        it has room (returned, to be loaded there), the rest marked for a socket GET."""
+        present = self.server.store.contains([keys[i] for i in lower])
+        room = self.staging.nbytes if self.staging is not None else 0
+        staged, pos = [], 0
+        for i, there in zip(lower, present):
+            if not there:
+                continue
+            sizes[i] = want[i]
+            if pos + want[i] <= room:
+                offsets[i], where[i] = pos, P.WHERE_STAGING
+                staged.append(i)
+                pos += want[i]
+            else:
+                where[i] = P.WHERE_SOCKET
+        return staged
+
+    async def _op_shm_put(self, rid: int, args: tuple, header: P.Header) -> None:
+        self._need_local()
+        if self.staging is None:
+            raise InvalidArgumentError("SHM_PUT needs an attached staging region (SHM_ATTACH)")
+        keys, rec = args
+        srcs = [self.staging.slice(int(off), int(n)) for n, off in zip(rec["nbytes"], rec["offset"])]
+        ok = await asyncio.wrap_future(self.server.store.save(keys, srcs)) if keys else []
+        self.server.metrics.bytes.labels("in", "shm").inc(int(rec["nbytes"].sum()))
+        await self._reply(P.Op.SHM_PUT, rid, bytes(ok))
+
+    async def _op_shm_done(self, rid: int, lid: int, header: P.Header) -> None:
+        self._release_lease(lid)

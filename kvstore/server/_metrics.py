@@ -1,0 +1,72 @@
+"""Prometheus metrics of one server: request latency and counts from the server, tier
+counters read from the Store at scrape time (so they can never drift from ``stats()``).
+
+Each server owns its own registry, so several servers can live in one process (tests).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+_TIER_COUNTERS = {
+    "hits": "blocks served from this tier",
+    "misses": "loads that found no tier holding the block (counted on the first tier)",
+    "bytes_read": "payload bytes read from this tier",
+    "bytes_written": "payload bytes written into this tier",
+    "writes": "blocks written into this tier",
+    "evictions": "blocks evicted from this tier",
+    "spills": "evicted blocks written down into the next tier",
+    "promotions": "blocks copied up into this tier on a hit below",
+    "corruptions": "stored blocks that failed verification",
+    "errors": "tier operations that failed",
+    "rejected": "blocks refused by admission",
+}
+_TIER_GAUGES = {"used_bytes": "payload bytes stored", "capacity_bytes": "configured capacity",
+                "blocks": "blocks stored"}
+_LATENCY_BUCKETS = (50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3, 50e-3,
+                    100e-3, 250e-3, 500e-3, 1.0, 2.5, 10.0)
+
+
+class _StoreCollector:
+    def __init__(self, store: Any) -> None:
+        self._store = store
+
+    def collect(self) -> Iterator[Any]:
+        try:
+            stats = self._store.stats()
+        except Exception:  # a closed store during shutdown: export nothing rather than fail
+            return
+        for name, doc in _TIER_COUNTERS.items():
+            fam = CounterMetricFamily(f"kvstore_tier_{name}", doc, labels=["tier", "kind"])
+            for t in stats["tiers"]:
+                fam.add_metric([t["name"], t["kind"]], float(t.get(name, 0)))
+            yield fam
+        for name, doc in _TIER_GAUGES.items():
+            fam = GaugeMetricFamily(f"kvstore_tier_{name}", doc, labels=["tier", "kind"])
+            for t in stats["tiers"]:
+                fam.add_metric([t["name"], t["kind"]], float(t.get(name, 0)))
+            yield fam
+        for name in ("blocks", "leases", "pins"):
+            yield GaugeMetricFamily(f"kvstore_store_{name}", f"{name} held by the store", value=stats[name])
+
+
+class ServerMetrics:
+    """Thread-safe (prometheus_client locks internally)."""
+
+    def __init__(self, store: Any) -> None:
+        self.registry = CollectorRegistry()
+        self.latency = Histogram("kvstore_request_seconds", "time from a request's header to its reply",
+                                 ["op"], registry=self.registry, buckets=_LATENCY_BUCKETS)
+        self.requests = Counter("kvstore_requests", "requests served", ["op", "status"], registry=self.registry)
+        self.bytes = Counter("kvstore_server_bytes", "block bytes moved for clients",
+                             ["direction", "path"], registry=self.registry)
+        self.connections = Gauge("kvstore_connections", "open client connections", registry=self.registry)
+        self.refused = Counter("kvstore_refused_connections", "connections closed for bad frames or auth",
+                               ["reason"], registry=self.registry)
+        self.registry.register(_StoreCollector(store))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,300 @@
+"""The kvstore wire format (see ``docs/protocol.md``): frame headers and operation bodies.
+
+Pure functions over buffers: no sockets, no Store. The server and the client both use
+them, and the fuzz tests drive them with arbitrary bytes. Anything malformed raises
+:class:`~kvstore.errors.ProtocolError` naming the problem; nothing else escapes.
+
+A frame is a 24-byte header, ``body_len`` bytes of control body, then ``payload_len``
+bytes of bulk payload (block bytes, back to back). All integers are little-endian.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import struct
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+
+from kvstore.errors import ProtocolError
+from kvstore.keys import KEY_WIRE_BYTES, BlockKey
+
+MAGIC = b"KV"
+VERSION = 1
+HEADER = struct.Struct("<2sBBIIIQ")  # magic, version, op, request id, status, body len, payload len
+HEADER_BYTES = HEADER.size           # 24
+_U32 = struct.Struct("<I")
+_LOOKUP = struct.Struct("<dI")
+_U64 = struct.Struct("<Q")
+MISS = -1          # GET reply size: not stored
+SIZE_MISMATCH = -2  # GET reply size: stored with another size than the caller's buffer
+
+# Record layouts of batch bodies (numpy views, so a 4096-key batch parses without a loop).
+SIZED = np.dtype([("key", f"V{KEY_WIRE_BYTES}"), ("nbytes", "<u8")])
+STAGED = np.dtype([("key", f"V{KEY_WIRE_BYTES}"), ("nbytes", "<u8"), ("offset", "<u8")])
+PLACED = np.dtype([("nbytes", "<i8"), ("offset", "<u8"), ("where", "u1")])
+WHERE_ARENA, WHERE_STAGING, WHERE_SOCKET = 0, 1, 2
+
+
+class Op(enum.IntEnum):
+    HELLO = 1       # JSON handshake; must be the first frame
+    PING = 2
+    LOOKUP = 3      # lease_s, keys -> prefix length
+    CONTAINS = 4    # keys -> one byte per key
+    DELETE = 5      # keys -> count
+    RELEASE = 6     # keys -> (drop lookup leases)
+    GET = 7         # (key, nbytes)* -> sizes, payload
+    PUT = 8         # (key, nbytes)* + payload -> one byte per key
+    STATS = 9       # -> JSON
+    SHM_ATTACH = 10  # staging path, size -> (same-host clients only)
+    SHM_GET = 11    # (key, nbytes)* -> lease id, (nbytes, offset, where)*
+    SHM_PUT = 12    # (key, nbytes, staging offset)* -> one byte per key
+    SHM_DONE = 13   # lease id; no reply
+
+
+NO_REPLY = frozenset({Op.SHM_DONE})
+
+
+class Status(enum.IntEnum):
+    OK = 0
+    PROTOCOL = 1     # malformed frame; the connection is closed after this reply
+    AUTH = 2         # missing or wrong token; closed
+    TOO_LARGE = 3    # over a configured limit; closed
+    INVALID = 4      # bad arguments (duplicate keys, bad offsets)
+    BUFFER_SIZE = 5  # a caller buffer differs from the stored block
+    BUSY = 6         # per-client limit reached; retry later
+    UNAVAILABLE = 7  # shutting down or not supported here
+    INTERNAL = 8
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Bounds enforced on every frame before any of its body or payload is read."""
+
+    max_frame_bytes: int = 256 << 20
+    max_batch: int = 4096
+
+    @property
+    def max_body_bytes(self) -> int:
+        return 16 + self.max_batch * STAGED.itemsize + 4096
+
+
+@dataclass(frozen=True)
+class Header:
+    op: int
+    request_id: int
+    status: int
+    body_len: int
+    payload_len: int
+
+
+def pack_header(op: int, request_id: int, body_len: int = 0, payload_len: int = 0,
+                status: int = 0) -> bytes:
+    return HEADER.pack(MAGIC, VERSION, op, request_id & 0xFFFFFFFF, status, body_len, payload_len)
+
+
+def parse_header(buf: Any, limits: Limits, *, reply: bool = False) -> Header:
+    """Validate a 24-byte header: magic, version, opcode, and every length against
+    ``limits`` (so an oversize frame is refused before its body is read)."""
+    mv = memoryview(buf).cast("B")
+    if mv.nbytes < HEADER_BYTES:
+        raise ProtocolError(f"truncated frame header: {mv.nbytes} of {HEADER_BYTES} bytes")
+    magic, version, op, rid, status, body_len, payload_len = HEADER.unpack_from(mv, 0)
+    if magic != MAGIC:
+        raise ProtocolError(f"bad frame magic {bytes(magic)!r} (not a kvstore client?)")
+    if version != VERSION:
+        raise ProtocolError(f"unsupported protocol version {version} (this side speaks {VERSION})")
+    if op not in Op._value2member_map_:
+        raise ProtocolError(f"unknown opcode {op}")
+    if not reply and status:
+        raise ProtocolError(f"request carries status {status}; only replies do")
+    if body_len > limits.max_body_bytes and not reply:
+        raise ProtocolError(f"body of {body_len} bytes exceeds the limit of {limits.max_body_bytes}")
+    if body_len + payload_len > limits.max_frame_bytes:
+        raise ProtocolError(f"frame of {body_len + payload_len} bytes exceeds max_frame_bytes "
+                            f"{limits.max_frame_bytes}")
+    return Header(op, rid, status, body_len, payload_len)
+
+
+# -- bodies --------------------------------------------------------------------------------
+
+def encode_json(obj: Any) -> bytes:
+    return json.dumps(obj, separators=(",", ":"), default=str).encode()
+
+
+def decode_json(body: Any) -> Any:
+    try:
+        value = json.loads(bytes(body).decode())
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise ProtocolError(f"body is not valid JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise ProtocolError(f"JSON body must be an object, got {type(value).__name__}")
+    return value
+
+
+def encode_keys(keys: Sequence[BlockKey]) -> bytes:
+    return _U32.pack(len(keys)) + b"".join(k.to_bytes() for k in keys)
+
+
+def _count(body: memoryview, record: int, limits: Limits, offset: int = 0) -> int:
+    if body.nbytes < offset + 4:
+        raise ProtocolError(f"body of {body.nbytes} bytes is too short for a batch count")
+    (n,) = _U32.unpack_from(body, offset)
+    if n > limits.max_batch:
+        raise ProtocolError(f"batch of {n} keys exceeds max_batch {limits.max_batch}")
+    if body.nbytes != offset + 4 + n * record:
+        raise ProtocolError(f"body of {body.nbytes} bytes does not hold {n} records of {record} bytes")
+    return n
+
+
+def _keys_from(raw: np.ndarray) -> list[BlockKey]:
+    data = raw.tobytes()  # one copy of the key column, then slices of it
+    return [BlockKey(data[o:o + 32], data[o + 32:o + 64], data[o + 64:o + 96])
+            for o in range(0, len(data), KEY_WIRE_BYTES)]
+
+
+def decode_keys(body: Any, limits: Limits, offset: int = 0) -> list[BlockKey]:
+    mv = memoryview(body).cast("B")
+    n = _count(mv, KEY_WIRE_BYTES, limits, offset)
+    raw = np.frombuffer(mv, dtype=f"V{KEY_WIRE_BYTES}", count=n, offset=offset + 4)
+    return _keys_from(raw)
+
+
+def encode_lookup(keys: Sequence[BlockKey], lease_s: float | None) -> bytes:
+    return _LOOKUP.pack(float(lease_s or 0.0), len(keys)) + b"".join(k.to_bytes() for k in keys)
+
+
+def decode_lookup(body: Any, limits: Limits) -> tuple[float | None, list[BlockKey]]:
+    mv = memoryview(body).cast("B")
+    if mv.nbytes < 8:
+        raise ProtocolError("lookup body too short")
+    (lease_s,) = struct.unpack_from("<d", mv, 0)
+    if not (lease_s == lease_s) or lease_s < 0 or lease_s > 86400:  # NaN, negative, absurd
+        raise ProtocolError(f"lookup lease of {lease_s} s is out of range [0, 86400]")
+    return (lease_s or None), decode_keys(mv, limits, offset=8)
+
+
+def encode_records(dtype: np.dtype, keys: Sequence[BlockKey], *columns: Sequence[int]) -> bytes:
+    rec = np.zeros(len(keys), dtype=dtype)
+    if keys:
+        rec["key"] = np.frombuffer(b"".join(k.to_bytes() for k in keys), dtype=f"V{KEY_WIRE_BYTES}")
+    for name, values in zip(dtype.names[1:], columns):
+        rec[name] = values
+    return _U32.pack(len(keys)) + rec.tobytes()
+
+
+def decode_records(dtype: np.dtype, body: Any, limits: Limits) -> tuple[list[BlockKey], np.ndarray]:
+    """Keys and the record array (``nbytes``, maybe ``offset``) of a GET/PUT/SHM body."""
+    mv = memoryview(body).cast("B")
+    n = _count(mv, dtype.itemsize, limits)
+    rec = np.frombuffer(mv, dtype=dtype, count=n, offset=4)
+    keys = _keys_from(rec["key"])
+    if len({k.digest for k in keys}) != n:
+        raise ProtocolError("a key appears twice in one batch")
+    return keys, rec
+
+
+def encode_sizes(sizes: Sequence[int]) -> bytes:
+    return np.asarray(sizes, dtype="<i8").tobytes()
+
+
+def decode_sizes(body: Any, n: int) -> np.ndarray:
+    mv = memoryview(body).cast("B")
+    if mv.nbytes != 8 * n:
+        raise ProtocolError(f"reply of {mv.nbytes} bytes does not hold {n} sizes")
+    return np.frombuffer(mv, dtype="<i8", count=n)
+
+
+def decode_flags(body: Any, n: int) -> list[bool]:
+    mv = memoryview(body).cast("B")
+    if mv.nbytes != n:
+        raise ProtocolError(f"reply of {mv.nbytes} bytes does not hold {n} flags")
+    return [bool(b) for b in mv]
+
+
+def encode_placed(lease_id: int, placed: np.ndarray) -> bytes:
+    return _U64.pack(lease_id) + placed.tobytes()
+
+
+def decode_placed(body: Any, n: int) -> tuple[int, np.ndarray]:
+    mv = memoryview(body).cast("B")
+    if mv.nbytes != 8 + n * PLACED.itemsize:
+        raise ProtocolError(f"reply of {mv.nbytes} bytes does not hold {n} placements")
+    return _U64.unpack_from(mv, 0)[0], np.frombuffer(mv, dtype=PLACED, count=n, offset=8)
+
+
+def encode_u64(value: int) -> bytes:
+    return _U64.pack(value)
+
+
+def decode_u64(body: Any) -> int:
+    mv = memoryview(body).cast("B")
+    if mv.nbytes != 8:
+        raise ProtocolError(f"expected an 8-byte body, got {mv.nbytes}")
+    return _U64.unpack_from(mv, 0)[0]
+
+
+def encode_u32(value: int) -> bytes:
+    return _U32.pack(value)
+
+
+def decode_u32(body: Any) -> int:
+    mv = memoryview(body).cast("B")
+    if mv.nbytes != 4:
+        raise ProtocolError(f"expected a 4-byte body, got {mv.nbytes}")
+    return _U32.unpack_from(mv, 0)[0]
+
+
+def decode_request(header: Header, body: Any, limits: Limits) -> Any:
+    """The decoded arguments of one request (what the server dispatches on). Checks the
+    payload length against the body so a PUT cannot announce more bytes than it ships."""
+    op = Op(header.op)
+    if op is Op.HELLO or op is Op.SHM_ATTACH:
+        args: Any = decode_json(body)
+    elif op is Op.PING or op is Op.STATS:
+        args = None
+    elif op is Op.LOOKUP:
+        args = decode_lookup(body, limits)
+    elif op in (Op.CONTAINS, Op.DELETE, Op.RELEASE):
+        args = decode_keys(body, limits)
+    elif op is Op.GET or op is Op.SHM_GET:
+        args = decode_records(SIZED, body, limits)
+    elif op is Op.PUT:
+        args = decode_records(SIZED, body, limits)
+        total = int(args[1]["nbytes"].sum(dtype=np.uint64)) if len(args[0]) else 0
+        if total != header.payload_len:
+            raise ProtocolError(f"PUT announces {total} block bytes but carries {header.payload_len}")
+    elif op is Op.SHM_PUT:
+        args = decode_records(STAGED, body, limits)
+    else:  # SHM_DONE
+        args = decode_u64(body)
+    if op is not Op.PUT and header.payload_len:
+        raise ProtocolError(f"{op.name} carries no payload, got {header.payload_len} bytes")
+    return args
+
+
+def parse_requests(data: Any, limits: Limits) -> tuple[list[tuple[Header, Any]], int]:
+    """Every complete request frame at the start of ``data``, decoded, and the number of
+    bytes they span (a trailing partial frame is left). The server reads frames from its
+    socket piecewise with the same :func:`parse_header` and :func:`decode_request`; this
+    whole-buffer form serves tools and the fuzz tests."""
+    mv = memoryview(data).cast("B")
+    out, pos = [], 0
+    while mv.nbytes - pos >= HEADER_BYTES:
+        header = parse_header(mv[pos:pos + HEADER_BYTES], limits)
+        end = pos + HEADER_BYTES + header.body_len
+        if mv.nbytes < end + (header.payload_len if header.op == Op.PUT else 0):
+            break
+        out.append((header, decode_request(header, mv[pos + HEADER_BYTES:end], limits)))
+        pos = end + header.payload_len
+    return out, pos
+
+
+__all__ = ["HEADER", "HEADER_BYTES", "Header", "Limits", "MAGIC", "MISS", "NO_REPLY", "Op", "PLACED",
+           "SIZED", "SIZE_MISMATCH", "STAGED", "Status", "VERSION", "WHERE_ARENA", "WHERE_SOCKET",
+           "WHERE_STAGING", "decode_flags", "decode_json", "decode_keys", "decode_lookup",
+           "decode_placed", "decode_records", "decode_request", "decode_sizes", "decode_u32",
+           "decode_u64", "encode_json", "parse_requests", "encode_keys", "encode_lookup", "encode_placed",
+           "encode_records", "encode_sizes", "encode_u32", "encode_u64", "pack_header", "parse_header"]

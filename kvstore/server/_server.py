@@ -1,0 +1,247 @@
+"""The cache server: one Store, a TCP listener, an optional Unix socket for same-host
+control traffic, the admin HTTP port, and graceful shutdown.
+
+Threading: the network runs on one asyncio loop (uvloop when installed); Store work that
+can block runs on the Store's own pool or the loop's default executor. ``Server`` methods
+other than :meth:`request_shutdown` must be called on the loop thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import secrets
+import signal
+import socket
+import tempfile
+import time
+from contextlib import nullcontext
+from typing import Any, Sequence
+
+from kvstore import __version__
+from kvstore.config import DramTierConfig, StoreConfig
+from kvstore.errors import ConfigError
+from kvstore.server import _protocol as P
+from kvstore.server._admin import handle_admin
+from kvstore.server._conn import Connection
+from kvstore.server._metrics import ServerMetrics
+from kvstore.server._shm import Arena
+
+log = logging.getLogger("kvstore.server")
+
+
+def build_store(config: StoreConfig) -> Any:
+    """The Store to serve. With shared memory enabled (``transport`` auto or shm) and a
+    first DRAM tier without ``shm_path``, that arena is placed under ``/dev/shm`` so
+    local clients can map it."""
+    from kvstore._build import build_tier
+    from kvstore.store import Store
+    from tiers.dram import DramTier
+
+    first = config.tiers[0]
+    if config.server.transport in ("auto", "shm") and isinstance(first, DramTierConfig) and not first.shm_path:
+        path = f"/dev/shm/kvstore-{os.getpid()}-{secrets.token_hex(4)}"
+        tiers = [DramTier(first.capacity, name=first.name, shm_path=path, pin=first.pin)]
+        try:
+            tiers += [build_tier(c) for c in config.tiers[1:]]
+        except BaseException:
+            for t in tiers:
+                t.close()
+            raise
+        return Store(config, tiers=tiers)
+    if config.server.transport == "shm" and not isinstance(first, DramTierConfig):
+        raise ConfigError("server.transport: 'shm' needs a first tier of kind dram")
+    return Store(config)
+
+
+class Server:
+    """Serves ``store`` (built from ``config`` when not given; the server then owns it)."""
+
+    def __init__(self, config: StoreConfig, *, store: Any = None) -> None:
+        self.config = config
+        cfg = config.server
+        self._owns_store = store is None
+        self.store = store if store is not None else build_store(config)
+        self.limits = P.Limits(cfg.max_frame_bytes, cfg.max_batch)
+        first = self.store.tiers[0]
+        # Zero-copy sends and shared memory need the first tier to be host memory.
+        self._borrowable = first.capabilities.device == "cpu" and first.capabilities.zero_copy_view
+        self.arena = Arena.of(first) if cfg.transport in ("auto", "shm") and self._borrowable else None
+        self.metrics = ServerMetrics(self.store)
+        self.conns: set[Connection] = set()
+        self.closing = False
+        self.port = 0
+        self.admin_port: int | None = None
+        self.socket_path: str | None = None
+        self._listeners: list[socket.socket] = []
+        self._tasks: list[asyncio.Task] = []
+        self._admin: asyncio.base_events.Server | None = None
+        self._stopped: asyncio.Event | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.started = time.time()
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        cfg = self.config.server
+        self._loop = asyncio.get_running_loop()
+        self._stopped = asyncio.Event()
+        tcp = socket.create_server((cfg.host, cfg.port), family=_family(cfg.host), backlog=256,
+                                   reuse_port=False)
+        tcp.setblocking(False)
+        self.port = tcp.getsockname()[1]
+        self._listeners.append(tcp)
+        self._tasks.append(asyncio.create_task(self._accept(tcp, unix=False)))
+        if cfg.socket_path or self.arena is not None:
+            path = cfg.socket_path or os.path.join(tempfile.gettempdir(), f"kvstore-{self.port}-{os.getpid()}.sock")
+            if os.path.exists(path):
+                os.unlink(path)  # a stale socket from a crashed server
+            unix = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            unix.bind(path)
+            os.chmod(path, 0o600)
+            unix.listen(256)
+            unix.setblocking(False)
+            self.socket_path = path
+            self._listeners.append(unix)
+            self._tasks.append(asyncio.create_task(self._accept(unix, unix=True)))
+        if cfg.admin_port is not None:
+            self._admin = await asyncio.start_server(lambda r, w: handle_admin(self, r, w), cfg.host,
+                                                     cfg.admin_port, limit=64 << 10)
+            self.admin_port = self._admin.sockets[0].getsockname()[1]
+        self._tasks.append(asyncio.create_task(self._reap()))
+
+    async def wait_closed(self) -> None:
+        await self._stopped.wait()
+
+    def request_shutdown(self) -> None:
+        """Begin a graceful shutdown; safe from signal handlers and other threads."""
+        loop = self._loop
+        if loop is not None and not self.closing:
+            grace = self.config.server.shutdown_grace_s
+            loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self.shutdown(grace)))
+
+    async def shutdown(self, grace_s: float = 10.0) -> None:
+        """Stop accepting, let requests in progress finish (up to ``grace_s``), release
+        leases, flush volatile blocks to persistent tiers, and close the Store."""
+        if self.closing:
+            return
+        self.closing = True
+        for t in self._tasks:
+            t.cancel()
+        for s in self._listeners:
+            s.close()
+        if self.socket_path:
+            try:
+                os.unlink(self.socket_path)
+            except FileNotFoundError:
+                pass
+        if self._admin is not None:
+            self._admin.close()
+        idle = [c for c in self.conns if not c.busy and c.task is not None]
+        for c in idle:
+            c.task.cancel()
+        pending = [c.task for c in list(self.conns) if c.task is not None]
+        if pending:
+            _, late = await asyncio.wait(pending, timeout=grace_s)
+            for t in late:
+                t.cancel()
+        for c in list(self.conns):
+            c.close()
+        if self._owns_store:
+            await asyncio.get_running_loop().run_in_executor(None, self._close_store)
+        self._stopped.set()
+
+    def _close_store(self) -> None:
+        try:
+            flushed = self.store.flush()
+            if flushed:
+                log.info("flushed %d blocks to persistent tiers", flushed)
+        except Exception:
+            log.exception("flush at shutdown failed")
+        self.store.close()
+
+    # -- connections -------------------------------------------------------------------------
+
+    async def _accept(self, lsock: socket.socket, *, unix: bool) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                sock, addr = await loop.sock_accept(lsock)
+            except OSError as exc:
+                log.warning("accept failed: %s", exc)
+                await asyncio.sleep(0.05)
+                continue
+            sock.setblocking(False)
+            if not unix:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            peer = "unix" if unix else f"{addr[0]}:{addr[1]}"
+            local = unix or _is_loopback(addr[0])
+            conn = Connection(self, sock, peer, local)
+            self.conns.add(conn)
+            conn.task = asyncio.create_task(conn.run())
+
+    async def _reap(self) -> None:
+        cfg = self.config.server
+        period = min(1.0, cfg.idle_timeout_s / 4, cfg.shm_lease_s / 4)
+        while True:
+            await asyncio.sleep(period)
+            now = time.monotonic()
+            for c in list(self.conns):
+                c.expire_leases(cfg.shm_lease_s)
+                if not c.busy and now - c.last_active > cfg.idle_timeout_s and c.task is not None:
+                    log.info("closing idle connection %s", c.peer)
+                    c.task.cancel()
+
+    # -- helpers for connections ---------------------------------------------------------------
+
+    def borrow(self, keys: Sequence[Any]) -> Any:
+        if self._borrowable:
+            return self.store.borrow(keys)
+        return nullcontext([None] * len(keys))
+
+    def hello_info(self, local: bool) -> dict[str, Any]:
+        return {"server": "kvstore", "version": __version__, "protocol": P.VERSION,
+                "max_frame_bytes": self.limits.max_frame_bytes, "max_batch": self.limits.max_batch,
+                "max_inflight_bytes": self.config.server.max_inflight_bytes,
+                "shm": self.arena.describe() if self.arena is not None and local else None,
+                "socket_path": self.socket_path if local else None}
+
+    def stats(self) -> dict[str, Any]:
+        out = self.store.stats()
+        out["server"] = {"version": __version__, "uptime_s": round(time.time() - self.started, 3),
+                         "connections": len(self.conns),
+                         "leased_bytes": sum(c.leased_bytes for c in self.conns),
+                         "shm": self.arena.path if self.arena else None, "port": self.port,
+                         "admin_port": self.admin_port, "socket_path": self.socket_path}
+        return out
+
+
+def _family(host: str) -> int:
+    return socket.AF_INET6 if ":" in host else socket.AF_INET
+
+
+def _is_loopback(host: str) -> bool:
+    return host.startswith("127.") or host in ("::1", "localhost") or host.startswith("::ffff:127.")
+
+
+async def _main(config: StoreConfig, ready: Any) -> None:
+    server = Server(config)
+    await server.start()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, server.request_shutdown)
+    if ready is not None:
+        ready(server)
+    await server.wait_closed()
+
+
+def run_server(config: StoreConfig, ready: Any = None) -> None:
+    """Serve until SIGTERM/SIGINT, then shut down gracefully. ``ready(server)`` is called
+    once listening (the CLI prints the addresses from it)."""
+    try:
+        import uvloop
+    except ImportError:
+        asyncio.run(_main(config, ready))
+    else:
+        uvloop.run(_main(config, ready))

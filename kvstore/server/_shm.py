@@ -1,0 +1,111 @@
+"""Server side of the same-host path: the shared DRAM arena, slot leases, and the
+staging regions clients create for puts.
+
+Design (see ``docs/protocol.md``): the first tier's arena is a file under ``/dev/shm``
+that local clients map read-only. A get leases the slots (a :meth:`Store.borrow` held
+open) and replies with their offsets; the client copies out once and sends SHM_DONE,
+which ends the lease. Leases also end when the connection closes or after
+``shm_lease_s``. A put goes through a staging region the *client* owns: it copies its
+blocks there and the server copies them into store slots (one memcpy on each side), so
+the server never hands out writable arena memory and a crashed client cannot leave a
+half-written slot behind.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import stat
+import time
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from kvstore.errors import InvalidArgumentError
+
+STAGING_DIR = "/dev/shm"
+STAGING_PREFIX = "kvstore-client-"
+
+
+@dataclass(frozen=True)
+class Arena:
+    """Where local clients find the first tier's memory."""
+
+    path: str
+    nbytes: int
+    base_address: int   # the arena's address in the server, to turn views into offsets
+    device: int
+    inode: int
+
+    @classmethod
+    def of(cls, tier: Any) -> "Arena | None":
+        path = getattr(tier, "shm_path", None)
+        arena = getattr(tier, "arena", None)
+        if not path or arena is None:
+            return None
+        st = os.stat(path)
+        return cls(path, st.st_size, arena.ctypes.data, st.st_dev, st.st_ino)
+
+    def describe(self) -> dict[str, Any]:
+        return {"path": self.path, "nbytes": self.nbytes, "dev": self.device, "ino": self.inode}
+
+
+class Lease:
+    """Slots held for a client's copy: a :meth:`Store.borrow` kept open. ``release``
+    is idempotent and may run from the event loop or a reaper."""
+
+    def __init__(self, borrow: AbstractContextManager) -> None:
+        self._cm = borrow
+        self.views = borrow.__enter__()
+        self.nbytes = 0
+        self.created = time.monotonic()
+
+    def release(self) -> None:
+        cm, self._cm = self._cm, None
+        if cm is not None:
+            self.views = []
+            cm.__exit__(None, None, None)
+
+
+class Staging:
+    """A client's staging region mapped into the server (read-write, shared)."""
+
+    def __init__(self, mm: mmap.mmap, nbytes: int) -> None:
+        self._mmap = mm
+        self.nbytes = nbytes
+        self.array = np.frombuffer(mm, dtype=np.uint8, count=nbytes)
+
+    @classmethod
+    def attach(cls, path: Any, nbytes: Any, max_bytes: int) -> "Staging":
+        if not isinstance(path, str) or os.path.dirname(path) != STAGING_DIR \
+                or not os.path.basename(path).startswith(STAGING_PREFIX):
+            raise InvalidArgumentError(f"staging path must be {STAGING_DIR}/{STAGING_PREFIX}*, got {path!r}")
+        if not isinstance(nbytes, int) or not 0 < nbytes <= max_bytes:
+            raise InvalidArgumentError(f"staging size must be in (0, {max_bytes}], got {nbytes!r}")
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
+        except OSError as exc:
+            raise InvalidArgumentError(f"cannot open staging region {path}: {exc.strerror}") from None
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_size != nbytes:
+                raise InvalidArgumentError(f"staging region {path} is not a {nbytes}-byte file")
+            mm = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+        finally:
+            os.close(fd)
+        return cls(mm, nbytes)
+
+    def slice(self, offset: int, nbytes: int) -> np.ndarray:
+        if offset < 0 or nbytes < 0 or offset + nbytes > self.nbytes:
+            raise InvalidArgumentError(f"staging range [{offset}, {offset + nbytes}) is outside the "
+                                       f"{self.nbytes}-byte region")
+        return self.array[offset:offset + nbytes]
+
+    def close(self) -> None:
+        self.array = np.empty(0, np.uint8)
+        try:
+            self._mmap.close()
+        except BufferError:  # a store copy still holds a view; the GC unmaps it later
+            pass

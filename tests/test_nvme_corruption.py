@@ -1,0 +1,220 @@
+"""Damaged NVMe tier directories: loads miss (never wrong bytes), counters say so,
+fsck reports and repairs."""
+
+import os
+
+import lmdb
+import numpy as np
+import pytest
+
+from kvstore.cli import main as cli_main
+from kvstore.testing import make_keys, payload
+from tiers._nvme_fsck import fsck
+from tiers._nvme_index import Record
+from tiers._nvme_io import PAGE, extent_bytes
+from tiers.nvme import NvmeTier
+
+BLOCK = 64 * 1024
+N = 8
+
+
+def open_tier(path):
+    return NvmeTier(path, 64 * BLOCK, name="nvme-corrupt", file_bytes=1 << 20, io_threads=2)
+
+
+@pytest.fixture
+def filled(tmp_path):
+    """A closed tier directory holding N blocks; returns (path, keys, locations)."""
+    path = str(tmp_path / "d")
+    keys = make_keys(N)
+    t = open_tier(path)
+    assert all(t.write(keys, [payload(i, BLOCK) for i in range(N)]))
+    where = {k: (e.file_no, e.offset) for k, e in t._entries.items()}
+    t.close()
+    return path, keys, where
+
+
+def data_path(path, file_no):
+    return os.path.join(path, f"data-{file_no:05d}.kvd")
+
+
+def flip(path, offset, nbytes=3):
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        old = f.read(nbytes)
+        f.seek(offset)
+        f.write(bytes(b ^ 0xFF for b in old))
+
+
+def load_all(t, keys):
+    out = []
+    for i, k in enumerate(keys):
+        dst = np.zeros(BLOCK, np.uint8)
+        ok = t.read_into([k], [dst])[0]
+        assert not ok or np.array_equal(dst, payload(i, BLOCK)), "wrong bytes returned"
+        out.append(ok)
+    return out
+
+
+@pytest.mark.parametrize("where_in_block", ["payload", "header"])
+def test_flipped_bytes_are_a_miss(filled, where_in_block):
+    path, keys, where = filled
+    file_no, off = where[keys[2]]
+    flip(data_path(path, file_no), off + (PAGE + 1000 if where_in_block == "payload" else 20))
+    t = open_tier(path)
+    try:
+        assert load_all(t, keys) == [i != 2 for i in range(N)]
+        assert t.stats()["corrupt_blocks"] == 1
+        assert t.contains(keys[2:3]) == [False]
+        assert t.used_bytes == (N - 1) * BLOCK
+    finally:
+        t.close()
+    t = open_tier(path)   # the drop was committed to the index
+    try:
+        assert t.contains(keys[2:3]) == [False] and len(list(t.keys())) == N - 1
+    finally:
+        t.close()
+
+
+def test_corruption_while_open_is_caught_on_read(filled):
+    path, keys, where = filled
+    t = open_tier(path)
+    try:
+        file_no, off = where[keys[0]]
+        flip(data_path(path, file_no), off + PAGE + BLOCK - 2, 1)   # the payload's last byte
+        assert load_all(t, keys)[0] is False
+        assert t.stats()["corrupt_blocks"] == 1
+    finally:
+        t.close()
+
+
+def test_truncated_data_file(filled):
+    path, keys, where = filled
+    cut = where[keys[4]][1] + PAGE + 100   # inside block 4: blocks placed at or after it are lost
+    lost = {k for k, (_, off) in where.items() if off + extent_bytes(BLOCK) > cut}
+    os.truncate(data_path(path, 0), cut)
+    report = fsck(path, progress=False)
+    assert sorted(report.missing) == sorted(k.hex() for k in lost) and report.problems == len(lost)
+    t = open_tier(path)
+    try:
+        assert load_all(t, keys) == [k not in lost for k in keys]
+        assert t.stats()["corrupt_blocks"] == len(lost)
+        assert t.used_bytes == (N - len(lost)) * BLOCK
+        # the file is back to its full size and its space usable again
+        assert all(t.write(make_keys(4, salt="after"), [payload(i, BLOCK) for i in range(4)]))
+    finally:
+        t.close()
+    assert fsck(path, progress=False).problems == 0
+
+
+def test_truncated_while_open(filled):
+    path, keys, where = filled
+    t = open_tier(path)
+    try:
+        last = max(keys, key=lambda k: where[k][1])
+        os.truncate(data_path(path, 0), where[last][1] + PAGE)
+        ok = load_all(t, keys)
+        assert ok[keys.index(last)] is False and sum(ok) == N - 1
+        assert t.stats()["corrupt_blocks"] == 1
+    finally:
+        t.close()
+
+
+def _lmdb_put(path, digest, value):
+    env = lmdb.open(os.path.join(path, "index"), max_dbs=4, subdir=True)
+    try:
+        db = env.open_db(b"blocks")
+        with env.begin(write=True) as txn:
+            txn.put(digest, value, db=db)
+    finally:
+        env.close()
+
+
+def _lmdb_get(path, digest):
+    env = lmdb.open(os.path.join(path, "index"), max_dbs=4, subdir=True, readonly=True)
+    try:
+        with env.begin(db=env.open_db(b"blocks", create=False)) as txn:
+            return bytes(txn.get(digest))
+    finally:
+        env.close()
+
+
+def test_damaged_index_value(filled):
+    path, keys, _ = filled
+    value = bytearray(_lmdb_get(path, keys[1].digest))
+    value[10] ^= 0x55
+    _lmdb_put(path, keys[1].digest, bytes(value))
+    report = fsck(path, progress=False)
+    assert report.damaged_records == 1 and report.problems == 1
+    t = open_tier(path)
+    try:
+        assert load_all(t, keys) == [i != 1 for i in range(N)]
+        assert t.stats()["corrupt_blocks"] == 1
+        assert t.used_bytes == (N - 1) * BLOCK
+    finally:
+        t.close()
+
+
+def test_index_value_pointing_at_another_block(filled):
+    """A well-formed record naming the wrong place: the header's key digest catches it."""
+    path, keys, where = filled
+    rec = Record.decode(keys[3].digest, _lmdb_get(path, keys[3].digest))
+    victim = keys[5]
+    # move block 5's record onto block 3's extent and drop block 3's record
+    _lmdb_put(path, victim.digest, Record(rec.file_no, rec.offset, BLOCK, rec.checksum,
+                                          victim.to_bytes()).encode())
+    env = lmdb.open(os.path.join(path, "index"), max_dbs=4, subdir=True)
+    db = env.open_db(b"blocks")   # before the write txn: py-lmdb's open_db needs its own
+    with env.begin(write=True) as txn:
+        txn.delete(keys[3].digest, db=db)
+    env.close()
+    report = fsck(path, progress=False)
+    assert report.corrupt == [victim.hex()]
+    t = open_tier(path)
+    try:
+        ok = load_all(t, keys)
+        assert ok[5] is False and ok[3] is False and sum(ok) == N - 2
+        assert t.stats()["corrupt_blocks"] == 1
+    finally:
+        t.close()
+
+
+def test_fsck_repair_then_clean(filled, capsys):
+    path, keys, where = filled
+    file_no, off = where[keys[6]]
+    flip(data_path(path, file_no), off + PAGE + 7)
+    value = bytearray(_lmdb_get(path, keys[0].digest))
+    value[-1] ^= 1
+    _lmdb_put(path, keys[0].digest, bytes(value))
+    assert cli_main(["fsck", "--no-progress", path]) == 4
+    out = capsys.readouterr().out
+    assert "1 corrupt" in out and "1 damaged index records" in out and keys[6].hex() in out
+    assert cli_main(["fsck", "--no-progress", "--repair", path]) == 1
+    capsys.readouterr()
+    assert cli_main(["fsck", "--no-progress", path]) == 0
+    t = open_tier(path)
+    try:
+        assert load_all(t, keys) == [i not in (0, 6) for i in range(N)]
+        assert t.stats()["corrupt_blocks"] == 0
+    finally:
+        t.close()
+
+
+def test_fsck_reports_orphans_and_refuses_a_live_directory(filled, capsys):
+    path, keys, _ = filled
+    t = open_tier(path)
+    try:
+        assert cli_main(["fsck", "--no-progress", path]) == 2   # locked by the live tier
+        assert "in use" in capsys.readouterr().err
+        t.delete(keys[:3])
+    finally:
+        t.close()
+    report = fsck(path, progress=False)
+    assert report.problems == 0 and report.orphans == 3 and report.orphan_bytes == 3 * BLOCK
+    fsck(path, repair=True, progress=False)
+    assert fsck(path, progress=False).orphans == 0
+
+
+def test_fsck_rejects_a_non_tier_directory(tmp_path, capsys):
+    assert cli_main(["fsck", str(tmp_path)]) == 2
+    assert "not an NVMe tier directory" in capsys.readouterr().err

@@ -1,0 +1,122 @@
+"""The wire format: round trips of every body, strict rejection of bad frames, and a
+fuzz test (Hypothesis) over the frame parser: arbitrary bytes either parse or raise
+ProtocolError, nothing else."""
+
+from __future__ import annotations
+
+import struct
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvstore.errors import ProtocolError
+from kvstore.server import _protocol as P
+from kvstore.testing import make_keys
+
+LIMITS = P.Limits(max_frame_bytes=1 << 20, max_batch=64)
+
+
+def _frame(op, body=b"", payload=b"", rid=1):
+    return P.pack_header(op, rid, len(body), len(payload)) + body + payload
+
+
+def test_round_trips():
+    keys = make_keys(5)
+    frames = (_frame(P.Op.LOOKUP, P.encode_lookup(keys, 2.5)) + _frame(P.Op.CONTAINS, P.encode_keys(keys))
+              + _frame(P.Op.PUT, P.encode_records(P.SIZED, keys[:2], [3, 4]), b"abcdefg")
+              + _frame(P.Op.SHM_PUT, P.encode_records(P.STAGED, keys[:2], [3, 4], [0, 4096]))
+              + _frame(P.Op.SHM_DONE, P.encode_u64(42)) + _frame(P.Op.HELLO, P.encode_json({"token": "t"})))
+    reqs, used = P.parse_requests(frames, LIMITS)
+    assert used == len(frames)
+    (h1, (lease, k1)), (_, k2), (h3, (k3, rec3)), (_, (k4, rec4)), (_, lid), (_, hello) = reqs
+    assert lease == 2.5 and k1 == keys and k2 == keys
+    assert [k.to_bytes() for k in k1] == [k.to_bytes() for k in keys]  # parent/namespace survive
+    assert k3 == keys[:2] and rec3["nbytes"].tolist() == [3, 4] and h3.payload_len == 7
+    assert rec4["offset"].tolist() == [0, 4096]
+    assert lid == 42 and hello == {"token": "t"}
+    assert P.decode_sizes(P.encode_sizes([5, P.MISS, P.SIZE_MISMATCH]), 3).tolist() == [5, -1, -2]
+    placed = np.zeros(2, P.PLACED)
+    placed["nbytes"] = [7, P.MISS]
+    lid, got = P.decode_placed(P.encode_placed(9, placed), 2)
+    assert lid == 9 and got["nbytes"].tolist() == [7, -1]
+
+
+def test_partial_frame_is_left_for_later():
+    frame = _frame(P.Op.CONTAINS, P.encode_keys(make_keys(2)))
+    for cut in (1, P.HEADER_BYTES, len(frame) - 1):
+        assert P.parse_requests(frame[:cut], LIMITS) == ([], 0)
+
+
+@pytest.mark.parametrize("data,words", [
+    (b"XX" + _frame(P.Op.PING)[2:], "magic"),
+    (_frame(P.Op.PING)[:2] + b"\x02" + _frame(P.Op.PING)[3:], "version"),
+    (_frame(P.Op.PING)[:3] + b"\xee" + _frame(P.Op.PING)[4:], "opcode"),
+    (struct.pack("<2sBBIIIQ", b"KV", 1, P.Op.PING, 1, 3, 0, 0), "status"),
+    (struct.pack("<2sBBIIIQ", b"KV", 1, P.Op.PUT, 1, 0, 16, 1 << 40), "max_frame_bytes"),
+    (struct.pack("<2sBBIIIQ", b"KV", 1, P.Op.CONTAINS, 1, 0, 1 << 30, 0), "body"),
+    (_frame(P.Op.CONTAINS, struct.pack("<I", 65) + bytes(65 * 96)), "max_batch"),
+    (_frame(P.Op.CONTAINS, struct.pack("<I", 2) + bytes(96)), "records"),
+    (_frame(P.Op.LOOKUP, struct.pack("<dI", float("nan"), 0)), "lease"),
+    (_frame(P.Op.LOOKUP, struct.pack("<dI", -1.0, 0)), "lease"),
+    (_frame(P.Op.PUT, P.encode_records(P.SIZED, make_keys(1), [4]), b"abc"), "announces"),
+    (_frame(P.Op.HELLO, b"\xff\xfe"), "JSON"),
+    (_frame(P.Op.HELLO, b"[1]"), "object"),
+    (_frame(P.Op.SHM_DONE, b"1234"), "8-byte"),
+    (_frame(P.Op.GET, P.encode_records(P.SIZED, make_keys(1) * 2, [1, 1])), "twice"),
+    (P.pack_header(P.Op.STATS, 1, 0, 5) + b"12345", "payload"),
+])
+def test_bad_frames_name_the_problem(data, words):
+    with pytest.raises(ProtocolError, match=words):
+        P.parse_requests(data, LIMITS)
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.binary(max_size=2048))
+def test_fuzz_arbitrary_bytes(data):
+    try:
+        reqs, used = P.parse_requests(data, LIMITS)
+    except ProtocolError:
+        return
+    assert 0 <= used <= len(data)
+
+
+_ops = st.sampled_from([int(op) for op in P.Op])
+
+
+@st.composite
+def _mutated_frames(draw):
+    """Valid-looking frames with fields drawn at random, then bytes flipped: reaches far
+    deeper into the body decoders than random bytes do."""
+    op = draw(_ops)
+    n = draw(st.integers(0, 4))
+    keys = make_keys(n, salt=str(draw(st.integers(0, 3))))
+    kind = draw(st.sampled_from(["keys", "lookup", "sized", "staged", "u64", "json", "raw"]))
+    body = {"keys": lambda: P.encode_keys(keys),
+            "lookup": lambda: P.encode_lookup(keys, draw(st.floats(allow_nan=True, allow_infinity=True))),
+            "sized": lambda: P.encode_records(P.SIZED, keys, draw(st.lists(st.integers(0, 64), min_size=n, max_size=n))),
+            "staged": lambda: P.encode_records(P.STAGED, keys, [8] * n, [0] * n),
+            "u64": lambda: P.encode_u64(draw(st.integers(0, 2**64 - 1))),
+            "json": lambda: P.encode_json({"k": draw(st.text(max_size=8))}),
+            "raw": lambda: draw(st.binary(max_size=64))}[kind]()
+    payload = draw(st.binary(max_size=256))
+    frame = bytearray(P.pack_header(op, 1, len(body), len(payload)) + body + payload)
+    for _ in range(draw(st.integers(0, 3))):
+        if frame:
+            frame[draw(st.integers(0, len(frame) - 1))] = draw(st.integers(0, 255))
+    return bytes(frame)
+
+
+@settings(max_examples=600, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(_mutated_frames(), min_size=1, max_size=3))
+def test_fuzz_mutated_frames(frames):
+    data = b"".join(frames)
+    try:
+        reqs, used = P.parse_requests(data, LIMITS)
+    except ProtocolError:
+        return
+    assert used <= len(data)
+    for header, _ in reqs:
+        assert header.op in P.Op._value2member_map_
+        assert header.body_len + header.payload_len <= LIMITS.max_frame_bytes

@@ -1,0 +1,229 @@
+"""Bad input over the wire: each bad connection gets an error and is closed, the server
+keeps serving others, and nothing stored changes. Plus auth and the admin port."""
+
+from __future__ import annotations
+
+import json
+import socket
+import struct
+import urllib.error
+import urllib.request
+
+import numpy as np
+import pytest
+
+from kvstore.client import Client
+from kvstore.errors import AuthError
+from kvstore.server import _protocol as P
+from kvstore.testing import make_keys, payload
+from tests._servers import ThreadServer, config_dict
+
+BLOCK = 64 * 1024
+TOKEN = "s3cret-token"
+
+
+@pytest.fixture(scope="module")
+def server():
+    s = ThreadServer(config_dict("32MiB", max_frame_bytes="8MiB", max_batch=64, max_inflight_bytes="4MiB"))
+    with Client(s.address, transport="tcp") as c:
+        keys = make_keys(4, salt="base")
+        assert all(c.save(keys, [payload(i, BLOCK) for i in range(4)]).result(10))
+    yield s
+    s.stop()
+
+
+def _raw(server, hello: bool = True) -> socket.socket:
+    sock = socket.create_connection(("127.0.0.1", server.server.port), timeout=5)
+    if hello:
+        body = P.encode_json({"client": "test"})
+        sock.sendall(P.pack_header(P.Op.HELLO, 1, len(body)) + body)
+        head = _recv(sock, P.HEADER_BYTES)
+        hdr = P.parse_header(head, P.Limits(1 << 40, 1 << 30), reply=True)
+        _recv(sock, hdr.body_len)
+    return sock
+
+
+def _recv(sock: socket.socket, n: int) -> bytes:
+    out = b""
+    while len(out) < n:
+        try:
+            chunk = sock.recv(n - len(out))
+        except ConnectionResetError:  # closed with our unread bytes still queued: a reset
+            break
+        if not chunk:
+            break
+        out += chunk
+    return out
+
+
+def _expect_error_and_close(sock: socket.socket, status: int | None = None) -> str:
+    """The server answers with an error frame and then closes the connection."""
+    head = _recv(sock, P.HEADER_BYTES)
+    assert len(head) == P.HEADER_BYTES, "no error reply before close"
+    hdr = P.parse_header(head, P.Limits(1 << 40, 1 << 30), reply=True)
+    assert hdr.status != 0
+    if status is not None:
+        assert hdr.status == status
+    message = _recv(sock, hdr.body_len).decode()
+    assert _recv(sock, 1) == b"", "connection left open after a fatal error"
+    sock.close()
+    return message
+
+
+def _assert_unchanged_and_serving(server) -> None:
+    base = make_keys(4, salt="base")
+    with Client(server.address, transport="tcp") as c:
+        dsts = [np.zeros(BLOCK, np.uint8) for _ in base]
+        assert c.load(base, dsts).result(10) == [True] * 4
+        for i, d in enumerate(dsts):
+            assert np.array_equal(d, payload(i, BLOCK))
+    assert server.store.stats()["blocks"] == 4
+
+
+def _frame(op: int, body: bytes = b"", payload_len: int = 0, version: int = P.VERSION,
+           magic: bytes = P.MAGIC) -> bytes:
+    return struct.pack("<2sBBIIIQ", magic, version, op, 7, 0, len(body), payload_len) + body
+
+
+@pytest.mark.parametrize("name,data,status", [
+    ("wrong version", _frame(P.Op.PING, version=9), P.Status.PROTOCOL),
+    ("garbage", b"GET / HTTP/1.1\r\nHost: x\r\n\r\n", P.Status.PROTOCOL),
+    ("unknown opcode", _frame(200), P.Status.PROTOCOL),
+    ("oversize body", _frame(P.Op.CONTAINS, b"", 0)[:12] + struct.pack("<IQ", 1 << 31, 0), P.Status.PROTOCOL),
+    ("oversize payload", _frame(P.Op.PUT, b"", 1 << 40), P.Status.PROTOCOL),
+    ("bad batch count", _frame(P.Op.CONTAINS, struct.pack("<I", 1000) + b"x" * 96), P.Status.PROTOCOL),
+    ("ragged body", _frame(P.Op.DELETE, struct.pack("<I", 1) + b"x" * 95), P.Status.PROTOCOL),
+    ("payload on GET", _frame(P.Op.PING, b"", 8), P.Status.PROTOCOL),
+])
+def test_bad_frames_close_only_that_connection(server, name, data, status):
+    sock = _raw(server)
+    sock.sendall(data)
+    _expect_error_and_close(sock, status)
+    _assert_unchanged_and_serving(server)
+
+
+def test_put_announcing_wrong_payload_length(server):
+    key = make_keys(1, salt="liar")
+    body = P.encode_records(P.SIZED, key, [BLOCK])
+    sock = _raw(server)
+    sock.sendall(_frame(P.Op.PUT, body, BLOCK + 1))
+    _expect_error_and_close(sock, P.Status.PROTOCOL)
+    _assert_unchanged_and_serving(server)
+
+
+def test_put_over_inflight_limit_refused_before_payload(server):
+    keys = make_keys(2, salt="big")
+    body = P.encode_records(P.SIZED, keys, [3 << 20, 3 << 20])  # 6 MiB > max_inflight_bytes 4 MiB
+    sock = _raw(server)
+    sock.sendall(_frame(P.Op.PUT, body, 6 << 20))
+    assert "max_inflight_bytes" in _expect_error_and_close(sock, P.Status.TOO_LARGE)
+    with Client(server.address, transport="tcp") as c:
+        assert c.contains(keys) == [False, False]
+    _assert_unchanged_and_serving(server)
+
+
+def test_truncated_header_then_disconnect(server):
+    sock = _raw(server)
+    sock.sendall(_frame(P.Op.PING)[:10])
+    sock.close()
+    _assert_unchanged_and_serving(server)
+
+
+def test_disconnect_mid_payload_stores_nothing(server):
+    keys = make_keys(3, salt="cut")
+    body = P.encode_records(P.SIZED, keys, [BLOCK] * 3)
+    sock = _raw(server)
+    sock.sendall(_frame(P.Op.PUT, body, 3 * BLOCK) + payload(0, BLOCK).tobytes() + b"x" * 100)
+    sock.close()
+    _assert_unchanged_and_serving(server)
+    with Client(server.address, transport="tcp") as c:
+        assert c.contains(keys) == [False] * 3
+
+
+def test_frame_before_hello_is_refused(server):
+    sock = _raw(server, hello=False)
+    key = make_keys(1, salt="early")
+    sock.sendall(_frame(P.Op.PUT, P.encode_records(P.SIZED, key, [BLOCK]), BLOCK))
+    _expect_error_and_close(sock, P.Status.AUTH)
+    _assert_unchanged_and_serving(server)
+
+
+def test_many_bad_clients_do_not_disturb_a_good_one(server):
+    with Client(server.address, transport="tcp") as good:
+        keys = make_keys(8, salt="good")
+        srcs = [payload(100 + i, BLOCK) for i in range(8)]
+        assert all(good.save(keys, srcs).result(10))
+        for i in range(20):
+            sock = _raw(server)
+            sock.sendall(np.random.default_rng(i).integers(0, 256, 64, dtype=np.uint8).tobytes())
+            sock.close()
+            dsts = [np.zeros(BLOCK, np.uint8) for _ in keys]
+            assert good.load(keys, dsts).result(10) == [True] * 8
+            assert all(np.array_equal(a, b) for a, b in zip(srcs, dsts))
+
+
+# -- auth -------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def secured():
+    s = ThreadServer(config_dict("16MiB", token=TOKEN))
+    yield s
+    s.stop()
+
+
+@pytest.mark.parametrize("token", [None, "wrong", TOKEN + "x", ""])
+def test_wrong_or_missing_token_is_refused(secured, token):
+    with pytest.raises(AuthError):
+        Client(secured.address, token=token)
+    assert secured.store.stats()["blocks"] == 0
+
+
+def test_right_token_works(secured):
+    for transport in ("tcp", "shm"):
+        with Client(secured.address, token=TOKEN, transport=transport) as c:
+            key = make_keys(1, salt=transport)
+            assert c.save(key, [payload(1, BLOCK)]).result(10) == [True]
+            dst = np.zeros(BLOCK, np.uint8)
+            assert c.load(key, [dst]).result(10) == [True]
+            assert np.array_equal(dst, payload(1, BLOCK))
+
+
+# -- admin port -------------------------------------------------------------------------------
+
+def _http(port: int, path: str, method: str = "GET", token: str | None = None) -> tuple[int, bytes]:
+    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", method=method)
+    if token:
+        req.add_header("Authorization", f"Bearer {token}")
+    try:
+        with urllib.request.urlopen(req, timeout=5) as resp:
+            return resp.status, resp.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read()
+
+
+def test_admin_endpoints(server):
+    port = server.server.admin_port
+    assert _http(port, "/healthz") == (200, b"ok\n")
+    status, text = _http(port, "/metrics")
+    assert status == 200
+    metrics = text.decode()
+    for name in ("kvstore_tier_hits_total", "kvstore_tier_misses_total", "kvstore_tier_evictions_total",
+                 "kvstore_tier_corruptions_total", "kvstore_request_seconds_bucket", "kvstore_tier_used_bytes"):
+        assert name in metrics
+    status, body = _http(port, "/stats")
+    assert status == 200 and json.loads(body)["blocks"] == server.store.stats()["blocks"]
+    assert _http(port, "/nope")[0] == 404
+    assert _http(port, "/clear")[0] == 405
+
+
+def test_admin_clear_needs_token(secured):
+    port = secured.server.admin_port
+    with Client(secured.address, token=TOKEN) as c:
+        c.save(make_keys(2, salt="clear"), [payload(0, 4096), payload(1, 4096)]).result(10)
+    assert _http(port, "/clear", "POST")[0] == 401
+    assert _http(port, "/stats")[0] == 401
+    assert secured.store.stats()["blocks"] >= 2
+    status, body = _http(port, "/clear", "POST", token=TOKEN)
+    assert status == 200 and json.loads(body)["removed"] >= 2
+    assert secured.store.stats()["blocks"] == 0
+    assert _http(port, "/healthz")[0] == 200

@@ -1,0 +1,134 @@
+"""GPUDirect Storage through kvikio: reads and writes of *device* buffers at a file offset.
+
+The NVMe tier calls this for CUDA tensors so blocks move between the drive and HBM
+without a bounce through host memory (cuFile/GDS where the platform supports it;
+kvikio's own POSIX compatibility mode otherwise, which still avoids our staging).
+Host buffers never come here: without a CUDA driver kvikio cannot do I/O at all,
+so the NVMe tier keeps its own POSIX / O_DIRECT path for them.
+
+Nothing here imports kvikio at module import time; :func:`kvikio_available` answers
+``(False, reason)`` with an actionable reason when kvikio, CUDA or the driver is absent.
+
+Thread-safety: a :class:`KvikioFile` may be used from several threads at once (kvikio
+handles are; offsets are explicit). Callers own the buffers and must keep them alive
+until the call returns (every call here waits for its I/O).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Any
+
+from kvstore.errors import InvalidArgumentError, TierIOError, TierUnavailableError
+
+
+@functools.lru_cache(maxsize=1)
+def kvikio_available() -> tuple[bool, str]:
+    """``(True, description)`` when kvikio can move device buffers here, else
+    ``(False, reason)``. Cached: the answer does not change within a process."""
+    try:
+        import kvikio
+    except ImportError:
+        return False, ("kvikio is not installed (pip install kvikio-cu12, or the slim set: "
+                       "pip install --no-deps kvikio-cu12 libkvikio-cu12 rapids-logger "
+                       "cuda-pathfinder nvidia-cufile-cu12)")
+    except Exception as exc:  # a broken install (missing libcufile, ABI) must not crash callers
+        return False, f"kvikio failed to import: {type(exc).__name__}: {exc}"
+    try:
+        import torch
+
+        if not torch.cuda.is_available():
+            return False, "kvikio is installed but there is no CUDA device (GPUDirect Storage needs a GPU)"
+    except Exception as exc:
+        return False, f"cannot query CUDA through torch: {exc}"
+    return True, f"kvikio {getattr(kvikio, '__version__', '?')} ({gds_mode()})"
+
+
+def gds_mode() -> str:
+    """``"gds"`` when cuFile does the I/O, ``"compat"`` when kvikio falls back to POSIX."""
+    try:
+        import kvikio.defaults as d
+
+        if hasattr(d, "get"):
+            compat = d.get("compat_mode")
+        else:
+            compat = d.compat_mode()
+        return "compat" if str(compat).upper().endswith(("ON", "TRUE", "1")) or compat is True else "gds"
+    except Exception:
+        return "unknown"
+
+
+def _device_ptr_check(buf: Any) -> None:
+    if not hasattr(buf, "__cuda_array_interface__"):
+        where = getattr(buf, "device", "host memory")
+        raise InvalidArgumentError(
+            f"kvikio I/O takes CUDA buffers only, got {type(buf).__name__} on {where}; "
+            "host buffers use the NVMe tier's POSIX path")
+
+
+class KvikioFile:
+    """One file opened for GPUDirect I/O of device buffers at explicit offsets.
+
+    ``flags``: ``"r"``, ``"r+"`` (read/write an existing file) or ``"w"``. Raises
+    :class:`TierUnavailableError` when kvikio cannot be used (see
+    :func:`kvikio_available`), :class:`TierIOError` on I/O failure or short transfer.
+    """
+
+    def __init__(self, path: str | os.PathLike, flags: str = "r+") -> None:
+        ok, reason = kvikio_available()
+        if not ok:
+            raise TierUnavailableError(reason)
+        import kvikio
+
+        self.path = os.fspath(path)
+        try:
+            self._f = kvikio.CuFile(self.path, flags)
+        except Exception as exc:
+            raise TierIOError(f"kvikio cannot open {self.path!r} ({flags}): {exc}") from exc
+
+    def read_into(self, dst: Any, offset: int) -> int:
+        """Fill all of the device buffer ``dst`` from ``offset``; returns bytes read."""
+        _device_ptr_check(dst)
+        n = _nbytes(dst)
+        try:
+            got = self._f.pread(dst, n, offset).get()
+        except Exception as exc:
+            raise TierIOError(f"kvikio read of {n} bytes at {offset} in {self.path!r} failed: {exc}") from exc
+        if got != n:
+            raise TierIOError(f"short kvikio read in {self.path!r}: {got} of {n} bytes at {offset}")
+        return got
+
+    def write_from(self, src: Any, offset: int) -> int:
+        """Write all of the device buffer ``src`` at ``offset``; returns bytes written."""
+        _device_ptr_check(src)
+        n = _nbytes(src)
+        try:
+            got = self._f.pwrite(src, n, offset).get()
+        except Exception as exc:
+            raise TierIOError(f"kvikio write of {n} bytes at {offset} in {self.path!r} failed: {exc}") from exc
+        if got != n:
+            raise TierIOError(f"short kvikio write in {self.path!r}: {got} of {n} bytes at {offset}")
+        return got
+
+    def close(self) -> None:
+        f, self._f = getattr(self, "_f", None), None
+        if f is not None:
+            f.close()
+
+    def __enter__(self) -> "KvikioFile":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _nbytes(buf: Any) -> int:
+    if hasattr(buf, "element_size"):
+        if not buf.is_contiguous():
+            raise InvalidArgumentError("kvikio buffers must be contiguous")
+        return buf.numel() * buf.element_size()
+    return int(buf.nbytes)
+
+
+__all__ = ["KvikioFile", "gds_mode", "kvikio_available"]

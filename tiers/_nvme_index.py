@@ -1,0 +1,170 @@
+"""The NVMe tier's LMDB index: the source of truth for what one directory holds.
+
+Three named databases in ``<dir>/index``:
+
+- ``blocks``: key digest (32 B) -> immutable record (file number, offset, payload
+  length, payload checksum, the 96-byte ``BlockKey.to_bytes()`` with parent and
+  namespace), followed by an XXH3-64 of the record so a damaged value is detected.
+- ``access``: key digest -> last access time (float64 seconds since the epoch). Kept
+  apart so a hit rewrites 8 bytes, never the record; the tier batches these updates.
+- ``meta``: format version and the size of every data file (``file:<n>``), so a data
+  file truncated behind our back is noticed and restored to its size.
+
+LMDB serialises writers itself; readers never block. Thread-safe.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from typing import Iterable, Iterator, NamedTuple
+
+import lmdb
+import xxhash
+
+from kvstore.errors import TierIOError
+from kvstore.keys import KEY_WIRE_BYTES
+
+FORMAT_VERSION = 1
+_REC = struct.Struct(f"<BxxxIQQQ{KEY_WIRE_BYTES}s")
+_SUM = struct.Struct("<Q")
+_TIME = struct.Struct("<d")
+_U64 = struct.Struct("<Q")
+RECORD_BYTES = _REC.size + _SUM.size
+
+
+class Record(NamedTuple):
+    """Where one block lives. ``key_bytes`` is ``BlockKey.to_bytes()``. A tuple, so a
+    million of them decode quickly at start-up."""
+
+    file_no: int
+    offset: int
+    length: int
+    checksum: int
+    key_bytes: bytes
+
+    def encode(self) -> bytes:
+        body = _REC.pack(FORMAT_VERSION, self.file_no, self.offset, self.length, self.checksum, self.key_bytes)
+        return body + _SUM.pack(xxhash.xxh3_64_intdigest(body))
+
+    @classmethod
+    def decode(cls, digest: bytes, value: bytes) -> "Record | None":
+        """The record, or ``None`` when the value is damaged or names another key."""
+        if len(value) != RECORD_BYTES:
+            return None
+        body = value[:_REC.size]
+        if _SUM.unpack_from(value, _REC.size)[0] != xxhash.xxh3_64_intdigest(body):
+            return None
+        version, file_no, offset, length, csum, key_bytes = _REC.unpack(body)
+        if version != FORMAT_VERSION or key_bytes[:32] != digest:
+            return None
+        return tuple.__new__(cls, (file_no, offset, length, csum, key_bytes))
+
+
+class BlockIndex:
+    """One directory's index. ``sync``: fsync each commit (durable across power loss);
+    without it a commit survives a process crash but not a machine crash."""
+
+    def __init__(self, directory: str, *, map_size: int = 1 << 36, sync: bool = True,
+                 readonly: bool = False) -> None:
+        path = os.path.join(directory, "index")
+        try:
+            self.env = lmdb.open(path, map_size=map_size, max_dbs=4, subdir=True, sync=sync,
+                                 metasync=False, readahead=False, lock=True, readonly=readonly,
+                                 create=not readonly)
+            self._blocks = self.env.open_db(b"blocks", create=not readonly)
+            self._access = self.env.open_db(b"access", create=not readonly)
+            self._meta = self.env.open_db(b"meta", create=not readonly)
+        except lmdb.Error as exc:
+            raise TierIOError(f"cannot open index {path}: {exc}") from exc
+        self.path = path
+        if not readonly:
+            self._check_version()
+
+    def _check_version(self) -> None:
+        with self.env.begin(write=True) as txn:
+            raw = txn.get(b"version", db=self._meta)
+            if raw is None:
+                txn.put(b"version", _U64.pack(FORMAT_VERSION), db=self._meta)
+            elif _U64.unpack(raw)[0] != FORMAT_VERSION:
+                raise TierIOError(f"index {self.path} has format {_U64.unpack(raw)[0]}, "
+                                  f"this build reads {FORMAT_VERSION}")
+
+    # -- reads ----------------------------------------------------------------------------
+
+    def scan(self) -> Iterator[tuple[bytes, Record | None, float]]:
+        """Every indexed block: ``(digest, record or None if damaged, last_access)``.
+        One read transaction, so a consistent snapshot."""
+        with self.env.begin() as txn:
+            # both databases are sorted by digest: walk them side by side (a merge join)
+            access = iter(txn.cursor(db=self._access))
+            adigest, araw = next(access, (None, None))
+            for digest, value in txn.cursor(db=self._blocks):
+                while adigest is not None and adigest < digest:
+                    adigest, araw = next(access, (None, None))
+                last = _TIME.unpack(araw)[0] if adigest == digest and len(araw) == _TIME.size else 0.0
+                yield digest, Record.decode(digest, value), last
+
+    def stray_access(self) -> list[bytes]:
+        """Access entries with no block record (left by a crash between two writes)."""
+        with self.env.begin() as txn:
+            blocks = txn.cursor(db=self._blocks)
+            return [d for d, _ in txn.cursor(db=self._access) if not blocks.set_key(d)]
+
+    def file_sizes(self) -> dict[int, int]:
+        with self.env.begin() as txn:
+            out = {}
+            for k, v in txn.cursor(db=self._meta):
+                if k.startswith(b"file:"):
+                    out[int(k[5:])] = _U64.unpack(v)[0]
+            return out
+
+    def __len__(self) -> int:
+        with self.env.begin() as txn:
+            return txn.stat(self._blocks)["entries"]
+
+    # -- writes ---------------------------------------------------------------------------
+
+    def put(self, items: Iterable[tuple[bytes, Record, float]]) -> None:
+        """Commit records with their access times in one transaction."""
+        self._write(puts=items)
+
+    def delete(self, digests: Iterable[bytes]) -> None:
+        self._write(deletes=digests)
+
+    def touch(self, times: dict[bytes, float]) -> None:
+        """Record last-access times (only for digests still indexed)."""
+        self._write(touches=times)
+
+    def set_file_size(self, file_no: int, nbytes: int) -> None:
+        try:
+            with self.env.begin(write=True) as txn:
+                txn.put(b"file:%d" % file_no, _U64.pack(nbytes), db=self._meta)
+        except lmdb.Error as exc:
+            raise TierIOError(f"index {self.path}: {exc}") from exc
+
+    def _write(self, *, puts=(), deletes=(), touches=None) -> None:
+        try:
+            with self.env.begin(write=True) as txn:
+                for digest, rec, last in puts:
+                    txn.put(digest, rec.encode(), db=self._blocks)
+                    txn.put(digest, _TIME.pack(last), db=self._access)
+                for digest in deletes:
+                    txn.delete(digest, db=self._blocks)
+                    txn.delete(digest, db=self._access)
+                if touches:
+                    blocks = txn.cursor(db=self._blocks)
+                    for digest, last in touches.items():
+                        if blocks.set_key(digest):
+                            txn.put(digest, _TIME.pack(last), db=self._access)
+        except lmdb.Error as exc:
+            raise TierIOError(f"index {self.path}: {exc}") from exc
+
+    def sync(self) -> None:
+        try:
+            self.env.sync(True)
+        except lmdb.Error as exc:
+            raise TierIOError(f"index {self.path}: {exc}") from exc
+
+    def close(self) -> None:
+        self.env.close()

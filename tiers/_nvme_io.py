@@ -1,0 +1,181 @@
+"""Block I/O on one data file: a header page then the payload, by ``pwritev``/``preadv``.
+
+An extent on disk is ``PAGE`` bytes of header page (the 64-byte block header from
+:mod:`kvstore.block`, zero padded) followed by the payload rounded up to ``PAGE``. The
+header gets its own page so an aligned caller buffer is written and read in place with
+``O_DIRECT`` (one vectored call, no bounce copy); only an unaligned caller buffer or a
+payload whose length is not a page multiple touches the per-thread scratch pages.
+
+Scratch buffers are per thread (``threading.local``), allocated once and reused; the
+functions here are thread-safe as long as callers give each thread its own fd use
+pattern (``pread``/``pwrite`` carry their own offsets, so sharing an fd is fine).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import threading
+
+import numpy as np
+
+from kvstore.block import HEADER_BYTES, encode_header, parse_header, verify_payload
+from kvstore.errors import CorruptBlockError, TierIOError
+
+PAGE = 4096
+
+
+def extent_bytes(nbytes: int) -> int:
+    """On-disk size of a block with ``nbytes`` of payload: header page + rounded payload."""
+    return PAGE + -(-nbytes // PAGE) * PAGE
+
+
+def aligned_empty(nbytes: int, align: int = PAGE) -> np.ndarray:
+    """A ``uint8`` array whose first byte sits on an ``align`` boundary (zeroed pages)."""
+    raw = np.zeros(nbytes + align, dtype=np.uint8)
+    start = (-raw.ctypes.data) % align
+    return raw[start:start + nbytes]
+
+
+def is_aligned(arr: np.ndarray) -> bool:
+    return arr.ctypes.data % PAGE == 0
+
+
+class _Scratch(threading.local):
+    def __init__(self) -> None:
+        self.header = aligned_empty(PAGE)
+        self.tail = aligned_empty(PAGE)
+        self.bounce = aligned_empty(0)
+
+    def bounce_of(self, nbytes: int) -> np.ndarray:
+        if self.bounce.nbytes < nbytes:
+            self.bounce = aligned_empty(max(nbytes, 1 << 20))
+        return self.bounce[:nbytes]
+
+
+_scratch = _Scratch()
+
+
+def io_error(message: str, exc: OSError) -> TierIOError:
+    """A :class:`TierIOError` that keeps the OS error number (ENOSPC vs EIO matters)."""
+    err = TierIOError(f"{message}: {exc.strerror or exc}")
+    err.errno = exc.errno
+    return err
+
+
+def write_block(fd: int, offset: int, digest: bytes, payload: np.ndarray) -> int:
+    """Write header page + payload at ``offset``; returns the payload's checksum.
+
+    ``payload`` is a flat ``uint8`` host view owned by the caller, read only during the
+    call. Raises :class:`TierIOError` (``errno`` kept) on a failed or short write.
+    """
+    s = _scratch
+    n = payload.nbytes
+    full = n - n % PAGE
+    header = s.header
+    header[:] = 0
+    csum = encode_header(digest, payload, header)
+    if is_aligned(payload):
+        iov = [header, payload[:full]] if full else [header]
+        if n > full:
+            tail = s.tail
+            tail[:n - full] = payload[full:]
+            tail[n - full:] = 0
+            iov.append(tail)
+    else:
+        bounce = s.bounce_of(extent_bytes(n) - PAGE)
+        bounce[:n] = payload
+        bounce[n:] = 0
+        iov = [header, bounce]
+    total = sum(v.nbytes for v in iov)
+    try:
+        done = os.pwritev(fd, iov, offset)
+    except OSError as exc:
+        raise io_error(f"write of {n} bytes at offset {offset} failed", exc) from exc
+    if done != total:
+        raise TierIOError(f"short write: {done} of {total} bytes at offset {offset}")
+    return csum
+
+
+def read_block(fd: int, offset: int, digest: bytes, length: int, csum: int, dst: np.ndarray) -> None:
+    """Read the block at ``offset`` into ``dst`` (a writable flat ``uint8`` host view of
+    ``length`` bytes, owned by the caller) and verify it before returning.
+
+    The header must name ``digest`` and agree with the indexed ``length``/``csum``; the
+    payload is hashed where it landed (``dst``). Raises :class:`CorruptBlockError` on
+    any mismatch or short read (``dst`` then holds unspecified bytes) and
+    :class:`TierIOError` when the medium fails.
+    """
+    s = _scratch
+    full = length - length % PAGE
+    header = s.header
+    if is_aligned(dst):
+        iov = [header, dst[:full]] if full else [header]
+        if length > full:
+            iov.append(s.tail)
+        target = None
+    else:
+        target = s.bounce_of(extent_bytes(length) - PAGE)
+        iov = [header, target]
+    total = sum(v.nbytes for v in iov)
+    try:
+        got = os.preadv(fd, iov, offset)
+    except OSError as exc:
+        raise io_error(f"read of {length} bytes at offset {offset} failed", exc) from exc
+    if got != total:
+        raise CorruptBlockError(f"short read: {got} of {total} bytes at offset {offset} (file truncated?)")
+    hlen, hsum = parse_header(header[:HEADER_BYTES], digest=digest)
+    if hlen != length or hsum != csum:
+        raise CorruptBlockError(f"block header (length {hlen}) disagrees with the index (length {length})")
+    if target is not None:
+        dst[:] = target[:length]
+    elif length > full:
+        dst[full:] = s.tail[:length - full]
+    verify_payload(dst, length, csum)
+
+
+def read_header(fd: int, offset: int) -> bytes | None:
+    """The raw header page at ``offset`` (``None`` past end of file); for fsck scans."""
+    page = _scratch.header
+    try:
+        got = os.preadv(fd, [page], offset)
+    except OSError as exc:
+        raise io_error(f"read at offset {offset} failed", exc) from exc
+    return bytes(page[:HEADER_BYTES]) if got == PAGE else None
+
+
+def open_data_file(path: str, *, direct: bool, create: bool) -> tuple[int, bool]:
+    """Open a data file read-write, with ``O_DIRECT`` when asked and allowed.
+
+    Returns ``(fd, direct)``; ``direct`` is False when the file system refused
+    ``O_DIRECT`` (tmpfs, some overlay mounts), which the caller reports.
+    """
+    flags = os.O_RDWR | (os.O_CREAT if create else 0) | getattr(os, "O_CLOEXEC", 0)
+    if direct and hasattr(os, "O_DIRECT"):
+        try:
+            return os.open(path, flags | os.O_DIRECT, 0o600), True
+        except OSError as exc:
+            if exc.errno not in (errno.EINVAL, errno.EOPNOTSUPP):
+                raise
+    return os.open(path, flags, 0o600), False
+
+
+def probe_direct(fd: int) -> bool:
+    """Whether aligned ``O_DIRECT`` I/O works on ``fd`` (some file systems accept the
+    flag at open and fail every transfer with EINVAL)."""
+    page = aligned_empty(PAGE)
+    try:
+        os.preadv(fd, [page], 0)
+        return True
+    except OSError as exc:
+        if exc.errno == errno.EINVAL:
+            return False
+        raise
+
+
+def verify_header_page(page: bytes, digest: bytes | None = None) -> tuple[int, int] | None:
+    """``(length, checksum)`` when ``page`` holds a valid block header, else ``None``."""
+    try:
+        return parse_header(page[:HEADER_BYTES], digest=digest)
+    except CorruptBlockError:
+        return None

@@ -1,0 +1,433 @@
+"""Local NVMe tier: preallocated data files, an LMDB index, direct I/O, verified reads.
+
+Each configured directory (one per drive) is a self-contained shard: a few large data
+files carved into page-aligned extents, an LMDB index that is the source of truth after
+a restart, and an exclusive lock. Writes stripe over shards by free space.
+
+Write protocol: reserve an extent in memory, write header page + payload (``O_DIRECT``,
+in parallel on the tier's I/O pool), then commit the whole batch's records in one LMDB
+transaction. A crash before the commit leaves only unindexed bytes, whose extents are
+free again on restart (orphans are reclaimed by construction); a crash after it leaves
+complete, checksummed blocks. Reads verify header and checksum in the caller's buffer;
+a mismatch is a miss, the copy is removed and ``corrupt_blocks`` rises.
+
+Last-access times live in memory and are flushed to the index in one transaction every
+``access_flush_s`` (and on close), so a hit never waits for an index write.
+
+Thread-safe. Buffer ownership: ``write`` reads caller buffers only during the call;
+``read_into`` writes into caller buffers only during the call.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable, Iterator, Sequence
+
+from kvstore.buffers import host_view, is_device, nbytes_of
+from kvstore.errors import (BufferSizeError, CorruptBlockError, InvalidArgumentError, StoreClosedError,
+                            TierError, TierFullError)
+from kvstore.keys import BlockKey
+from tiers._nvme_files import Shard, data_file_name
+from tiers._nvme_gpu import DeviceIO
+from tiers._nvme_index import Record
+from tiers._nvme_io import PAGE, read_block, write_block
+from tiers.base import RecoveredBlock, Tier, TierCapabilities
+
+log = logging.getLogger(__name__)
+
+
+class _Entry:
+    __slots__ = ("shard", "file_no", "offset", "length", "checksum", "last", "readers", "dead")
+
+    def __init__(self, shard: "Shard", file_no: int, offset: int, length: int, checksum: int,
+                 last: float) -> None:
+        self.shard, self.file_no, self.offset, self.length = shard, file_no, offset, length
+        self.checksum, self.last, self.readers, self.dead = checksum, last, 0, False
+
+
+class NvmeTier(Tier):
+    """Blocks in data files under ``paths`` (one directory per drive), ``capacity_bytes``
+    of payload in all, split evenly over the directories.
+
+    ``direct_io``: use ``O_DIRECT`` where the file system allows (else buffered, logged).
+    ``file_bytes``: size of each data file, created on demand. ``io_threads``: requests
+    in flight per batch. ``index_sync``: fsync each index commit (durable across power
+    loss; a process crash is survived either way). ``access_flush_s``: how often
+    last-access times reach the index.
+    """
+
+    def __init__(self, paths: str | Sequence[str], capacity_bytes: int, *, name: str = "nvme",
+                 direct_io: bool = True, file_bytes: int = 1 << 30, io_threads: int = 8,
+                 index_sync: bool = True, access_flush_s: float = 5.0) -> None:
+        paths = [paths] if isinstance(paths, (str, os.PathLike)) else list(paths)
+        if not paths:
+            raise InvalidArgumentError("NVMe tier needs at least one directory")
+        if capacity_bytes <= 0:
+            raise InvalidArgumentError(f"NVMe tier capacity must be positive, got {capacity_bytes}")
+        if len({os.path.realpath(p) for p in paths}) != len(paths):
+            raise InvalidArgumentError(f"NVMe tier directories must be distinct: {paths}")
+        self.name = name
+        self._capacity = int(capacity_bytes)
+        self._lock = threading.Lock()       # entries, accounting, allocators
+        self._commit = threading.Lock()     # orders index commits against the entries map
+        self._entries: dict[BlockKey, _Entry] = {}
+        self._pending: set[BlockKey] = set()
+        self._touched: dict[BlockKey, _Entry] = {}
+        self._used = 0
+        self._clock_last = 0.0
+        self._flush_s = access_flush_s
+        self._last_flush = time.monotonic()
+        self.counters = dict.fromkeys(("corrupt_blocks", "io_errors", "enospc", "recovered_blocks",
+                                       "dropped_at_open"), 0)
+        self._shards: list[Shard] = []
+        per, extra = divmod(self._capacity, len(paths))
+        try:
+            for i, path in enumerate(paths):
+                self._shards.append(Shard(i, os.fspath(path), per + (extra if i == 0 else 0),
+                                           direct=direct_io, file_bytes=file_bytes, sync=index_sync))
+            for shard in self._shards:
+                self._open_shard(shard)
+        except BaseException:
+            for shard in self._shards:
+                shard.close()
+            raise
+        direct = [s.direct for s in self._shards]
+        self.io_mode = "direct" if all(direct) else "buffered" if not any(direct) else "mixed"
+        if direct_io and not all(direct):
+            log.warning("NVMe tier %s: O_DIRECT refused in %s; using buffered I/O there", name,
+                        ", ".join(s.path for s in self._shards if not s.direct))
+        self._device = DeviceIO()
+        self._io_threads = io_threads
+        self._pool = ThreadPoolExecutor(io_threads, thread_name_prefix=f"kvstore-{name}")
+        self._closed = False
+        self.capabilities = TierCapabilities(device="disk", persistent=True, alignment=PAGE,
+                                             max_concurrency=io_threads)
+
+    # -- start-up -------------------------------------------------------------------------
+
+    def _open_shard(self, shard: Shard) -> None:
+        """Rebuild accounting and allocators from the index; drop what cannot be trusted."""
+        for warning in shard.data.open_existing(shard.index.file_sizes()):
+            log.warning("NVMe tier %s: %s", self.name, warning)
+        rows = sorted(shard.index.scan(), key=lambda r: (r[1].file_no, r[1].offset) if r[1] else (-1, 0))
+        bad = [digest for digest, rec, _ in rows if rec is None]
+        by_file: dict[int, list] = {}
+        for row in rows:
+            if row[1] is not None:
+                by_file.setdefault(row[1].file_no, []).append(row)
+        kept: list[tuple[BlockKey, _Entry]] = []
+        for file_no, file_rows in by_file.items():
+            ok = shard.data.adopt(file_no, [(rec.offset, rec.length) for _, rec, _ in file_rows])
+            for (digest, rec, last), good in zip(file_rows, ok):
+                if not good:
+                    bad.append(digest)
+                    continue
+                key = BlockKey.from_bytes(rec.key_bytes)   # the record checksum vouches for it
+                kept.append((key, _Entry(shard, rec.file_no, rec.offset, rec.length, rec.checksum, last)))
+        if bad:
+            log.warning("NVMe tier %s: dropped %d damaged or lost index entries in %s", self.name,
+                        len(bad), shard.path)
+            self.counters["corrupt_blocks"] += len(bad)
+        used = sum(e.length for _, e in kept)
+        if used > shard.capacity:
+            kept.sort(key=lambda ke: ke[1].last)
+        first = 0
+        while first < len(kept) and used > shard.capacity:  # capacity lowered: oldest go
+            key, e = kept[first]
+            first += 1
+            used -= e.length
+            shard.data.free(e.file_no, e.offset, e.length)
+            bad.append(key.digest)
+        self.counters["dropped_at_open"] += first
+        kept = kept[first:]
+        shard.index.delete(bad + shard.index.stray_access())
+        for key, e in kept:
+            self._entries[key] = e
+            self._clock_last = max(self._clock_last, e.last)
+        shard.used = used
+        self._used += used
+        self.counters["recovered_blocks"] += len(kept)
+
+    # -- the Tier contract ----------------------------------------------------------------
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self._capacity
+
+    @property
+    def used_bytes(self) -> int:
+        return self._used
+
+    def nbytes(self, key: BlockKey) -> int | None:
+        e = self._entries.get(key)
+        return e.length if e else None
+
+    def contains(self, keys: Sequence[BlockKey]) -> list[bool]:
+        entries = self._entries
+        return [k in entries for k in keys]
+
+    def keys(self) -> Iterator[BlockKey]:
+        with self._lock:
+            return iter(list(self._entries))
+
+    def recover(self) -> list[RecoveredBlock]:
+        with self._lock:
+            items = sorted(self._entries.items(), key=lambda kv: kv[1].last)
+        return [RecoveredBlock(k, e.length, e.last) for k, e in items]
+
+    def write(self, keys: Sequence[BlockKey], srcs: Sequence[Any]) -> list[bool]:
+        out = [False] * len(keys)
+        plan = []
+        with self._lock:
+            self._check_open()
+            for j, (key, src) in enumerate(zip(keys, srcs, strict=True)):
+                if key in self._entries or key in self._pending:
+                    out[j] = True
+                    continue
+                where = self._reserve(nbytes_of(src))
+                if where is not None:
+                    self._pending.add(key)
+                    plan.append((j, key, src) + where)
+        if not plan:
+            return out
+        results = self._parallel(self._write_one, [(p[1], p[2], p[3], p[4], p[5]) for p in plan])
+        done: dict[Shard, list] = {}
+        failed = []
+        first_error = None
+        for p, (ok, value) in zip(plan, results):
+            if ok:
+                done.setdefault(p[3], []).append((p, value))
+            else:
+                failed.append(p)
+                first_error = first_error or self._count_failure(value, "write")
+        with self._commit:
+            committed = []
+            for shard, items in done.items():
+                records = [(p, csum, self._now()) for p, csum in items]
+                try:
+                    shard.index.put((p[1].digest, Record(p[4], p[5], p[6], csum, p[1].to_bytes()), last)
+                                    for p, csum, last in records)
+                    committed.extend(records)
+                except TierError as exc:
+                    self._count_failure(exc, "index commit")
+                    failed.extend(p for p, _ in items)
+            with self._lock:
+                for (j, key, _, shard, file_no, offset, n), csum, last in committed:
+                    self._entries[key] = _Entry(shard, file_no, offset, n, csum, last)
+                    self._pending.discard(key)
+                    out[j] = True
+                for j, key, _, shard, file_no, offset, n in failed:
+                    shard.data.free(file_no, offset, n)
+                    shard.used -= n
+                    self._used -= n
+                    self._pending.discard(key)
+        if first_error is not None:
+            raise first_error
+        return out
+
+    def read_into(self, keys: Sequence[BlockKey], dsts: Sequence[Any]) -> list[bool]:
+        out = [False] * len(keys)
+        jobs = []
+        with self._lock:
+            self._check_open()
+            found = [(j, key, self._entries.get(key), dst) for j, (key, dst) in enumerate(zip(keys, dsts, strict=True))]
+            found = [f for f in found if f[2] is not None]
+            for j, key, e, dst in found:
+                if nbytes_of(dst) != e.length:
+                    raise BufferSizeError(f"[{self.name}] buffer has {nbytes_of(dst)} bytes, block has {e.length}")
+            for j, key, e, dst in found:
+                e.readers += 1
+                jobs.append((j, key, e, dst))
+        try:
+            results = self._parallel(self._read_one, [(key, e, dst) for _, key, e, dst in jobs])
+        finally:
+            with self._lock:
+                for _, _, e, _ in jobs:
+                    self._unread(e)
+        bad = []
+        first_error = None
+        for (j, key, e, _), (ok, value) in zip(jobs, results):
+            if ok:
+                out[j] = True
+                e.last = self._now()
+                self._touched[key] = e
+            else:
+                error = self._count_failure(value, "read")
+                if error is None:
+                    bad.append((key, e))   # the medium failed us: this copy goes
+                else:
+                    first_error = first_error or error   # the caller's buffer: the copy stays
+        if bad:
+            self._remove(bad)
+        if first_error is not None:
+            raise first_error
+        if time.monotonic() - self._last_flush >= self._flush_s:
+            self.flush_access()
+        return out
+
+    def delete(self, keys: Sequence[BlockKey]) -> int:
+        with self._lock:
+            self._check_open()
+            found = [(k, self._entries[k]) for k in dict.fromkeys(keys) if k in self._entries]
+        return self._remove(found)
+
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            files = sum(len(s.data.files) for s in self._shards)
+            disk = sum(s.data.file_bytes for s in self._shards)
+            allocated = sum(s.data.allocated_bytes for s in self._shards)
+        return {**self.counters, "io_mode": self.io_mode, "gpu_io": self._device.mode,
+                "directories": len(self._shards), "data_files": files, "file_bytes": disk,
+                "allocated_bytes": allocated, "index_entries": len(self._entries)}
+
+    def flush_access(self) -> None:
+        """Write pending last-access times to the index (one transaction per directory)."""
+        with self._commit:
+            touched, self._touched = self._touched, {}
+            self._last_flush = time.monotonic()
+            by_shard: dict[Shard, dict[bytes, float]] = {}
+            for key, e in touched.items():
+                if not e.dead:
+                    by_shard.setdefault(e.shard, {})[key.digest] = e.last
+            for shard, times in by_shard.items():
+                try:
+                    shard.index.touch(times)
+                except TierError as exc:
+                    log.warning("NVMe tier %s: could not record access times: %s", self.name, exc)
+
+    def close(self) -> None:
+        with self._lock:
+            if getattr(self, "_closed", True):
+                return
+            self._closed = True
+        self._pool.shutdown(wait=True)
+        self.flush_access()
+        self._device.close()
+        for shard in self._shards:
+            try:
+                shard.index.sync()
+            except TierError as exc:
+                log.warning("NVMe tier %s: %s", self.name, exc)
+            shard.close()
+
+    # -- internals --------------------------------------------------------------------------
+
+    def _reserve(self, n: int) -> tuple[Shard, int, int, int] | None:
+        """Pick a directory and an extent for ``n`` payload bytes. Caller holds the lock."""
+        if self._used + n > self._capacity:
+            return None
+        for shard in sorted(self._shards, key=lambda s: s.used - s.capacity):
+            if shard.used + n > shard.capacity:
+                continue
+            try:
+                where = shard.data.alloc(n)
+            except TierFullError as exc:
+                self.counters["enospc"] += 1
+                log.warning("NVMe tier %s: %s", self.name, exc)
+                continue
+            except (TierError, OSError) as exc:
+                self.counters["io_errors"] += 1
+                log.warning("NVMe tier %s: cannot allocate in %s: %s", self.name, shard.path, exc)
+                continue
+            if where is not None:
+                shard.used += n
+                self._used += n
+                return shard, where[0], where[1], n
+        return None
+
+    def _write_one(self, key: BlockKey, src: Any, shard: Shard, file_no: int, offset: int) -> int:
+        payload = self._device.stage(src) if is_device(src) else host_view(src)
+        return write_block(shard.data.fd(file_no), offset, key.digest, payload)
+
+    def _read_one(self, key: BlockKey, e: _Entry, dst: Any) -> None:
+        fd = e.shard.data.fd(e.file_no)
+        if is_device(dst):
+            path = os.path.join(e.shard.path, data_file_name(e.file_no))
+            self._device.read(fd, path, e.offset, key.digest, e.length, e.checksum, dst)
+        else:
+            read_block(fd, e.offset, key.digest, e.length, e.checksum, host_view(dst, writable=True))
+
+    def _parallel(self, fn: Callable[..., Any], jobs: list[tuple]) -> list[tuple[bool, Any]]:
+        """Run ``fn(*job)`` for every job, in parallel on the pool when there are several;
+        each result is ``(True, value)`` or ``(False, exception)``."""
+        def call(job: tuple) -> tuple[bool, Any]:
+            try:
+                return True, fn(*job)
+            except Exception as exc:  # sorted out by the caller: miss, count or re-raise
+                return False, exc
+
+        def run_lane(lane: list[tuple]) -> list[tuple[bool, Any]]:
+            return [call(job) for job in lane]
+
+        if len(jobs) <= 1:
+            return run_lane(jobs)
+        # One task per I/O thread, each working through its share of the batch in turn:
+        # the device still sees io_threads requests in flight, and the executor's per-task
+        # cost is paid io_threads times per batch instead of once per block.
+        lanes = min(len(jobs), self._io_threads)
+        parts = list(self._pool.map(run_lane, [jobs[i::lanes] for i in range(lanes)]))
+        out: list[tuple[bool, Any]] = [None] * len(jobs)  # type: ignore[list-item]
+        for i, part in enumerate(parts):
+            out[i::lanes] = part
+        return out
+
+    def _count_failure(self, exc: BaseException, what: str) -> BaseException | None:
+        """Count a failed block I/O; returns ``exc`` when it must reach the caller (a bug
+        or bad argument, not a media failure)."""
+        with self._lock:
+            if isinstance(exc, CorruptBlockError):
+                self.counters["corrupt_blocks"] += 1
+                log.warning("NVMe tier %s: corrupt block dropped on %s: %s", self.name, what, exc)
+                return None
+            if isinstance(exc, (TierError, OSError)):
+                self.counters["enospc" if getattr(exc, "errno", None) == errno.ENOSPC else "io_errors"] += 1
+                log.warning("NVMe tier %s: %s failed: %s", self.name, what, exc)
+                return None
+        return exc
+
+    def _remove(self, found: list[tuple[BlockKey, _Entry]]) -> int:
+        """Drop entries (still the same objects) from memory, then the index; extents are
+        freed once the index no longer names them and no reader holds them."""
+        with self._commit:
+            with self._lock:
+                gone = []
+                for key, e in found:
+                    if self._entries.get(key) is e:
+                        del self._entries[key]
+                        e.shard.used -= e.length
+                        self._used -= e.length
+                        gone.append((key, e))
+            by_shard: dict[Shard, list[bytes]] = {}
+            for key, e in gone:
+                by_shard.setdefault(e.shard, []).append(key.digest)
+            for shard, digests in by_shard.items():
+                try:
+                    shard.index.delete(digests)
+                except TierError as exc:
+                    self._count_failure(exc, "index delete")
+            with self._lock:
+                for _, e in gone:
+                    e.dead = True   # only now: the extent must outlive its index record
+                    if e.readers == 0:
+                        e.shard.data.free(e.file_no, e.offset, e.length)
+        return len(gone)
+
+    def _unread(self, e: _Entry) -> None:
+        e.readers -= 1
+        if e.dead and e.readers == 0:
+            e.shard.data.free(e.file_no, e.offset, e.length)
+
+    def _now(self) -> float:
+        """Wall-clock time, strictly increasing, so recovery reproduces access order."""
+        with self._lock:
+            self._clock_last = max(time.time(), self._clock_last + 1e-6)
+            return self._clock_last
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StoreClosedError(f"NVMe tier {self.name} is closed")
