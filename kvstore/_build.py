@@ -30,6 +30,19 @@ def build_tier(cfg: TierConfig) -> Tier:
         from tiers.remote import RemoteTier
 
         return RemoteTier(cfg.address, cfg.capacity, name=cfg.name, token=cfg.token, timeout_s=cfg.timeout_s)
+    if cfg.kind == "s3":
+        try:
+            from tiers.s3 import S3Tier
+        except ImportError as exc:
+            raise ConfigError(f"tiers.{cfg.name}.kind: the s3 tier needs boto3 "
+                              f"(pip install 'kvstore[s3]'): {exc}") from exc
+
+        return S3Tier(cfg.capacity, name=cfg.name, bucket=cfg.bucket, endpoint_url=cfg.endpoint_url,
+                      prefix=cfg.prefix, region=cfg.region, addressing_style=cfg.addressing_style,
+                      profile=cfg.profile, concurrency=cfg.concurrency,
+                      connect_timeout_s=cfg.connect_timeout_s, read_timeout_s=cfg.read_timeout_s,
+                      max_attempts=cfg.max_attempts, multipart_threshold=cfg.multipart_threshold,
+                      part_size=cfg.part_size, create_bucket=cfg.create_bucket)
     raise ConfigError(f"tiers.{cfg.name}.kind: tier kind {cfg.kind!r} is not available in this build")
 
 

@@ -122,6 +122,7 @@ class S3TierConfig(_TierBase):
     max_attempts: int = Field(3, ge=1)
     multipart_threshold: Size = Field(16 << 20, gt=0)
     part_size: Size = Field(8 << 20, ge=5 << 20)
+    create_bucket: bool = False     # create the bucket at start-up when it does not exist
 
 
 class RemoteTierConfig(_TierBase):

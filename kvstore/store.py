@@ -342,7 +342,9 @@ class Store:
                 continue
             ok = self._tier_call(lvl, "read_into", [keys[j] for j in todo], [dsts[j] for j in todo])
             if ok is None:
-                ok = [False] * len(todo)
+                # The tier failed (endpoint down, I/O error): misses now, but its blocks
+                # stay indexed so they load again once the tier is back.
+                continue
             with self._lock:
                 for j, hit in zip(todo, ok):
                     key = keys[j]

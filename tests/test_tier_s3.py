@@ -1,0 +1,247 @@
+"""The S3 tier against a real S3 implementation (OpenStack Swift + s3api on loopback):
+conformance, object layout, verification of every read, large blocks, recovery, Store
+integration and start-up checks of bad configuration."""
+
+import uuid
+
+import numpy as np
+import pytest
+
+from kvstore.block import HEADER_BYTES, parse_header
+from kvstore.errors import BufferSizeError, ConfigError
+from kvstore.keys import Namespace
+from kvstore.store import Store
+from kvstore.testing import CAPACITY, TierConformance, free_port, make_keys, payload
+from tests._swift import REGION, running_swift
+
+pytestmark = pytest.mark.s3
+BUCKET = "kvstore-test"
+
+
+@pytest.fixture(scope="module")
+def swift(tmp_path_factory):
+    yield from running_swift(tmp_path_factory, "swift-tier")
+
+
+@pytest.fixture(scope="module")
+def raw(swift):
+    client = swift.client()
+    client.create_bucket(Bucket=BUCKET)
+    return client
+
+
+def make_tier(swift, capacity=CAPACITY, prefix=None, **kwargs):
+    from tiers.s3 import S3Tier
+
+    return S3Tier(capacity, name="s3-test", bucket=BUCKET, endpoint_url=swift.endpoint_url, region=REGION,
+                  addressing_style="path", prefix=prefix or f"t-{uuid.uuid4().hex[:12]}", concurrency=4,
+                  **kwargs)
+
+
+@pytest.fixture
+def tier(swift, raw):
+    t = make_tier(swift)
+    yield t
+    t.close()
+
+
+class TestS3Conformance(TierConformance):
+    CONCURRENCY_ROUNDS = 6
+
+
+def _object(raw, tier, key):
+    from tiers._s3io import object_name
+
+    return object_name(tier.prefix, key)
+
+
+def test_object_layout(tier, raw):
+    keys = make_keys(2)
+    srcs = [payload(i) for i in range(2)]
+    assert tier.write(keys, srcs) == [True, True]
+    listed = sorted(o["Key"] for o in raw.list_objects_v2(Bucket=BUCKET, Prefix=tier.prefix + "/")["Contents"])
+    ns = keys[0].namespace.hex()
+    assert listed == sorted(f"{tier.prefix}/{ns}/{k.hex()}" for k in keys)
+    obj = raw.get_object(Bucket=BUCKET, Key=f"{tier.prefix}/{ns}/{keys[1].hex()}")
+    body = obj["Body"].read()
+    assert len(body) == HEADER_BYTES + len(srcs[1])
+    assert parse_header(body[:HEADER_BYTES], digest=keys[1].digest)[0] == len(srcs[1])
+    assert body[HEADER_BYTES:] == srcs[1].tobytes()
+    assert obj["Metadata"]["kv-parent"] == keys[0].hex()  # keys[1] chains after keys[0]
+
+
+@pytest.mark.parametrize("damage", ["flip_payload", "truncate", "other_key", "garbage"])
+def test_corrupt_object_is_a_miss_deleted_and_counted(tier, raw, damage):
+    keys = make_keys(2, salt=damage)
+    srcs = [payload(i) for i in range(2)]
+    tier.write(keys, srcs)
+    name = _object(raw, tier, keys[0])
+    body = bytearray(raw.get_object(Bucket=BUCKET, Key=name)["Body"].read())
+    if damage == "flip_payload":
+        body[HEADER_BYTES + 1000] ^= 0xFF
+    elif damage == "truncate":
+        body = body[:-10]
+    elif damage == "other_key":
+        body = raw.get_object(Bucket=BUCKET, Key=_object(raw, tier, keys[1]))["Body"].read()
+    else:
+        body = b"not a block at all"
+    raw.put_object(Bucket=BUCKET, Key=name, Body=bytes(body))
+    dst = np.zeros(len(srcs[0]), np.uint8)
+    assert tier.read_into(keys, [dst, np.zeros(len(srcs[1]), np.uint8)]) == [False, True]
+    assert tier.stats()["corrupt_blocks"] == 1
+    assert tier.contains(keys) == [False, True]
+    assert tier.used_bytes == len(srcs[1])
+    with pytest.raises(Exception, match="NoSuchKey|Not Found|404"):
+        raw.head_object(Bucket=BUCKET, Key=name)
+
+
+def test_large_blocks_use_multipart_and_ranged_reads(swift, raw):
+    part = 5 << 20
+    block = 2 * part + 12345  # three parts; the header shifts every range by 64 bytes
+    t = make_tier(swift, capacity=4 * block, multipart_threshold=part, part_size=part)
+    try:
+        keys = make_keys(2, salt="big")
+        srcs = [payload(i, block) for i in range(2)]
+        assert t.write(keys, srcs) == [True, True]
+        head = raw.head_object(Bucket=BUCKET, Key=_object(raw, t, keys[0]))
+        assert head["ETag"].strip('"').endswith("-3")  # really a three-part upload
+        dsts = [np.zeros(block, np.uint8) for _ in keys]
+        assert t.read_into(keys, dsts) == [True, True]
+        assert all(np.array_equal(s, d) for s, d in zip(srcs, dsts))
+        stats = t.stats()
+        assert stats["multipart_puts"] == 2 and stats["ranged_gets"] == 2
+        # A same-size object with one byte changed in the middle part: still caught.
+        name = _object(raw, t, keys[1])
+        body = bytearray(raw.get_object(Bucket=BUCKET, Key=name)["Body"].read())
+        body[HEADER_BYTES + part + 7] ^= 1
+        raw.put_object(Bucket=BUCKET, Key=name, Body=bytes(body))
+        assert t.read_into(keys[1:], dsts[1:]) == [False]
+        assert t.stats()["corrupt_blocks"] == 1
+        # Cut short: the last ranges fall beyond the object's end.
+        name = _object(raw, t, keys[0])
+        own = raw.get_object(Bucket=BUCKET, Key=name)["Body"].read()
+        raw.put_object(Bucket=BUCKET, Key=name, Body=own[:part])
+        assert t.read_into(keys[:1], dsts[:1]) == [False]
+        assert t.stats()["corrupt_blocks"] == 2 and t.used_bytes == 0
+    finally:
+        t.close()
+
+
+def test_recover_rebuilds_full_keys_oldest_first(swift, raw):
+    prefix = f"rec-{uuid.uuid4().hex[:8]}"
+    first = make_tier(swift, prefix=prefix)
+    ns = Namespace(model="m", dtype="fp16", chunk_tokens=4)
+    keys = ns.chunk_keys(np.arange(12))
+    for i, key in enumerate(keys):  # one at a time, so LastModified orders them
+        first.write([key], [payload(i, 1000 + i)])
+        if i < len(keys) - 1:
+            __import__("time").sleep(1.1)  # S3 LastModified has one-second resolution
+    first.close()
+    second = make_tier(swift, prefix=prefix)
+    try:
+        blocks = second.recover()
+        assert [b.key for b in blocks] == keys
+        assert [b.key.parent for b in blocks] == [None, keys[0].digest, keys[1].digest]
+        assert all(b.key.namespace == ns.digest for b in blocks)
+        assert [b.nbytes for b in blocks] == [1000, 1001, 1002]
+        assert second.used_bytes == 3003
+        assert set(second.keys()) == set(keys)
+        dst = np.zeros(1001, np.uint8)
+        assert second.read_into([keys[1]], [dst]) == [True] and np.array_equal(dst, payload(1, 1001))
+    finally:
+        second.close()
+
+
+def test_reads_blocks_written_by_another_instance_without_recover(swift, raw):
+    prefix = f"peer-{uuid.uuid4().hex[:8]}"
+    a, b = make_tier(swift, prefix=prefix), make_tier(swift, prefix=prefix)
+    try:
+        keys = make_keys(2, salt="peer")
+        a.write(keys, [payload(i) for i in range(2)])
+        dsts = [np.zeros(CAPACITY // 16, np.uint8) for _ in keys]
+        assert b.contains(keys) == [False, False]  # b's index is from before a wrote
+        assert b.read_into(keys, dsts) == [True, True]
+        assert b.contains(keys) == [True, True]
+        with pytest.raises(BufferSizeError):
+            b.read_into(keys[:1], [np.zeros(10, np.uint8)])
+    finally:
+        a.close()
+        b.close()
+
+
+def _store_config(swift, **tier):
+    return {"tiers": [{"name": "shared", "kind": "s3", "capacity": "64MiB", "bucket": BUCKET,
+                       "endpoint_url": swift.endpoint_url, "region": REGION, "addressing_style": "path",
+                       "prefix": f"store-{uuid.uuid4().hex[:8]}", **tier}]}
+
+
+def test_store_saves_and_loads_through_s3(swift, raw):
+    with Store.from_config(_store_config(swift)) as store:
+        keys = make_keys(6, salt="store")
+        srcs = [payload(i) for i in range(6)]
+        assert store.save(keys, srcs).result() == [True] * 6
+        dsts = [np.zeros_like(s) for s in srcs]
+        assert store.load(keys, dsts).result() == [True] * 6
+        assert all(np.array_equal(s, d) for s, d in zip(srcs, dsts))
+        entry = store.stats()["tiers"][0]
+        assert entry["healthy"] is True and entry["errors"] == 0 and entry["puts"] == 6
+
+
+def test_store_counts_corruption(swift, raw):
+    with Store.from_config(_store_config(swift)) as store:
+        keys = make_keys(2, salt="store-corrupt")
+        store.save(keys, [payload(i) for i in range(2)]).result()
+        s3 = store.tiers[0]
+        raw.put_object(Bucket=BUCKET, Key=_object(raw, s3, keys[0]), Body=b"\0" * (HEADER_BYTES + 10))
+        dsts = [np.zeros(CAPACITY // 16, np.uint8) for _ in keys]
+        assert store.load(keys, dsts).result() == [False, True]
+        assert store.stats()["tiers"][0]["corruptions"] == 1
+
+
+def test_create_bucket_option(swift, raw):
+    bucket = f"made-{uuid.uuid4().hex[:8]}"
+    cfg = _store_config(swift, bucket=bucket, create_bucket=True)
+    with Store.from_config(cfg) as store:
+        assert store.save(make_keys(1), [payload(0)]).result() == [True]
+    assert raw.head_bucket(Bucket=bucket)["ResponseMetadata"]["HTTPStatusCode"] == 200
+
+
+def test_unknown_bucket_is_a_config_error(swift, raw):
+    with pytest.raises(ConfigError, match=r"tiers\.shared\.bucket: bucket 'no-such-bucket' does not exist"):
+        Store.from_config(_store_config(swift, bucket="no-such-bucket"))
+
+
+def test_wrong_credentials_are_a_config_error(swift, raw, monkeypatch):
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "not-the-secret")
+    with pytest.raises(ConfigError, match=r"tiers\.shared: credentials were refused"):
+        Store.from_config(_store_config(swift))
+
+
+def test_missing_credentials_are_a_config_error(swift, raw, monkeypatch):
+    monkeypatch.delenv("AWS_ACCESS_KEY_ID")
+    monkeypatch.delenv("AWS_SECRET_ACCESS_KEY")
+    with pytest.raises(ConfigError, match=r"tiers\.shared: no AWS credentials found"):
+        Store.from_config(_store_config(swift))
+
+
+def test_credentials_from_a_profile_in_the_shared_file(swift, raw, monkeypatch, tmp_path):
+    from tests._swift import ACCESS_KEY, SECRET_KEY
+
+    creds = tmp_path / "credentials"
+    creds.write_text(f"[kvtest]\naws_access_key_id = {ACCESS_KEY}\naws_secret_access_key = {SECRET_KEY}\n")
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(creds))
+    monkeypatch.delenv("AWS_ACCESS_KEY_ID")
+    monkeypatch.delenv("AWS_SECRET_ACCESS_KEY")
+    with Store.from_config(_store_config(swift, profile="kvtest")) as store:
+        assert store.save(make_keys(1, salt="profile"), [payload(0)]).result() == [True]
+
+
+def test_unknown_profile_is_a_config_error(swift, raw):
+    with pytest.raises(ConfigError, match=r"tiers\.shared\.profile: AWS profile 'nobody' not found"):
+        Store.from_config(_store_config(swift, profile="nobody"))
+
+
+def test_unreachable_endpoint_is_a_config_error(swift, raw):
+    dead = f"http://127.0.0.1:{free_port()}"
+    with pytest.raises(ConfigError, match=r"tiers\.shared\.endpoint_url: cannot reach http://127\.0\.0\.1"):
+        Store.from_config(_store_config(swift, endpoint_url=dead, connect_timeout_s=0.5, max_attempts=1))

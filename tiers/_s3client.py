@@ -1,0 +1,154 @@
+"""boto3 plumbing for the S3 tier: building clients, checking the bucket at start-up, and
+sorting botocore's exceptions into miss / corrupt / unavailable / I/O failure.
+
+Nothing here keeps state; :mod:`tiers.s3` owns the clients it builds. botocore clients
+are thread-safe, so one client serves every worker thread.
+"""
+
+from __future__ import annotations
+
+import http.client
+from dataclasses import dataclass
+from typing import Any
+
+from kvstore.errors import ConfigError
+
+# S3 error codes that mean "the service is overloaded or failing right now": back off.
+_THROTTLE_CODES = frozenset({"SlowDown", "ServiceUnavailable", "InternalError", "RequestTimeout",
+                             "RequestTimeTooSkewed", "Throttling", "ThrottlingException",
+                             "RequestLimitExceeded", "TooManyRequests", "503", "500", "502", "504"})
+_MISSING_CODES = frozenset({"NoSuchKey", "NotFound", "404"})
+
+
+@dataclass(frozen=True)
+class S3Settings:
+    """Connection settings of one S3 tier (the subset of ``S3TierConfig`` boto3 needs)."""
+
+    name: str
+    bucket: str
+    endpoint_url: str | None = None
+    region: str | None = None
+    addressing_style: str = "auto"
+    profile: str | None = None
+    concurrency: int = 8
+    connect_timeout_s: float = 2.0
+    read_timeout_s: float = 10.0
+    max_attempts: int = 3
+
+    @property
+    def where(self) -> str:
+        return self.endpoint_url or f"AWS S3 ({self.region or 'default region'})"
+
+
+def make_client(s: S3Settings, *, max_attempts: int | None = None, pool_connections: int | None = None,
+                timeout_s: float | None = None) -> Any:
+    """A boto3 S3 client; credentials come from the standard AWS chain (environment,
+    shared config/credentials files, ``profile``, instance metadata).
+
+    Checksums that botocore would compute on every request are off because every object
+    carries its own XXH3 block header, verified on each read.
+    """
+    import boto3
+    import botocore.exceptions
+    from botocore.config import Config
+
+    try:
+        session = boto3.session.Session(profile_name=s.profile)
+    except botocore.exceptions.ProfileNotFound as exc:
+        raise ConfigError(f"tiers.{s.name}.profile: AWS profile {s.profile!r} not found ({exc})") from exc
+    cfg = Config(
+        region_name=s.region,
+        connect_timeout=timeout_s or s.connect_timeout_s,
+        read_timeout=timeout_s or s.read_timeout_s,
+        retries={"max_attempts": max_attempts or s.max_attempts, "mode": "standard"},
+        max_pool_connections=pool_connections or s.concurrency,
+        s3={"addressing_style": s.addressing_style},
+        request_checksum_calculation="when_required",
+        response_checksum_validation="when_required",
+        tcp_keepalive=True,
+    )
+    try:
+        return session.client("s3", endpoint_url=s.endpoint_url, config=cfg)
+    except ValueError as exc:  # botocore rejects malformed endpoint URLs with ValueError
+        raise ConfigError(f"tiers.{s.name}.endpoint_url: {exc}") from exc
+
+
+def check_bucket(client: Any, s: S3Settings, *, create: bool) -> None:
+    """Fail at start-up, naming the setting, when the bucket, credentials or endpoint are
+    wrong; create the bucket first when ``create`` is set and it does not exist."""
+    import botocore.exceptions
+
+    try:
+        client.head_bucket(Bucket=s.bucket)
+        return
+    except botocore.exceptions.NoCredentialsError as exc:
+        raise ConfigError(f"tiers.{s.name}: no AWS credentials found (set AWS_ACCESS_KEY_ID/"
+                          f"AWS_SECRET_ACCESS_KEY, a shared credentials file, or tiers.{s.name}.profile)") from exc
+    except botocore.exceptions.ClientError as exc:
+        status = status_of(exc)
+        if status == 404 and create:
+            _create_bucket(client, s)
+            return
+        if status == 404:
+            raise ConfigError(f"tiers.{s.name}.bucket: bucket {s.bucket!r} does not exist at {s.where} "
+                              f"(create it, or set tiers.{s.name}.create_bucket: true)") from exc
+        if status in (401, 403):
+            raise ConfigError(f"tiers.{s.name}: credentials were refused by {s.where} for bucket "
+                              f"{s.bucket!r} (HTTP {status}); check AWS_ACCESS_KEY_ID/"
+                              f"AWS_SECRET_ACCESS_KEY or tiers.{s.name}.profile") from exc
+        raise ConfigError(f"tiers.{s.name}.bucket: checking bucket {s.bucket!r} at {s.where} failed: "
+                          f"{exc}") from exc
+    except Exception as exc:
+        if is_unavailable(exc):
+            raise ConfigError(f"tiers.{s.name}.endpoint_url: cannot reach {s.where}: {exc}") from exc
+        raise
+
+
+def _create_bucket(client: Any, s: S3Settings) -> None:
+    import botocore.exceptions
+
+    kwargs: dict[str, Any] = {"Bucket": s.bucket}
+    if s.region and s.region != "us-east-1":
+        kwargs["CreateBucketConfiguration"] = {"LocationConstraint": s.region}
+    try:
+        client.create_bucket(**kwargs)
+    except botocore.exceptions.ClientError as exc:
+        if error_code(exc) not in ("BucketAlreadyOwnedByYou", "BucketAlreadyExists"):
+            raise ConfigError(f"tiers.{s.name}.bucket: cannot create bucket {s.bucket!r} at "
+                              f"{s.where}: {exc}") from exc
+
+
+def error_code(exc: BaseException) -> str:
+    response = getattr(exc, "response", None) or {}
+    return str(response.get("Error", {}).get("Code", ""))
+
+
+def status_of(exc: BaseException) -> int:
+    response = getattr(exc, "response", None) or {}
+    return int(response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) or 0)
+
+
+def is_missing(exc: BaseException) -> bool:
+    """The object does not exist (a miss, not a failure)."""
+    return error_code(exc) in _MISSING_CODES or status_of(exc) == 404
+
+
+def is_bad_range(exc: BaseException) -> bool:
+    """A ranged GET beyond the object's end: the object is shorter than the block it
+    claims to be (corrupt), not a transport failure."""
+    return error_code(exc) == "InvalidRange" or status_of(exc) == 416
+
+
+def is_unavailable(exc: BaseException) -> bool:
+    """The endpoint is down, slow or overloaded: the tier should back off and probe."""
+    import botocore.exceptions
+    import urllib3.exceptions
+
+    if isinstance(exc, botocore.exceptions.ClientError):
+        return error_code(exc) in _THROTTLE_CODES or status_of(exc) >= 500
+    return isinstance(exc, (botocore.exceptions.EndpointConnectionError,
+                            botocore.exceptions.ConnectionError,
+                            botocore.exceptions.HTTPClientError,
+                            urllib3.exceptions.HTTPError,
+                            http.client.HTTPException,
+                            ConnectionError, TimeoutError))

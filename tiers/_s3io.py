@@ -1,0 +1,194 @@
+"""Object I/O of the S3 tier: one object per block, ``HEADER_BYTES`` of block header
+followed by the payload.
+
+Reads stream straight into caller memory: the urllib3 response botocore wraps sits on an
+``http.client`` response whose ``readinto`` receives from the socket into the buffer it
+is given, so a block crosses from the kernel into the destination once, with no ``bytes``
+of the whole block in between. Writes send reusable ``bytearray`` buffers that hold
+header + payload (one per part for multipart uploads). Functions here are stateless and thread-safe; they raise botocore /
+transport exceptions as they come and :class:`CorruptBlockError` for bad content.
+"""
+
+from __future__ import annotations
+
+import http.client
+from concurrent.futures import Executor
+from typing import Any
+
+from kvstore.block import HEADER_BYTES, checksum, parse_header
+from kvstore.errors import BufferSizeError, CorruptBlockError
+from kvstore.keys import DIGEST_BYTES, BlockKey
+
+NO_NAMESPACE = "_"   # path segment for keys without a namespace digest
+META_PARENT = "kv-parent"  # object metadata (x-amz-meta-kv-parent): parent digest, hex
+_HEX = 2 * DIGEST_BYTES
+_READ_CHUNK = 1 << 20
+
+
+def object_name(prefix: str, key: BlockKey) -> str:
+    """``<prefix>/<namespace digest hex>/<key digest hex>``."""
+    ns = key.namespace.hex() if key.namespace else NO_NAMESPACE
+    return f"{prefix}/{ns}/{key.hex()}" if prefix else f"{ns}/{key.hex()}"
+
+
+def parse_name(prefix: str, name: str) -> tuple[str | None, str] | None:
+    """``(namespace hex or None, key hex)`` of an object name, ``None`` for foreign objects."""
+    rest = name[len(prefix) + 1:] if prefix else name
+    if prefix and not name.startswith(prefix + "/"):
+        return None
+    parts = rest.split("/")
+    if len(parts) != 2 or len(parts[1]) != _HEX or not _is_hex(parts[1]):
+        return None
+    ns = parts[0]
+    if ns == NO_NAMESPACE:
+        return None, parts[1]
+    return (ns, parts[1]) if len(ns) == _HEX and _is_hex(ns) else None
+
+
+def _is_hex(text: str) -> bool:
+    try:
+        bytes.fromhex(text)
+        return True
+    except ValueError:
+        return False
+
+
+def metadata_for(key: BlockKey) -> dict[str, str]:
+    return {META_PARENT: key.parent.hex()} if key.parent else {}
+
+
+# -- reads ---------------------------------------------------------------------------------
+
+def _read_exact(body: Any, dst: memoryview) -> None:
+    """Fill ``dst`` from a botocore StreamingBody, straight from the socket when possible."""
+    n, got = dst.nbytes, 0
+    fp = getattr(getattr(body, "_raw_stream", None), "_fp", None)
+    if isinstance(fp, http.client.HTTPResponse):
+        while got < n:
+            k = fp.readinto(dst[got:])
+            if not k:
+                raise http.client.IncompleteRead(b"", n - got)
+            got += k
+        return
+    while got < n:  # a wrapped body (e.g. a checksum validator): chunked copies
+        chunk = body.read(min(n - got, _READ_CHUNK))
+        if not chunk:
+            raise http.client.IncompleteRead(b"", n - got)
+        dst[got:got + len(chunk)] = chunk
+        got += len(chunk)
+
+
+def _finish(body: Any, complete: bool) -> None:
+    """Return the connection to the pool after a fully read body; drop it otherwise."""
+    raw = getattr(body, "_raw_stream", None)
+    fp = getattr(raw, "_fp", None)
+    if complete and raw is not None and (fp is None or fp.isclosed()):
+        raw.release_conn()
+    else:
+        body.close()
+
+
+def get_into(client: Any, bucket: str, name: str, key: BlockKey, dst: memoryview,
+             known_nbytes: int | None) -> None:
+    """GET a whole object: parse and check its header, then stream the payload into
+    ``dst`` and verify it. ``dst`` holds unspecified bytes when this raises.
+
+    Raises :class:`BufferSizeError` (before touching ``dst``) when the block's size is
+    learnt only from the header and differs from ``dst``; :class:`CorruptBlockError` when
+    the object is not the block it claims to be.
+    """
+    resp = client.get_object(Bucket=bucket, Key=name)
+    body, total = resp["Body"], int(resp["ContentLength"])
+    complete = False
+    try:
+        if total < HEADER_BYTES:
+            raise CorruptBlockError(f"object {name} has {total} bytes, shorter than a block header")
+        header = bytearray(HEADER_BYTES)
+        _read_exact(body, memoryview(header))
+        length, csum = parse_header(header, digest=key.digest)
+        if total != HEADER_BYTES + length:
+            raise CorruptBlockError(f"object {name} has {total - HEADER_BYTES} payload bytes, header says {length}")
+        if length != dst.nbytes:
+            if known_nbytes is not None:
+                raise CorruptBlockError(f"object {name} holds {length} bytes, {known_nbytes} were written")
+            raise BufferSizeError(f"buffer has {dst.nbytes} bytes, block has {length}")
+        _read_exact(body, dst)
+        complete = True
+    finally:
+        _finish(body, complete)
+    if checksum(dst) != csum:
+        raise CorruptBlockError(f"object {name}: payload checksum mismatch")
+
+
+def get_ranges_into(client: Any, bucket: str, name: str, key: BlockKey, dst: memoryview,
+                    part_size: int, pool: Executor) -> None:
+    """GET one large object as parallel ranged requests straight into slices of ``dst``
+    (size already known to match), then verify header, length and checksum."""
+    total = HEADER_BYTES + dst.nbytes
+    header = bytearray(HEADER_BYTES)
+    step = -(-total // -(-total // part_size))  # equal ranges, none a runt of a few bytes
+    ranges = [(a, min(a + step, total)) for a in range(0, total, step)]
+    futures = [pool.submit(_get_range, client, bucket, name, a, b, total, memoryview(header), dst)
+               for a, b in ranges]
+    first: BaseException | None = None
+    for fut in futures:  # wait for every part: none may still write into dst afterwards
+        exc = fut.exception()
+        if exc is not None and (first is None or isinstance(exc, CorruptBlockError)):
+            first = exc
+    if first is not None:
+        raise first
+    length, csum = parse_header(header, digest=key.digest)
+    if length != dst.nbytes:
+        raise CorruptBlockError(f"object {name} holds {length} bytes, {dst.nbytes} were written")
+    if checksum(dst) != csum:
+        raise CorruptBlockError(f"object {name}: payload checksum mismatch")
+
+
+def _get_range(client: Any, bucket: str, name: str, a: int, b: int, total: int,
+               header: memoryview, dst: memoryview) -> None:
+    resp = client.get_object(Bucket=bucket, Key=name, Range=f"bytes={a}-{b - 1}")
+    body = resp["Body"]
+    complete = False
+    try:
+        size = resp.get("ContentRange", "").rpartition("/")[2]
+        if int(resp["ContentLength"]) != b - a or (size.isdigit() and int(size) != total):
+            raise CorruptBlockError(f"object {name} has size {size}, expected {total}")
+        if a < HEADER_BYTES:
+            _read_exact(body, header[a:min(b, HEADER_BYTES)])
+        if b > HEADER_BYTES:
+            lo = max(a, HEADER_BYTES) - HEADER_BYTES
+            _read_exact(body, dst[lo:b - HEADER_BYTES])
+        complete = True
+    finally:
+        _finish(body, complete)
+
+
+# -- writes --------------------------------------------------------------------------------
+
+def put(client: Any, bucket: str, name: str, body: bytearray, metadata: dict[str, str]) -> None:
+    """PUT one object from ``body`` (header + payload)."""
+    client.put_object(Bucket=bucket, Key=name, Body=body, ContentLength=len(body), Metadata=metadata)
+
+
+def put_multipart(client: Any, bucket: str, name: str, parts: list[bytearray], metadata: dict[str, str],
+                  pool: Executor) -> None:
+    """Multipart upload of ``parts`` (header + payload, in order) sent in parallel on
+    ``pool``; the upload is aborted when any part fails, so no partial object appears."""
+    upload = client.create_multipart_upload(Bucket=bucket, Key=name, Metadata=metadata)["UploadId"]
+    try:
+        futures = [pool.submit(client.upload_part, Bucket=bucket, Key=name, UploadId=upload,
+                               PartNumber=i + 1, Body=part, ContentLength=len(part))
+                   for i, part in enumerate(parts)]
+        errors = [f.exception() for f in futures]
+        failed = next((e for e in errors if e is not None), None)
+        if failed is not None:
+            raise failed
+        done = [{"PartNumber": i + 1, "ETag": f.result()["ETag"]} for i, f in enumerate(futures)]
+        client.complete_multipart_upload(Bucket=bucket, Key=name, UploadId=upload,
+                                         MultipartUpload={"Parts": done})
+    except BaseException:
+        try:
+            client.abort_multipart_upload(Bucket=bucket, Key=name, UploadId=upload)
+        except Exception:  # the endpoint may be gone; the bucket's lifecycle rules reap it
+            pass
+        raise

@@ -1,0 +1,434 @@
+"""S3-compatible object storage tier (AWS S3, MinIO, Swift s3api, ...) through boto3.
+
+One object per block at ``<prefix>/<namespace digest hex>/<key digest hex>``; its body
+is the 64-byte block header (key digest, length, XXH3 checksum) followed by the payload,
+and its metadata ``x-amz-meta-kv-parent`` holds the parent digest so :meth:`recover` can
+rebuild full keys. Several processes and nodes may share one bucket and prefix: any of
+them finds the others' blocks through :meth:`recover` (at Store start-up) or by reading a
+key directly. Every read verifies header, key digest, length and checksum; a bad object
+is a miss, is deleted and is counted in ``corrupt_blocks``.
+
+The tier enforces a byte budget over the blocks it knows (its index) and never evicts on
+its own: the Store picks victims and calls :meth:`delete`. While the endpoint is down the
+tier fails fast with :class:`TierUnavailableError` and probes it in the background with
+backoff and jitter (:mod:`tiers._s3health`); the Store turns those errors into misses.
+
+Thread-safe. Batches run on a pool of ``concurrency`` threads; ranged GETs and multipart
+parts of large blocks on a second pool of the same size (the HTTP connection pool holds
+both). Buffers: ``read_into`` fills caller buffers in place; ``write`` copies each
+source once into a per-thread staging buffer that holds header + payload, reused
+across calls, and keeps nothing after returning.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Iterator, Sequence
+
+import numpy as np
+
+from kvstore.block import HEADER_BYTES, encode_header
+from kvstore.buffers import copy_bytes, host_view, is_device, nbytes_of
+from kvstore.errors import (BufferSizeError, CorruptBlockError, InvalidArgumentError, TierIOError,
+                            TierUnavailableError)
+from kvstore.keys import BlockKey
+from tiers import _s3io
+from tiers._s3client import S3Settings, check_bucket, is_bad_range, is_missing, is_unavailable, make_client
+from tiers._s3health import Health
+from tiers.base import RecoveredBlock, Tier, TierCapabilities
+
+log = logging.getLogger(__name__)
+_PROBE_TIMEOUT_S = 1.0
+
+
+@dataclass
+class _Entry:
+    key: BlockKey
+    nbytes: int
+    last_access: float = 0.0
+
+
+class _Outcome:
+    """What happened to one key of a batch, decided in a worker thread."""
+
+    __slots__ = ("ok", "exc")
+
+    def __init__(self, ok: bool = False, exc: BaseException | None = None) -> None:
+        self.ok, self.exc = ok, exc
+
+
+class S3Tier(Tier):
+    """Blocks as objects in ``bucket`` under ``prefix``, within ``capacity_bytes``.
+
+    Connection settings mirror ``S3TierConfig``; credentials come from the standard AWS
+    chain (environment, shared files, ``profile``). The constructor checks that the
+    endpoint answers, the credentials work and the bucket exists (creating it when
+    ``create_bucket``), and raises :class:`ConfigError` naming the setting otherwise.
+    """
+
+    def __init__(self, capacity_bytes: int, *, bucket: str, name: str = "s3", endpoint_url: str | None = None,
+                 prefix: str = "kvstore", region: str | None = None, addressing_style: str = "auto",
+                 profile: str | None = None, concurrency: int = 8, connect_timeout_s: float = 2.0,
+                 read_timeout_s: float = 10.0, max_attempts: int = 3, multipart_threshold: int = 16 << 20,
+                 part_size: int = 8 << 20, create_bucket: bool = False) -> None:
+        if capacity_bytes <= 0:
+            raise InvalidArgumentError(f"S3 tier capacity must be positive, got {capacity_bytes}")
+        if part_size < HEADER_BYTES:
+            raise InvalidArgumentError(f"S3 tier part_size must be at least {HEADER_BYTES}, got {part_size}")
+        self.name = name
+        self.bucket = bucket
+        self.prefix = prefix.strip("/")
+        self._capacity = int(capacity_bytes)
+        self._multipart_threshold = int(multipart_threshold)
+        self._part_size = int(part_size)
+        self._settings = S3Settings(name=name, bucket=bucket, endpoint_url=endpoint_url, region=region,
+                                    addressing_style=addressing_style, profile=profile,
+                                    concurrency=concurrency, connect_timeout_s=connect_timeout_s,
+                                    read_timeout_s=read_timeout_s, max_attempts=max_attempts)
+        # Per-block requests and the parts of large blocks each get `concurrency` connections.
+        self._client = make_client(self._settings, pool_connections=2 * concurrency)
+        self._probe_client = make_client(self._settings, max_attempts=1, pool_connections=1,
+                                         timeout_s=min(_PROBE_TIMEOUT_S, connect_timeout_s))
+        check_bucket(self._client, self._settings, create=create_bucket)
+        self._health = Health(name, self._probe)
+        self._concurrency = concurrency
+        self._pool = ThreadPoolExecutor(concurrency, thread_name_prefix=f"kvstore-{name}")
+        self._parts = ThreadPoolExecutor(concurrency, thread_name_prefix=f"kvstore-{name}-part")
+        self._index: dict[BlockKey, _Entry] = {}
+        self._used = 0
+        self._reserved = 0
+        self._lock = threading.Lock()
+        self._local = threading.local()
+        self._closed = False
+        self._counters = dict.fromkeys(("gets", "puts", "deletes", "corrupt_blocks", "ranged_gets",
+                                        "multipart_puts", "bytes_read", "bytes_written"), 0)
+        self.capabilities = TierCapabilities(device="s3", persistent=True, max_concurrency=concurrency)
+
+    def _probe(self) -> None:
+        """HEAD an object that never exists: a 404 proves the whole object path answers
+        (on Swift a bucket HEAD would pass with the object servers down)."""
+        try:
+            self._probe_client.head_object(Bucket=self.bucket, Key=f"{self.prefix}/.probe")
+        except Exception as exc:
+            if not is_missing(exc):
+                raise
+
+    # -- accounting -------------------------------------------------------------------------
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self._capacity
+
+    @property
+    def used_bytes(self) -> int:
+        return self._used
+
+    def nbytes(self, key: BlockKey) -> int | None:
+        entry = self._index.get(key)
+        return entry.nbytes if entry else None
+
+    def contains(self, keys: Sequence[BlockKey]) -> list[bool]:
+        """From the index (no request): stale for blocks other nodes wrote since
+        :meth:`recover`, which :meth:`read_into` still finds."""
+        index = self._index
+        return [k in index for k in keys]
+
+    def _map(self, fn, *iterables) -> list:
+        """Run ``fn`` over a batch on the pool; a single item, or a pool of one, runs on
+        the calling thread (a thread hand-off costs more than it buys there)."""
+        items = list(zip(*iterables))
+        if len(items) <= 1 or self._concurrency == 1:
+            return [fn(*args) for args in items]
+        return list(self._pool.map(fn, *zip(*items)))
+
+    def _count(self, name: str, n: int = 1) -> None:
+        with self._lock:
+            self._counters[name] += n
+
+    # -- reads ------------------------------------------------------------------------------
+
+    def read_into(self, keys: Sequence[BlockKey], dsts: Sequence[Any]) -> list[bool]:
+        if len(keys) != len(dsts):
+            raise InvalidArgumentError(f"{len(keys)} keys but {len(dsts)} buffers")
+        for key, dst in zip(keys, dsts):
+            entry = self._index.get(key)
+            if entry is not None and nbytes_of(dst) != entry.nbytes:
+                raise BufferSizeError(f"[{self.name}] buffer has {nbytes_of(dst)} bytes, block has {entry.nbytes}")
+        self._health.check()
+        outcomes = self._map(self._read_one, keys, dsts)
+        return self._settle(outcomes)
+
+    def _read_one(self, key: BlockKey, dst: Any) -> _Outcome:
+        if not self._health.healthy:
+            return _Outcome(exc=TierUnavailableError("endpoint unavailable", tier=self.name))
+        entry = self._index.get(key)
+        name = _s3io.object_name(self.prefix, key)
+        n = nbytes_of(dst)
+        staged = is_device(dst)
+        target = memoryview(self._staging(n) if staged else host_view(dst, writable=True))
+        try:
+            if entry is not None and HEADER_BYTES + n > self._part_size:
+                self._count("ranged_gets")
+                _s3io.get_ranges_into(self._client, self.bucket, name, key, target, self._part_size, self._parts)
+            else:
+                _s3io.get_into(self._client, self.bucket, name, key, target, entry and entry.nbytes)
+            if staged:
+                copy_bytes(dst, target)
+        except CorruptBlockError as exc:
+            self._corrupt(key, name, exc)
+            return _Outcome()
+        except BufferSizeError as exc:
+            return _Outcome(exc=BufferSizeError(f"[{self.name}] {exc}"))
+        except Exception as exc:
+            if is_bad_range(exc):
+                self._corrupt(key, name, CorruptBlockError(f"object {name} is shorter than its block"))
+                return _Outcome()
+            return self._failure(exc, missing_ok=True, key=key)
+        with self._lock:
+            self._counters["gets"] += 1
+            self._counters["bytes_read"] += n
+            if key not in self._index and self._used + self._reserved + n <= self._capacity:
+                # Another node wrote it: now this tier knows (and budgets) it too.
+                self._index[key] = _Entry(key, n)
+                self._used += n
+        return _Outcome(ok=True)
+
+    def _corrupt(self, key: BlockKey, name: str, exc: CorruptBlockError) -> None:
+        """A bad object is forgotten, deleted (best effort) and counted; never returned."""
+        log.warning("tier %s: dropping corrupt object %s: %s", self.name, name, exc)
+        with self._lock:
+            self._counters["corrupt_blocks"] += 1
+            entry = self._index.pop(key, None)
+            if entry is not None:
+                self._used -= entry.nbytes
+        try:
+            self._client.delete_object(Bucket=self.bucket, Key=name)
+        except Exception as del_exc:
+            if is_unavailable(del_exc):
+                self._health.failed(del_exc)
+
+    def _failure(self, exc: BaseException, *, missing_ok: bool = False, key: BlockKey | None = None) -> _Outcome:
+        if missing_ok and is_missing(exc):
+            if key is not None:  # deleted behind our back (another node's eviction)
+                with self._lock:
+                    entry = self._index.pop(key, None)
+                    if entry is not None:
+                        self._used -= entry.nbytes
+            return _Outcome()
+        if is_unavailable(exc):
+            self._health.failed(exc)
+            return _Outcome(exc=TierUnavailableError(f"{type(exc).__name__}: {exc}", tier=self.name))
+        self._health.count(exc)
+        return _Outcome(exc=TierIOError(f"{type(exc).__name__}: {exc}", tier=self.name))
+
+    def _settle(self, outcomes: list[_Outcome]) -> list[bool]:
+        """Per-key results, or the batch's first error: a size mismatch first (the caller's
+        bug), then unavailability, then other I/O failures."""
+        errors = [o.exc for o in outcomes if o.exc is not None]
+        for kind in (BufferSizeError, TierUnavailableError):
+            for exc in errors:
+                if isinstance(exc, kind):
+                    raise exc
+        if errors:
+            raise errors[0]
+        return [o.ok for o in outcomes]
+
+    def _staging(self, nbytes: int) -> np.ndarray:
+        """This thread's reusable staging buffer, at least ``nbytes`` long."""
+        buf = getattr(self._local, "buf", None)
+        if buf is None or buf.nbytes < nbytes:
+            buf = np.empty(max(nbytes, 1 << 20), np.uint8)
+            buf.fill(0)  # touch the pages once now, not on every request
+            self._local.buf = buf
+        return buf[:nbytes]
+
+    def _stage(self, key: BlockKey, src: Any, n: int) -> list[bytearray]:
+        """Header + payload copied once into this thread's reusable upload buffers: one
+        for a single PUT, one per part for a multipart upload. ``bytearray`` because
+        botocore resends those as they are when it retries (a ``memoryview`` would have
+        to be rewound, which botocore cannot do)."""
+        if is_device(src):
+            host = self._staging(n)
+            copy_bytes(host, src)
+        else:
+            host = host_view(src)
+        total = HEADER_BYTES + n
+        piece = self._part_size if total >= self._multipart_threshold else total
+        pieces = self._upload_buffers(total, piece)
+        encode_header(key.digest, host, memoryview(pieces[0])[:HEADER_BYTES])
+        for k, buf in enumerate(pieces):
+            a = k * piece                      # this piece's offset in the object
+            lo = max(a, HEADER_BYTES)
+            dst = np.frombuffer(buf, np.uint8)[lo - a:]
+            np.copyto(dst, host[lo - HEADER_BYTES:lo - HEADER_BYTES + dst.nbytes], casting="no")
+        return pieces
+
+    def _upload_buffers(self, total: int, piece: int) -> list[bytearray]:
+        """Pre-touched buffers covering ``total`` bytes in ``piece``-sized parts, kept per
+        thread and per shape (blocks of one model share a size, so they are reused)."""
+        cache = getattr(self._local, "uploads", None)
+        if cache is None:
+            cache = self._local.uploads = {}
+        bufs = cache.get((total, piece))
+        if bufs is None:
+            if len(cache) >= 4:
+                cache.pop(next(iter(cache)))
+            bufs = [bytearray(min(piece, total - a)) for a in range(0, total, piece)]
+            cache[(total, piece)] = bufs
+        return bufs
+
+    # -- writes -----------------------------------------------------------------------------
+
+    def write(self, keys: Sequence[BlockKey], srcs: Sequence[Any]) -> list[bool]:
+        if len(keys) != len(srcs):
+            raise InvalidArgumentError(f"{len(keys)} keys but {len(srcs)} buffers")
+        self._health.check()
+        first: dict[BlockKey, int] = {}
+        for j, key in enumerate(keys):
+            first.setdefault(key, j)
+        order = list(first.values())
+        outcomes = self._map(self._write_one, [keys[j] for j in order], [srcs[j] for j in order])
+        if any(isinstance(o.exc, TierUnavailableError) for o in outcomes):
+            # The Store will count the whole batch as failed: forget what did land, so the
+            # budget stays in step with the Store's index (the objects stay in the bucket
+            # and any later recover() finds them).
+            with self._lock:
+                for j, o in zip(order, outcomes):
+                    entry = self._index.pop(keys[j], None) if o.ok else None
+                    if entry is not None:
+                        self._used -= entry.nbytes
+        done = dict(zip(order, outcomes))
+        return self._settle([done[first[k]] for k in keys])
+
+    def _write_one(self, key: BlockKey, src: Any) -> _Outcome:
+        if not self._health.healthy:
+            return _Outcome(exc=TierUnavailableError("endpoint unavailable", tier=self.name))
+        n = nbytes_of(src)
+        with self._lock:
+            if key in self._index:
+                return _Outcome(ok=True)
+            if self._used + self._reserved + n > self._capacity:
+                return _Outcome()
+            self._reserved += n
+        stored = False
+        try:
+            pieces = self._stage(key, src, n)
+            name = _s3io.object_name(self.prefix, key)
+            meta = _s3io.metadata_for(key)
+            if len(pieces) > 1:
+                _s3io.put_multipart(self._client, self.bucket, name, pieces, meta, self._parts)
+                self._count("multipart_puts")
+            else:
+                _s3io.put(self._client, self.bucket, name, pieces[0], meta)
+            stored = True
+        except Exception as exc:
+            return self._failure(exc)
+        finally:
+            with self._lock:
+                self._reserved -= n
+                if stored:
+                    self._counters["puts"] += 1
+                    self._counters["bytes_written"] += n
+                    if key not in self._index:  # a racing writer of the same key may have won
+                        self._index[key] = _Entry(key, n)
+                        self._used += n
+        return _Outcome(ok=True)
+
+    # -- removal, listing, recovery ---------------------------------------------------------
+
+    def delete(self, keys: Sequence[BlockKey]) -> int:
+        """Forget the keys and delete their objects. Returns how many were indexed. When
+        the endpoint is down the objects stay (a later :meth:`recover` finds them) and
+        :class:`TierUnavailableError` is raised after the index is updated."""
+        removed = []
+        with self._lock:
+            for key in dict.fromkeys(keys):
+                entry = self._index.pop(key, None)
+                if entry is not None:
+                    self._used -= entry.nbytes
+                    removed.append(key)
+        self._health.check()
+        outcomes = self._map(self._delete_one, removed)
+        self._settle(outcomes)
+        return len(removed)
+
+    def _delete_one(self, key: BlockKey) -> _Outcome:
+        try:
+            self._client.delete_object(Bucket=self.bucket, Key=_s3io.object_name(self.prefix, key))
+        except Exception as exc:
+            return self._failure(exc, missing_ok=True)
+        self._count("deletes")
+        return _Outcome(ok=True)
+
+    def _listing(self) -> Iterator[tuple[BlockKey, int, float]]:
+        """Every block object under the prefix: ``(key without parent, nbytes, mtime)``."""
+        self._health.check()
+        paginator = self._client.get_paginator("list_objects_v2")
+        root = f"{self.prefix}/" if self.prefix else ""
+        try:
+            for page in paginator.paginate(Bucket=self.bucket, Prefix=root):
+                for obj in page.get("Contents", ()):
+                    parsed = _s3io.parse_name(self.prefix, obj["Key"])
+                    if parsed is None or obj["Size"] < HEADER_BYTES:
+                        continue
+                    ns, digest = parsed
+                    key = BlockKey.from_hex(digest, namespace=ns)
+                    yield key, int(obj["Size"]) - HEADER_BYTES, obj["LastModified"].timestamp()
+        except (TierUnavailableError, TierIOError):
+            raise
+        except Exception as exc:
+            raise self._failure(exc).exc from exc
+
+    def keys(self) -> Iterator[BlockKey]:
+        """A fresh bucket listing: every block under the prefix, whichever node wrote it
+        (keys carry their namespace; parents are in :meth:`recover`'s keys)."""
+        with self._lock:
+            known = {k: k for k in self._index}
+        return iter([known.get(key, key) for key, _, _ in self._listing()])
+
+    def recover(self) -> list[RecoveredBlock]:
+        """Rebuild the index from a bucket listing (parents from each object's metadata),
+        oldest ``LastModified`` first. Blocks beyond the byte budget are still returned so
+        the Store can evict down to it."""
+        listed = sorted(self._listing(), key=lambda t: t[2])
+        keys = self._map(self._with_parent, [k for k, _, _ in listed])
+        with self._lock:
+            self._index = {k: _Entry(k, n, t) for k, (_, n, t) in zip(keys, listed)}
+            self._used = sum(e.nbytes for e in self._index.values())
+        return [RecoveredBlock(k, n, t) for k, (_, n, t) in zip(keys, listed)]
+
+    def _with_parent(self, key: BlockKey) -> BlockKey:
+        try:
+            head = self._client.head_object(Bucket=self.bucket, Key=_s3io.object_name(self.prefix, key))
+        except Exception as exc:
+            if is_unavailable(exc):
+                self._health.failed(exc)
+            return key  # gone meanwhile, or unreadable: the digest alone still addresses it
+        parent = head.get("Metadata", {}).get(_s3io.META_PARENT)
+        try:
+            return BlockKey(key.digest, bytes.fromhex(parent), key.namespace) if parent else key
+        except (ValueError, InvalidArgumentError):
+            return key
+
+    # -- lifecycle --------------------------------------------------------------------------
+
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            counters = dict(self._counters)
+            blocks = len(self._index)
+        return {**self._health.stats(), **counters, "blocks": blocks, "bucket": self.bucket,
+                "prefix": self.prefix, "endpoint": self._settings.where}
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._health.close()
+        self._pool.shutdown(wait=True)
+        self._parts.shutdown(wait=True)
+        for client in (self._client, self._probe_client):
+            client.close()
