@@ -1,8 +1,4 @@
-"""Slot bookkeeping for a tier that carves one arena into slots (the GPU tier).
-
-It is the DRAM tier's design (same allocator, same reader counts) lifted out of the
-tier so arenas on any device can share it; DramTier can move onto it once the
-concurrent changes to its internals (in-place reservations) have landed.
+"""Slot bookkeeping for a tier that carves one arena into slots (DRAM and GPU tiers).
 
 :class:`SlotIndex` knows which key lives at which ``(offset, nbytes)`` of the arena,
 counts payload bytes against the configured capacity and keeps a reader count per
@@ -15,10 +11,13 @@ Thread-safe: every method takes the index's lock briefly.
 from __future__ import annotations
 
 import threading
-from typing import Iterator, Sequence
+from typing import Iterator, Sequence, Union
 
 from kvstore.keys import BlockKey
 from tiers._extents import ExtentAllocator
+
+
+Reserved = Union[bool, None, tuple[int, int]]  # stored already / no room / (offset, nbytes)
 
 
 class Slot:
@@ -32,15 +31,18 @@ class Slot:
 
 class SlotIndex:
     """Key → slot map over an arena of ``arena_bytes`` holding at most ``capacity_bytes``
-    of payload. Writes are two-phase: :meth:`reserve` takes room (counted at once, so
-    concurrent writers never overshoot the capacity), :meth:`commit` publishes the key
-    once its bytes are in place, :meth:`abort` returns the room after a failed copy."""
+    of payload. Writes are two-phase: :meth:`reserve_many` takes room (counted at once,
+    so concurrent writers never overshoot the capacity), :meth:`commit_many` publishes
+    keys once their bytes are in place, :meth:`abort_many` returns the room after a
+    failed copy, :meth:`abandon_many` keeps it for good (a transfer that could not be
+    cancelled may still write it). Batch methods take the lock once per batch."""
 
     def __init__(self, capacity_bytes: int, arena_bytes: int, align: int) -> None:
         self.capacity_bytes = int(capacity_bytes)
         self._alloc = ExtentAllocator(arena_bytes, align)
         self._slots: dict[BlockKey, Slot] = {}
         self._used = 0
+        self.abandoned_bytes = 0
         self._lock = threading.Lock()
 
     @property
@@ -59,48 +61,78 @@ class SlotIndex:
         slot = self._slots.get(key)
         return (slot.offset, slot.nbytes) if slot else None
 
-    def reserve(self, key: BlockKey, nbytes: int) -> tuple[bool, int | None]:
-        """``(True, None)`` when ``key`` is already stored; ``(False, offset)`` with room
-        reserved for ``nbytes``; ``(False, None)`` when there is no room."""
+    def reserve_many(self, keys: Sequence[BlockKey], sizes: Sequence[int]) -> list[Reserved]:
+        """Per key: ``True`` when already stored, ``(offset, nbytes)`` with room reserved,
+        ``None`` when there is no room."""
+        out: list[Reserved] = []
         with self._lock:
-            if key in self._slots:
-                return True, None
-            if self._used + nbytes > self.capacity_bytes:
-                return False, None
-            offset = self._alloc.alloc(nbytes)
-            if offset is None:
-                return False, None
-            self._used += nbytes
-            return False, offset
+            for key, nbytes in zip(keys, sizes):
+                if key in self._slots:
+                    out.append(True)
+                    continue
+                offset = self._alloc.alloc(nbytes) if self._used + nbytes <= self.capacity_bytes else None
+                if offset is None:
+                    out.append(None)
+                    continue
+                self._used += nbytes
+                out.append((offset, nbytes))
+        return out
 
-    def commit(self, key: BlockKey, offset: int, nbytes: int) -> None:
-        """Publish a reserved slot whose bytes are in place. A concurrent writer of the
-        same key that committed first wins (same key, same content); ours is freed."""
+    def commit_many(self, keys: Sequence[BlockKey], reserved: Sequence[Reserved]) -> list[bool]:
+        """Publish reserved slots whose bytes are in place. Per key: True when stored
+        (a concurrent writer of the same key that committed first wins — same key, same
+        content — and ours is freed), False where nothing was reserved."""
+        out = []
         with self._lock:
-            if key in self._slots:
-                self._alloc.free(offset, nbytes)
-                self._used -= nbytes
-            else:
-                self._slots[key] = Slot(offset, nbytes)
+            for key, entry in zip(keys, reserved):
+                if not isinstance(entry, tuple):
+                    out.append(entry is True)
+                    continue
+                offset, nbytes = entry
+                if key in self._slots:
+                    self._alloc.free(offset, nbytes)
+                    self._used -= nbytes
+                else:
+                    self._slots[key] = Slot(offset, nbytes)
+                out.append(True)
+        return out
 
-    def abort(self, offset: int, nbytes: int) -> None:
+    def abort_many(self, reserved: Sequence[Reserved]) -> None:
         with self._lock:
-            self._alloc.free(offset, nbytes)
-            self._used -= nbytes
+            for entry in reserved:
+                if isinstance(entry, tuple):
+                    self._alloc.free(*entry)
+                    self._used -= entry[1]
+
+    def abandon_many(self, reserved: Sequence[Reserved]) -> None:
+        """Keep reserved room out of use for good and store nothing."""
+        with self._lock:
+            self.abandoned_bytes += sum(e[1] for e in reserved if isinstance(e, tuple))
+
+    def acquire_many(self, keys: Sequence[BlockKey]) -> list[Slot | None]:
+        """The keys' slots with a reader held on each (``None`` when absent); pair with
+        :meth:`release_many`."""
+        with self._lock:
+            slots = [self._slots.get(k) for k in keys]
+            for slot in slots:
+                if slot is not None:
+                    slot.readers += 1
+        return slots
+
+    def release_many(self, slots: Sequence[Slot | None]) -> None:
+        with self._lock:
+            for slot in slots:
+                if slot is None:
+                    continue
+                slot.readers -= 1
+                if slot.dead and slot.readers == 0:
+                    self._alloc.free(slot.offset, slot.nbytes)
 
     def acquire(self, key: BlockKey) -> Slot | None:
-        """The key's slot with a reader held (``None`` when absent); pair with release."""
-        with self._lock:
-            slot = self._slots.get(key)
-            if slot is not None:
-                slot.readers += 1
-            return slot
+        return self.acquire_many([key])[0]
 
     def release(self, slot: Slot) -> None:
-        with self._lock:
-            slot.readers -= 1
-            if slot.dead and slot.readers == 0:
-                self._alloc.free(slot.offset, slot.nbytes)
+        self.release_many([slot])
 
     def delete(self, keys: Sequence[BlockKey]) -> int:
         removed = 0

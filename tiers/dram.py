@@ -22,7 +22,7 @@ from kvstore._transfer import copy_device_pairs
 from kvstore.buffers import host_view, is_device, nbytes_of
 from kvstore.errors import BufferSizeError, InvalidArgumentError
 from kvstore.keys import BlockKey
-from tiers._extents import ExtentAllocator
+from tiers._arena import SlotIndex
 from tiers.base import Tier, TierCapabilities
 
 log = logging.getLogger(__name__)
@@ -46,13 +46,6 @@ def _pool() -> ThreadPoolExecutor:
 def _copy_host_pairs(pairs: list[tuple[Any, Any]], total: int) -> None:
     if pairs:
         copy_batch(pairs, total, _pool() if _COPY_THREADS > 1 else None, _COPY_THREADS)
-
-
-class _Slot:
-    __slots__ = ("offset", "nbytes", "readers", "dead")
-
-    def __init__(self, offset: int, nbytes: int) -> None:
-        self.offset, self.nbytes, self.readers, self.dead = offset, nbytes, 0, False
 
 
 class DramTier(Tier):
@@ -86,11 +79,8 @@ class DramTier(Tier):
         self._readonly = self.arena.view()
         self._readonly.flags.writeable = False
         self.pinned = self._pin() if pin is not False else False
-        self._alloc = ExtentAllocator(size, SLOT_ALIGN)
-        self._slots: dict[BlockKey, _Slot] = {}
-        self._used = 0
-        self._abandoned = 0  # reserved bytes a failed, uncancellable transfer may still write
-        self._lock = threading.Lock()
+        self._index = SlotIndex(self._capacity, size, SLOT_ALIGN)
+        self._close_lock = threading.Lock()
         self.capabilities = TierCapabilities(device="cpu", alignment=SLOT_ALIGN, max_concurrency=1,
                                              zero_copy_view=True)
 
@@ -113,30 +103,22 @@ class DramTier(Tier):
 
     @property
     def used_bytes(self) -> int:
-        return self._used
+        return self._index.used_bytes
 
     def nbytes(self, key: BlockKey) -> int | None:
-        slot = self._slots.get(key)
-        return slot.nbytes if slot else None
+        return self._index.nbytes(key)
 
     def contains(self, keys: Sequence[BlockKey]) -> list[bool]:
-        slots = self._slots
-        return [k in slots for k in keys]
+        return self._index.contains(keys)
 
     def offset_of(self, key: BlockKey) -> tuple[int, int] | None:
         """``(offset, nbytes)`` of a stored block inside the arena, for same-host sharing."""
-        slot = self._slots.get(key)
-        return (slot.offset, slot.nbytes) if slot else None
+        return self._index.offset_of(key)
 
     def read_into(self, keys: Sequence[BlockKey], dsts: Sequence[Any]) -> list[bool]:
         if len(keys) != len(dsts):
             raise InvalidArgumentError(f"{len(keys)} keys but {len(dsts)} buffers")
-        with self._lock:  # one lock hold pins the whole batch's slots
-            slots = [self._slots.get(key) for key in keys]
-            for slot in slots:
-                if slot is not None:
-                    slot.readers += 1
-        device: list[tuple[Any, np.ndarray]] = []
+        slots = self._index.acquire_many(keys)  # one lock hold pins the whole batch
         try:
             for slot, dst in zip(slots, dsts):
                 if slot is not None and nbytes_of(dst) != slot.nbytes:
@@ -144,6 +126,7 @@ class DramTier(Tier):
                         f"[{self.name}] buffer has {nbytes_of(dst)} bytes, block has {slot.nbytes}")
             arena = self.arena
             host: list[tuple[Any, np.ndarray]] = []
+            device: list[tuple[Any, np.ndarray]] = []
             total = 0
             for slot, dst in zip(slots, dsts):
                 if slot is None:
@@ -158,12 +141,7 @@ class DramTier(Tier):
             # One batch per device on its copy stream; the arena is pinned where CUDA is.
             copy_device_pairs(device, pinned=self.pinned)
         finally:
-            with self._lock:
-                for slot in slots:
-                    if slot is not None:
-                        slot.readers -= 1
-                        if slot.dead and slot.readers == 0:
-                            self._alloc.free(slot.offset, slot.nbytes)
+            self._index.release_many(slots)
         return [slot is not None for slot in slots]
 
     def write(self, keys: Sequence[BlockKey], srcs: Sequence[Any]) -> list[bool]:
@@ -171,114 +149,52 @@ class DramTier(Tier):
         # adjacent slots when the arena has the room (same-host readers then copy it
         # as one range); copy outside the lock (device sources as one batch), publish
         # at the end.
-        out = [False] * len(keys)
-        plan: list[tuple[int, BlockKey, Any, int, int]] = []
-        with self._lock:
-            for j, (key, src) in enumerate(zip(keys, srcs, strict=True)):
-                if key in self._slots:
-                    out[j] = True
-                    continue
-                n = nbytes_of(src)
-                if self._used + n > self._capacity:
-                    continue
-                offset = self._alloc.alloc(n)
-                if offset is None:
-                    continue
-                self._used += n  # reserved now; visible once the bytes are in place
-                plan.append((j, key, src, offset, n))
-        device: list[tuple[np.ndarray, Any]] = []
+        if len(keys) != len(srcs):
+            raise InvalidArgumentError(f"{len(keys)} keys but {len(srcs)} buffers")
+        sizes = [nbytes_of(src) for src in srcs]
+        reserved = self._index.reserve_many(keys, sizes)
         host: list[tuple[np.ndarray, Any]] = []
+        device: list[tuple[np.ndarray, Any]] = []
+        total = 0
         try:
-            for _, _, src, offset, n in plan:
+            for entry, src in zip(reserved, srcs):
+                if not isinstance(entry, tuple):
+                    continue
+                offset, n = entry
                 dst = self.arena[offset:offset + n]
                 if is_device(src):
                     device.append((dst, src))
                 else:
                     host.append((dst, host_view(src)))
-            _copy_host_pairs(host, sum(p[4] for p in plan))
+                    total += n
+            _copy_host_pairs(host, total)
             copy_device_pairs(device, pinned=self.pinned)
         except BaseException:
-            with self._lock:
-                for _, _, _, offset, n in plan:
-                    self._alloc.free(offset, n)
-                    self._used -= n
+            self._index.abort_many(reserved)
             raise
-        with self._lock:
-            for j, key, _, offset, n in plan:
-                if key in self._slots:  # a concurrent writer won; keep its copy
-                    self._alloc.free(offset, n)
-                    self._used -= n
-                else:
-                    self._slots[key] = _Slot(offset, n)
-                out[j] = True
-        return out
+        return self._index.commit_many(keys, reserved)
 
     def delete(self, keys: Sequence[BlockKey]) -> int:
-        removed = 0
-        with self._lock:
-            for key in keys:
-                slot = self._slots.pop(key, None)
-                if slot is None:
-                    continue
-                removed += 1
-                self._used -= slot.nbytes
-                if slot.readers:
-                    slot.dead = True  # freed by the last reader
-                else:
-                    self._alloc.free(slot.offset, slot.nbytes)
-        return removed
+        return self._index.delete(keys)
 
     def keys(self) -> Iterator[BlockKey]:
-        with self._lock:
-            snapshot = list(self._slots)
-        return iter(snapshot)
+        return self._index.keys()
 
     @contextmanager
     def view(self, key: BlockKey) -> Iterator[np.ndarray | None]:
-        slot = self._acquire(key)
-        if slot is None:
-            yield None
-            return
-        try:
-            v = self.arena[slot.offset:slot.offset + slot.nbytes]
-            v.flags.writeable = False
-            yield v
-        finally:
-            self._release(slot)
+        with self.views([key]) as views:
+            yield views[0]
 
     @contextmanager
     def views(self, keys: Sequence[BlockKey]) -> Iterator[list[np.ndarray | None]]:
         """Read-only views of many blocks, their slots held under one lock round trip
         each way (the cache server borrows whole batches this way)."""
-        with self._lock:
-            slots = [self._slots.get(k) for k in keys]
-            for slot in slots:
-                if slot is not None:
-                    slot.readers += 1
+        slots = self._index.acquire_many(keys)
         try:
             ro = self._readonly
             yield [ro[s.offset:s.offset + s.nbytes] if s is not None else None for s in slots]
         finally:
-            with self._lock:
-                for slot in slots:
-                    if slot is None:
-                        continue
-                    slot.readers -= 1
-                    if slot.dead and slot.readers == 0:
-                        self._alloc.free(slot.offset, slot.nbytes)
-
-    def _acquire(self, key: BlockKey) -> _Slot | None:
-        with self._lock:
-            slot = self._slots.get(key)
-            if slot is not None:
-                slot.readers += 1
-            return slot
-
-    def _release(self, slot: _Slot) -> None:
-        with self._lock:
-            slot.readers -= 1
-            if slot.dead and slot.readers == 0:
-                self._alloc.free(slot.offset, slot.nbytes)
+            self._index.release_many(slots)
 
     def reserve(self, keys: Sequence[BlockKey], sizes: Sequence[int]) -> "Reservation":
         """Reserve slots that a caller fills in place (e.g. a one-sided network transfer
@@ -290,54 +206,21 @@ class DramTier(Tier):
         ``commit()``, ``abort()`` or ``abandon()``."""
         if len(keys) != len(sizes):
             raise InvalidArgumentError(f"{len(keys)} keys but {len(sizes)} sizes")
-        entries: list[tuple[BlockKey, int, int] | None] = []
-        with self._lock:
-            for key, n in zip(keys, sizes):
-                n = int(n)
-                if n <= 0:
-                    raise InvalidArgumentError(f"[{self.name}] block size must be positive, got {n}")
-                if key in self._slots or self._used + n > self._capacity:
-                    entries.append(None)
-                    continue
-                offset = self._alloc.alloc(n)
-                if offset is None:
-                    entries.append(None)
-                    continue
-                self._used += n
-                entries.append((key, offset, n))
-        present = [e is None and k in self._slots for e, k in zip(entries, keys)]
-        return Reservation(self, entries, present)
-
-    def _end_reservation(self, entries: list, publish: bool, keep: bool) -> list[bool]:
-        out = []
-        with self._lock:
-            for entry in entries:
-                if entry is None:
-                    out.append(False)
-                    continue
-                key, offset, n = entry
-                if keep:
-                    self._abandoned += n
-                    out.append(False)
-                elif publish and key not in self._slots:
-                    self._slots[key] = _Slot(offset, n)
-                    out.append(True)
-                else:  # aborted, or a concurrent writer stored the key first
-                    self._alloc.free(offset, n)
-                    self._used -= n
-                    out.append(publish)
-        return out
+        sizes = [int(n) for n in sizes]
+        for n in sizes:
+            if n <= 0:
+                raise InvalidArgumentError(f"[{self.name}] block size must be positive, got {n}")
+        return Reservation(self, list(keys), self._index.reserve_many(keys, sizes))
 
     def stats(self) -> dict[str, Any]:
         return {"pinned": self.pinned, "shared_memory": bool(self.shm_path),
-                "largest_free_bytes": self._alloc.largest_free(), "abandoned_bytes": self._abandoned}
+                "largest_free_bytes": self._index.largest_free(), "abandoned_bytes": self._index.abandoned_bytes}
 
     def close(self) -> None:
-        with self._lock:
+        with self._close_lock:
             if self._mmap is None:
                 return
-            self._slots.clear()
-            self._used = 0
+            self._index.clear()
             mm, self._mmap = self._mmap, None
         self.arena = self._readonly = np.empty(0, dtype=np.uint8)
         try:
@@ -356,30 +239,31 @@ class Reservation:
     for ``keys[i]`` or ``None`` (already stored, or no room). Not thread-safe: one owner
     fills the views, then ends the reservation once."""
 
-    def __init__(self, tier: DramTier, entries: list, present: list[bool]) -> None:
-        self._tier, self._entries, self._present = tier, entries, present
+    def __init__(self, tier: DramTier, keys: list[BlockKey], reserved: list) -> None:
+        self._tier, self._keys, self._reserved = tier, keys, reserved
         self.views: list[np.ndarray | None] = [
-            None if e is None else tier.arena[e[1]:e[1] + e[2]] for e in entries]
+            tier.arena[e[0]:e[0] + e[1]] if isinstance(e, tuple) else None for e in reserved]
         self._done = False
 
     def commit(self) -> list[bool]:
         """Publish the filled slots. Per key: True when stored now or already stored
         before, False when there was no room."""
-        published = self._finish(publish=True, keep=False)
-        return [p or was for p, was in zip(published, self._present)]
+        self._finish()
+        return self._tier._index.commit_many(self._keys, self._reserved)
 
     def abort(self) -> None:
         """Free every reserved slot; nothing is stored."""
-        self._finish(publish=False, keep=False)
+        self._finish()
+        self._tier._index.abort_many(self._reserved)
 
     def abandon(self) -> None:
         """Keep the slots reserved for good and store nothing: a transfer that could not
         be cancelled may still write them, so they must never be reused."""
-        self._finish(publish=False, keep=True)
+        self._finish()
+        self._tier._index.abandon_many(self._reserved)
 
-    def _finish(self, *, publish: bool, keep: bool) -> list[bool]:
+    def _finish(self) -> None:
         if self._done:
             raise InvalidArgumentError("reservation already ended")
         self._done = True
-        self.views = [None] * len(self._entries)
-        return self._tier._end_reservation(self._entries, publish, keep)
+        self.views = [None] * len(self._reserved)

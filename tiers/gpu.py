@@ -80,7 +80,7 @@ class GpuTier(Tier):
         """Copy blocks into caller buffers (host or any-device tensors). All copies of
         the call complete before it returns."""
         index = self._index
-        slots = [index.acquire(k) for k in keys]
+        slots = index.acquire_many(keys)
         try:
             for slot, dst in zip(slots, dsts, strict=True):
                 if slot is not None and nbytes_of(dst) != slot.nbytes:
@@ -91,33 +91,25 @@ class GpuTier(Tier):
                     if slot is not None:
                         batch.copy(dst, self._span(slot.offset, slot.nbytes))
         finally:
-            for slot in slots:
-                if slot is not None:
-                    index.release(slot)
+            index.release_many(slots)
         return [slot is not None for slot in slots]
 
     def write(self, keys: Sequence[BlockKey], srcs: Sequence[Any]) -> list[bool]:
         """Copy each source (host buffer or tensor) into a new slot; the tier keeps no
         reference to ``srcs`` once this returns."""
+        if len(keys) != len(srcs):
+            raise InvalidArgumentError(f"{len(keys)} keys but {len(srcs)} buffers")
         index = self._index
-        out: list[bool] = []
-        placed: list[tuple[BlockKey, int, int]] = []
+        reserved = index.reserve_many(keys, [nbytes_of(src) for src in srcs])
         try:
             with self._copier.batch() as batch:
-                for key, src in zip(keys, srcs, strict=True):
-                    n = nbytes_of(src)
-                    stored, offset = index.reserve(key, n)
-                    out.append(stored or offset is not None)
-                    if offset is not None:
-                        placed.append((key, offset, n))
-                        batch.copy(self._span(offset, n), src)
+                for entry, src in zip(reserved, srcs, strict=True):
+                    if isinstance(entry, tuple):
+                        batch.copy(self._span(*entry), src)
         except BaseException:
-            for _, offset, n in placed:
-                index.abort(offset, n)
+            index.abort_many(reserved)
             raise
-        for key, offset, n in placed:
-            index.commit(key, offset, n)  # visible only once the bytes are in place
-        return out
+        return index.commit_many(keys, reserved)  # visible only once the bytes are in place
 
     def delete(self, keys: Sequence[BlockKey]) -> int:
         return self._index.delete(keys)
