@@ -15,6 +15,7 @@ from typing import Iterator, Sequence, Union
 
 from kvstore.keys import BlockKey
 from tiers._extents import ExtentAllocator
+from tiers.base import Tier
 
 
 Reserved = Union[bool, None, tuple[int, int]]  # stored already / no room / (offset, nbytes)
@@ -162,3 +163,36 @@ class SlotIndex:
         with self._lock:
             self._slots.clear()
             self._used = 0
+
+
+class ArenaTier(Tier):
+    """The Tier methods every arena tier answers from its :class:`SlotIndex`; subclasses
+    set ``_capacity`` and ``_index`` and implement the copies."""
+
+    _capacity: int
+    _index: SlotIndex
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self._capacity
+
+    @property
+    def used_bytes(self) -> int:
+        return self._index.used_bytes
+
+    def nbytes(self, key: BlockKey) -> int | None:
+        return self._index.nbytes(key)
+
+    def contains(self, keys: Sequence[BlockKey]) -> list[bool]:
+        return self._index.contains(keys)
+
+    def offset_of(self, key: BlockKey) -> tuple[int, int] | None:
+        """``(offset, nbytes)`` of a stored block inside the arena (same-host sharing,
+        IPC handles)."""
+        return self._index.offset_of(key)
+
+    def delete(self, keys: Sequence[BlockKey]) -> int:
+        return self._index.delete(keys)
+
+    def keys(self) -> Iterator[BlockKey]:
+        return self._index.keys()

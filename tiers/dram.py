@@ -22,8 +22,8 @@ from kvstore._transfer import copy_device_pairs
 from kvstore.buffers import host_view, is_device, nbytes_of
 from kvstore.errors import BufferSizeError, InvalidArgumentError
 from kvstore.keys import BlockKey
-from tiers._arena import SlotIndex
-from tiers.base import Tier, TierCapabilities
+from tiers._arena import ArenaTier, SlotIndex
+from tiers.base import TierCapabilities
 
 log = logging.getLogger(__name__)
 PAGE = mmap.PAGESIZE
@@ -48,7 +48,7 @@ def _copy_host_pairs(pairs: list[tuple[Any, Any]], total: int) -> None:
         copy_batch(pairs, total, _pool() if _COPY_THREADS > 1 else None, _COPY_THREADS)
 
 
-class DramTier(Tier):
+class DramTier(ArenaTier):
     """Blocks in one pre-faulted host arena of ``capacity_bytes``.
 
     ``shm_path``: back the arena with this file (e.g. ``/dev/shm/kvstore-main``) so other
@@ -96,24 +96,6 @@ class DramTier(Tier):
         except Exception as exc:  # pinning is an optimisation; plain memory still works
             log.warning("could not pin DRAM tier %s: %s", self.name, exc)
             return False
-
-    @property
-    def capacity_bytes(self) -> int:
-        return self._capacity
-
-    @property
-    def used_bytes(self) -> int:
-        return self._index.used_bytes
-
-    def nbytes(self, key: BlockKey) -> int | None:
-        return self._index.nbytes(key)
-
-    def contains(self, keys: Sequence[BlockKey]) -> list[bool]:
-        return self._index.contains(keys)
-
-    def offset_of(self, key: BlockKey) -> tuple[int, int] | None:
-        """``(offset, nbytes)`` of a stored block inside the arena, for same-host sharing."""
-        return self._index.offset_of(key)
 
     def read_into(self, keys: Sequence[BlockKey], dsts: Sequence[Any]) -> list[bool]:
         if len(keys) != len(dsts):
@@ -173,12 +155,6 @@ class DramTier(Tier):
             self._index.abort_many(reserved)
             raise
         return self._index.commit_many(keys, reserved)
-
-    def delete(self, keys: Sequence[BlockKey]) -> int:
-        return self._index.delete(keys)
-
-    def keys(self) -> Iterator[BlockKey]:
-        return self._index.keys()
 
     @contextmanager
     def view(self, key: BlockKey) -> Iterator[np.ndarray | None]:

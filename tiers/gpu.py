@@ -20,13 +20,13 @@ from kvstore._transfer import DeviceCopier, resolve_device
 from kvstore.buffers import nbytes_of
 from kvstore.errors import BufferSizeError, InvalidArgumentError, TierUnavailableError
 from kvstore.keys import BlockKey
-from tiers._arena import SlotIndex
-from tiers.base import Tier, TierCapabilities
+from tiers._arena import ArenaTier, SlotIndex
+from tiers.base import TierCapabilities
 
 SLOT_ALIGN = 256  # CUDA's allocation granularity for coalesced access and DMA
 
 
-class GpuTier(Tier):
+class GpuTier(ArenaTier):
     """Blocks in one arena of ``capacity_bytes`` on ``device`` (``"cuda:N"`` or ``"cpu"``).
 
     Capacity is byte-accurate: ``used_bytes`` counts payload bytes and never exceeds
@@ -57,24 +57,6 @@ class GpuTier(Tier):
         self._index = SlotIndex(self._capacity, size, SLOT_ALIGN)
         self.capabilities = TierCapabilities(device=str(self.device), alignment=SLOT_ALIGN,
                                              max_concurrency=1, zero_copy_view=True)
-
-    @property
-    def capacity_bytes(self) -> int:
-        return self._capacity
-
-    @property
-    def used_bytes(self) -> int:
-        return self._index.used_bytes
-
-    def nbytes(self, key: BlockKey) -> int | None:
-        return self._index.nbytes(key)
-
-    def contains(self, keys: Sequence[BlockKey]) -> list[bool]:
-        return self._index.contains(keys)
-
-    def offset_of(self, key: BlockKey) -> tuple[int, int] | None:
-        """``(offset, nbytes)`` of a stored block inside the arena (e.g. for IPC handles)."""
-        return self._index.offset_of(key)
 
     def read_into(self, keys: Sequence[BlockKey], dsts: Sequence[Any]) -> list[bool]:
         """Copy blocks into caller buffers (host or any-device tensors). All copies of
@@ -110,12 +92,6 @@ class GpuTier(Tier):
             index.abort_many(reserved)
             raise
         return index.commit_many(keys, reserved)  # visible only once the bytes are in place
-
-    def delete(self, keys: Sequence[BlockKey]) -> int:
-        return self._index.delete(keys)
-
-    def keys(self) -> Iterator[BlockKey]:
-        return self._index.keys()
 
     @contextmanager
     def view(self, key: BlockKey) -> Iterator[Any]:
