@@ -90,7 +90,23 @@ class BlockKey:
         if len(data) != KEY_WIRE_BYTES:
             raise InvalidArgumentError(f"encoded BlockKey must be {KEY_WIRE_BYTES} bytes, got {len(data)}")
         data = bytes(data)
-        return cls(data[:32], data[32:64], data[64:])
+        parent, namespace = data[32:64], data[64:]
+        return _trusted(data[:32], None if parent == _ZERO else parent, None if namespace == _ZERO else namespace)
+
+
+def _trusted(digest: bytes, parent: bytes | None, namespace: bytes | None) -> BlockKey:
+    """A BlockKey from fields already known to be well-formed 32-byte digests (just
+    hashed, or read back from a checksummed record): skips ``__init__``'s validation on
+    the hot paths (hashing a prompt, recovering a million-entry index)."""
+    key = _new(BlockKey)
+    _set(key, "digest", digest)
+    _set(key, "parent", parent)
+    _set(key, "namespace", namespace)
+    _set(key, "_hash", hash(digest))
+    return key
+
+
+_new, _set = object.__new__, object.__setattr__
 
 
 @dataclass(frozen=True)
@@ -133,16 +149,10 @@ class Namespace:
         step = self.chunk_tokens * 4
         ns, prev, keys = self.digest, self.digest, []
         parent = None
-        blake, new, setattr_ = hashlib.blake2b, object.__new__, object.__setattr__
+        blake = hashlib.blake2b
         for i in range(n):
             digest = blake(prev + raw[i * step:(i + 1) * step], digest_size=DIGEST_BYTES).digest()
-            # Trusted fields: skip BlockKey.__init__'s validation on this hot path.
-            key = new(BlockKey)
-            setattr_(key, "digest", digest)
-            setattr_(key, "parent", parent)
-            setattr_(key, "namespace", ns)
-            setattr_(key, "_hash", hash(digest))
-            keys.append(key)
+            keys.append(_trusted(digest, parent, ns))
             parent = prev = digest
         return keys
 
