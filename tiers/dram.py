@@ -17,7 +17,6 @@ from typing import Any, Iterator, Sequence
 
 import numpy as np
 
-from kvstore._copy import copy_batch
 from kvstore._transfer import copy_device_pairs
 from kvstore.buffers import host_view, is_device, nbytes_of
 from kvstore.errors import BufferSizeError, InvalidArgumentError
@@ -31,6 +30,7 @@ SLOT_ALIGN = 4096  # slots stay O_DIRECT-aligned so NVMe I/O can use them in pla
 # Large batches copy on two threads (numpy releases the GIL): one thread's memcpy does
 # not reach the memory bandwidth (11-14 GB/s one thread, ~23 GB/s two, on these VMs).
 _COPY_THREADS = min(2, os.cpu_count() or 1)
+PARALLEL_BYTES = 8 << 20
 _copy_pool: ThreadPoolExecutor | None = None
 _copy_pool_lock = threading.Lock()
 
@@ -39,13 +39,32 @@ def _pool() -> ThreadPoolExecutor:
     global _copy_pool
     with _copy_pool_lock:
         if _copy_pool is None:
-            _copy_pool = ThreadPoolExecutor(max(1, _COPY_THREADS - 1), thread_name_prefix="kvstore-copy")
+            _copy_pool = ThreadPoolExecutor(1, thread_name_prefix="kvstore-copy")
         return _copy_pool
 
 
-def _copy_host_pairs(pairs: list[tuple[Any, Any]], total: int) -> None:
-    if pairs:
-        copy_batch(pairs, total, _pool() if _COPY_THREADS > 1 else None, _COPY_THREADS)
+def _copy_host_pairs(pairs: list[tuple[np.ndarray, np.ndarray]], total: int) -> None:
+    """Copy ``(dst, src)`` byte arrays; a batch of ``PARALLEL_BYTES`` or more is split
+    by bytes, at block boundaries, over two threads."""
+    if _COPY_THREADS < 2 or len(pairs) < 2 or total < PARALLEL_BYTES:
+        _copy_all(pairs)
+        return
+    half, acc = len(pairs), 0
+    for i, (dst, _) in enumerate(pairs):
+        acc += dst.nbytes
+        if 2 * acc >= total:
+            half = i + 1
+            break
+    other = _pool().submit(_copy_all, pairs[half:])
+    try:
+        _copy_all(pairs[:half])
+    finally:
+        other.result()
+
+
+def _copy_all(pairs: list[tuple[np.ndarray, np.ndarray]]) -> None:
+    for dst, src in pairs:
+        np.copyto(dst, src, casting="no")
 
 
 class DramTier(ArenaTier):
