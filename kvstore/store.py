@@ -16,42 +16,19 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from typing import Any, Iterator, Mapping, Sequence
 
-import numpy as np
-
 from kvstore._build import build_admission, build_eviction, build_tier
+from kvstore._movement import Level, TierMovement, parent_of
 from kvstore.buffers import nbytes_of
-from kvstore.config import StoreConfig, TierConfig, load_config
-from kvstore.errors import BufferSizeError, InvalidArgumentError, StoreClosedError, TierError
+from kvstore.config import StoreConfig, load_config
+from kvstore.errors import BufferSizeError, InvalidArgumentError, StoreClosedError
 from kvstore.keys import BlockKey
-from policies.base import AdmissionPolicy, Decision, EvictionPolicy
 from policies.placement import Placement, WriteMode
 from tiers.base import Tier
 
 log = logging.getLogger(__name__)
-_COUNTERS = ("hits", "misses", "writes", "bytes_written", "bytes_read", "evictions", "spills",
-             "promotions", "rejected", "throttled", "full", "errors", "corruptions")
-
-
-@dataclass
-class _Level:
-    """One tier with its policies and counters."""
-
-    tier: Tier
-    policy: EvictionPolicy
-    admission: AdmissionPolicy
-    kind: str
-    counters: dict[str, int] = field(default_factory=lambda: dict.fromkeys(_COUNTERS, 0))
-    pending_free: int = 0   # bytes of chosen victims not yet deleted from the tier
-
-    @property
-    def name(self) -> str:
-        return self.tier.name
-
-
-class Store:
+class Store(TierMovement):
     """A hierarchy of tiers, fastest first. Build it with :meth:`from_config`."""
 
     def __init__(self, config: StoreConfig, *, tiers: Sequence[Tier] | None = None) -> None:
@@ -67,7 +44,7 @@ class Store:
             for t in built:
                 t.close()
             raise
-        self._levels = [_Level(t, build_eviction(c), build_admission(c.admission), c.kind)
+        self._levels = [Level(t, build_eviction(c), build_admission(c.admission), c.kind)
                         for t, c in zip(built, config.tiers)]
         self._where: dict[BlockKey, int] = {}     # key -> bitmask of levels holding it
         self._sizes: dict[BlockKey, int] = {}
@@ -405,177 +382,6 @@ class Store:
                 count += 1
         return count
 
-    def _put(self, i: int, keys: list[BlockKey], srcs: list[Any]) -> list[bool]:
-        """Store blocks into level ``i``, evicting (and spilling) to make room."""
-        lvl = self._levels[i]
-        result = [False] * len(keys)
-        chosen: list[int] = []
-        sizes = [nbytes_of(src) for src in srcs]
-        with self._lock:
-            for j, key in enumerate(keys):
-                if self._where.get(key, 0) >> i & 1:
-                    lvl.policy.on_access(key)
-                    result[j] = True
-                    continue
-                decision = lvl.admission.decide(key, sizes[j])
-                if decision is Decision.ADMIT:
-                    chosen.append(j)
-                else:
-                    lvl.counters["rejected" if decision is Decision.REJECT else "throttled"] += 1
-            need = sum(sizes[j] for j in chosen)
-            victims = self._choose_victims(i, need)
-        self._evict(i, victims)
-        if not chosen:
-            return result
-        ok = self._tier_call(lvl, "write", [keys[j] for j in chosen], [srcs[j] for j in chosen])
-        if ok is not None and not all(ok):
-            # Fragmentation or a racing writer: make room for the rest once more.
-            retry = [j for j, good in zip(chosen, ok) if not good]
-            with self._lock:
-                victims = self._choose_victims(i, sum(sizes[j] for j in retry), force=True)
-            if victims:
-                self._evict(i, victims)
-                again = self._tier_call(lvl, "write", [keys[j] for j in retry], [srcs[j] for j in retry])
-                if again is not None:
-                    redo = dict(zip(retry, again))
-                    ok = [good or redo.get(j, False) for j, good in zip(chosen, ok)]
-        ok = ok or [False] * len(chosen)
-        with self._lock:
-            for j, good in zip(chosen, ok):
-                key = keys[j]
-                if not good:
-                    lvl.counters["full"] += 1
-                    continue
-                result[j] = True
-                mask = self._where.get(key, 0)
-                if not mask >> i & 1:
-                    self._where[key] = mask | 1 << i
-                    self._sizes[key] = sizes[j]
-                    lvl.policy.on_insert(key, sizes[j], _parent_of(key) if lvl.policy.uses_parent else None)
-                    lvl.counters["writes"] += 1
-                    lvl.counters["bytes_written"] += self._sizes[key]
-        return result
-
-    def _choose_victims(self, i: int, need: int, *, force: bool = False) -> list[tuple[BlockKey, int]]:
-        """Pick victims in level ``i`` until ``need`` bytes are free. Caller holds the lock.
-        Victims leave the index now; their bytes leave the tier in :meth:`_evict`."""
-        lvl = self._levels[i]
-        free = lvl.tier.capacity_bytes - lvl.tier.used_bytes + lvl.pending_free
-        if need <= 0 or (free >= need and not force):
-            return []
-        if force:
-            free = min(free, 0)
-        now = time.monotonic()
-        victims = []
-        for key in lvl.policy.victims():
-            if free >= need:
-                break
-            if self._pins.get(key) or self._leases.get(key, 0.0) > now:
-                continue
-            size = self._sizes.get(key, 0)
-            lvl.policy.on_remove(key)
-            mask = self._where.get(key, 0) & ~(1 << i)
-            victims.append((key, mask))
-            if mask:
-                self._where[key] = mask
-            else:
-                self._where.pop(key, None)
-            free += size
-            lvl.pending_free += size
-            lvl.counters["evictions"] += 1
-        return victims
-
-    def _evict(self, i: int, victims: list[tuple[BlockKey, int]]) -> None:
-        """Spill victims down (write-back) and delete them from level ``i``."""
-        if not victims:
-            return
-        lvl = self._levels[i]
-        below = i + 1 if i + 1 < len(self._levels) else None
-        for key, mask in victims:
-            size = self._sizes.get(key, 0)
-            try:
-                if below is not None and not mask >> below & 1 and self._spill(key, i, below):
-                    lvl.counters["spills"] += 1
-                self._tier_call(lvl, "delete", [key])
-            finally:
-                with self._lock:
-                    lvl.pending_free -= size
-                    if not self._where.get(key):
-                        self._forget(key)
-
-    def _spill(self, key: BlockKey, src: int, dst: int) -> bool:
-        tier = self._levels[src].tier
-        with tier.view(key) as view:
-            if view is not None:
-                return self._put(dst, [key], [view])[0]
-        size = self._sizes.get(key)
-        if size is None:
-            return False
-        buf = self._staging(size)
-        ok = self._tier_call(self._levels[src], "read_into", [key], [buf])
-        return bool(ok and ok[0] and self._put(dst, [key], [buf])[0])
-
-    def _copy_between(self, key: BlockKey, src: int, dst: int) -> bool:
-        """Copy one block from a slower level up into ``dst`` (the source keeps it)."""
-        size = self._sizes.get(key)
-        if size is None:
-            return False
-        with self._levels[src].tier.view(key) as view:
-            if view is not None:
-                return self._put(dst, [key], [view])[0]
-        buf = self._staging(size)
-        ok = self._tier_call(self._levels[src], "read_into", [key], [buf])
-        if not ok or not ok[0]:
-            with self._lock:
-                self._drop(key, src)
-            return False
-        return self._put(dst, [key], [buf])[0]
-
-    def _staging(self, nbytes: int) -> np.ndarray:
-        """A per-thread scratch buffer, grown on demand and reused (no per-block alloc)."""
-        buf = getattr(self._local, "buf", None)
-        if buf is None or buf.nbytes < nbytes:
-            buf = np.empty(max(nbytes, 1 << 20), dtype=np.uint8)
-            self._local.buf = buf
-        return buf[:nbytes]
-
-    def _tier_call(self, lvl: _Level, method: str, *args: Any) -> Any:
-        """Call a tier; a tier failure is logged and counted, never raised to callers
-        of load/save (they see misses)."""
-        try:
-            return getattr(lvl.tier, method)(*args)
-        except BufferSizeError:
-            raise
-        except TierError as exc:
-            with self._lock:
-                lvl.counters["errors"] += 1
-            log.warning("tier %s %s failed: %s", lvl.name, method, exc)
-            return None
-        except OSError as exc:
-            with self._lock:
-                lvl.counters["errors"] += 1
-            log.warning("tier %s %s failed: %s", lvl.name, method, exc)
-            return None
-
-    def _drop(self, key: BlockKey, i: int) -> None:
-        """Forget that level ``i`` holds ``key``. Caller holds the lock."""
-        mask = self._where.get(key, 0)
-        if not mask >> i & 1:
-            return
-        self._levels[i].policy.on_remove(key)
-        mask &= ~(1 << i)
-        if mask:
-            self._where[key] = mask
-        else:
-            self._where.pop(key, None)
-            self._forget(key)
-
-    def _forget(self, key: BlockKey) -> None:
-        """Drop per-key metadata once no tier holds the key. Caller holds the lock."""
-        self._sizes.pop(key, None)
-        self._leases.pop(key, None)
-        self._hit_counts.pop(key, None)
-
     # -- start-up and checks -------------------------------------------------------------
 
     def _recover(self) -> None:
@@ -588,7 +394,7 @@ class Store:
                 self._where[block.key] = self._where.get(block.key, 0) | 1 << i
                 self._sizes[block.key] = block.nbytes
                 lvl.policy.on_insert(block.key, block.nbytes,
-                                     _parent_of(block.key) if lvl.policy.uses_parent else None)
+                                     parent_of(block.key) if lvl.policy.uses_parent else None)
 
     def _level_index(self, tier: int | str) -> int:
         if isinstance(tier, int) and 0 <= tier < len(self._levels):
@@ -616,8 +422,4 @@ class Store:
             seen.add(key)
 
 
-def _parent_of(key: BlockKey) -> BlockKey | None:
-    return BlockKey(key.parent, None, key.namespace) if key.parent else None
-
-
-__all__ = ["Store", "TierConfig"]
+__all__ = ["Store"]
