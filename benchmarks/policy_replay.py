@@ -10,7 +10,10 @@ after evicting the policy's first candidates until there is room. Capacity count
 blocks (payloads are tiny), as a fraction of the distinct blocks of the replayed trace.
 
 This drives the policies through a small model of the Store's eviction loop (insert,
-``victims()`` with nothing skipped, ``on_remove``), not through a Store.
+``victims()`` with nothing skipped, ``on_remove``). ``--through-store lru,lineage`` also
+replays those policies through a real :class:`~kvstore.store.Store` (one DRAM tier of
+``capacity × 4 KiB``; per request ``lookup``, ``load`` of the hit prefix, ``save`` of the
+rest) and reports them as ``store:<name>`` beside the model, to show the two agree.
 
 Belady's offline optimum for prefix hits runs in the same replay: on overflow it drops
 the held or incoming block whose next use is farthest away. A child is never used
@@ -101,6 +104,31 @@ def replay(policy_name: str, trace: Trace, capacity_blocks: int) -> float:
                 policy.on_insert(key, BLOCK_NBYTES, parent)
                 held.add(key)
             parent = key
+    return hits / refs if refs else 0.0
+
+
+def replay_through_store(policy_name: str, trace: Trace, capacity_blocks: int) -> float:
+    """Prefix hit rate of one policy driven through a real Store (4 KiB payloads)."""
+    import numpy as np
+
+    from kvstore.store import Store
+
+    block = 4096
+    config = {"tiers": [{"name": "replay", "kind": "dram", "capacity": capacity_blocks * block,
+                         "eviction": policy_name}], "io_threads": 1}
+    longest = max(map(len, trace))
+    srcs = [np.zeros(block, np.uint8)] * longest
+    dsts = [np.empty(block, np.uint8) for _ in range(longest)]
+    hits = refs = 0
+    with Store.from_config(config) as store:
+        for keys in trace:
+            refs += len(keys)
+            hit = store.lookup(keys)
+            hits += hit
+            if hit:
+                store.load(keys[:hit], dsts[:hit]).result()
+            if hit < len(keys):
+                store.save(keys[hit:], srcs[:len(keys) - hit]).result()
     return hits / refs if refs else 0.0
 
 
@@ -251,6 +279,7 @@ def run(traces: dict[str, list[list[int]]], policies: Sequence[str],
                 started = time.perf_counter()
                 rate = (belady(trace, capacity) if name == "belady" else
                         count_ttl_bound(trace, capacity) if name == "ttl-cls" else
+                        replay_through_store(name[6:], trace, capacity) if name.startswith("store:") else
                         replay(name, trace, capacity))
                 results["rows"].append({
                     "trace": trace_name, "capacity_fraction": fraction, "capacity_blocks": capacity,
@@ -319,6 +348,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="comma-separated fractions of the distinct blocks")
     parser.add_argument("--ttl-bound", action="store_true",
                         help="also estimate the best count-and-recency policy (column ttl-cls)")
+    parser.add_argument("--through-store", default="",
+                        help="comma-separated policies to replay through a real Store as well")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="directory for JSON and PNG")
     args = parser.parse_args(argv)
 
@@ -329,6 +360,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         traces["synthetic"] = synthetic_trace(args.seed, args.requests or 12000)
 
     bounds = ["belady", "ttl-cls"] if args.ttl_bound else ["belady"]
+    bounds += [f"store:{name}" for name in args.through_store.split(",") if name]
     results = run(traces, policies, fractions, bounds)
     results["command"] = " ".join(["python", "benchmarks/policy_replay.py", *(argv or sys.argv[1:])])
     print(table(results))

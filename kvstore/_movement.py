@@ -46,6 +46,23 @@ class Level:
 
 
 
+class _Staged:
+    """Blocks of one batch placed in the eviction policy before they are written."""
+
+    def __init__(self) -> None:
+        self.sizes: dict[BlockKey, int] = {}
+        self.total = 0
+
+    def add(self, key: BlockKey, nbytes: int) -> None:
+        self.sizes[key] = nbytes
+        self.total += nbytes
+
+    def drop(self, key: BlockKey) -> int:
+        nbytes = self.sizes.pop(key)
+        self.total -= nbytes
+        return nbytes
+
+
 class TierMovement:
     """Tier-to-tier block movement for the Store (see the module docstring)."""
 
@@ -67,16 +84,42 @@ class TierMovement:
                 else:
                     lvl.counters["rejected" if decision is Decision.REJECT else "throttled"] += 1
             need = sum(sizes[j] for j in chosen)
-            victims = self._choose_victims(i, need)
+            # The blocks being added hang under these parents: evicting one now would
+            # leave its new children unreachable (a chained key needs its prefix).
+            parents = {keys[j].parent for j in chosen} if lvl.policy.uses_parent else None
+            inserted: set[BlockKey] = set()
+            if lvl.policy.uses_parent and chosen:
+                # Prefix-aware policies rank new blocks against old ones: place the batch
+                # block by block as if each were inserted before the next one needs room,
+                # so a new block the policy values least (a one-off request's tail) is
+                # dropped on arrival rather than evicting something worth more.
+                staged = _Staged()
+                victims = []
+                for j in chosen:
+                    victims += self._choose_victims(i, sizes[j], protect=parents, staged=staged)
+                    lvl.policy.on_insert(keys[j], sizes[j], parent_of(keys[j]))
+                    staged.add(keys[j], sizes[j])
+                lvl.counters["rejected"] += sum(1 for j in chosen if keys[j] not in staged.sizes)
+                chosen = [j for j in chosen if keys[j] in staged.sizes]
+                inserted = set(staged.sizes)
+            else:
+                victims = self._choose_victims(i, need, protect=parents)
         self._evict(i, victims)
         if not chosen:
             return result
         ok = self._tier_call(lvl, "write", [keys[j] for j in chosen], [srcs[j] for j in chosen])
+        if inserted and ok is not None and not all(ok) or inserted and ok is None:
+            with self._lock:  # staged in the policy but not stored: take them out again
+                for j, good in zip(chosen, ok or [False] * len(chosen)):
+                    if not good:
+                        lvl.policy.on_remove(keys[j])
+                        inserted.discard(keys[j])
         if ok is not None and not all(ok):
             # Fragmentation or a racing writer: make room for the rest once more.
             retry = [j for j, good in zip(chosen, ok) if not good]
             with self._lock:
-                victims = self._choose_victims(i, sum(sizes[j] for j in retry), force=True)
+                victims = self._choose_victims(i, sum(sizes[j] for j in retry), force=True,
+                                               protect=parents)
             if victims:
                 self._evict(i, victims)
                 again = self._tier_call(lvl, "write", [keys[j] for j in retry], [srcs[j] for j in retry])
@@ -95,26 +138,47 @@ class TierMovement:
                 if not mask >> i & 1:
                     self._where[key] = mask | 1 << i
                     self._sizes[key] = sizes[j]
-                    lvl.policy.on_insert(key, sizes[j], parent_of(key) if lvl.policy.uses_parent else None)
+                    if key not in inserted:
+                        lvl.policy.on_insert(key, sizes[j], parent_of(key) if lvl.policy.uses_parent else None)
                     lvl.counters["writes"] += 1
                     lvl.counters["bytes_written"] += self._sizes[key]
+                elif key in inserted:
+                    # A concurrent writer indexed it first; it is in the policy once already.
+                    pass
         return result
 
-    def _choose_victims(self, i: int, need: int, *, force: bool = False) -> list[tuple[BlockKey, int]]:
-        """Pick victims in level ``i`` until ``need`` bytes are free. Caller holds the lock.
-        Victims leave the index now; their bytes leave the tier in :meth:`_evict`."""
+    def _choose_victims(self, i: int, need: int, *, force: bool = False,
+                        protect: set[bytes | None] | None = None,
+                        staged: "_Staged | None" = None) -> list[tuple[BlockKey, int]]:
+        """Pick victims in level ``i`` until ``need`` bytes are free, skipping leased and
+        pinned keys and keys whose digest is in ``protect``. A ``staged`` key (in the
+        policy, not yet written) that comes up is dropped from the stage instead. Caller
+        holds the lock. Victims leave the index now; their bytes leave the tier in
+        :meth:`_evict`."""
         lvl = self._levels[i]
         free = lvl.tier.capacity_bytes - lvl.tier.used_bytes + lvl.pending_free
+        if staged is not None:
+            free -= staged.total
         if need <= 0 or (free >= need and not force):
             return []
         if force:
             free = min(free, 0)
         now = time.monotonic()
         victims = []
+        if free >= need:
+            return []
+        # Stop right after the victim that makes room: pulling one more candidate would
+        # tell the policy it was skipped (S3-FIFO and SIEVE move such keys on).
         for key in lvl.policy.victims():
-            if free >= need:
-                break
             if self._pins.get(key) or self._leases.get(key, 0.0) > now:
+                continue
+            if protect and key.digest in protect:
+                continue
+            if staged is not None and key in staged.sizes:
+                lvl.policy.on_remove(key)
+                free += staged.drop(key)
+                if free >= need:
+                    break
                 continue
             size = self._sizes.get(key, 0)
             lvl.policy.on_remove(key)
@@ -127,6 +191,8 @@ class TierMovement:
             free += size
             lvl.pending_free += size
             lvl.counters["evictions"] += 1
+            if free >= need:
+                break
         return victims
 
     def _evict(self, i: int, victims: list[tuple[BlockKey, int]]) -> None:
