@@ -265,12 +265,7 @@ class KVStoreHiCacheStorage(HiCacheStorage):
 
     def _load(self, keys: list, dsts: list) -> list[bool]:
         """Fail-closed load; a repeated key is loaded once and copied."""
-        first: dict = {}
-        uniq = []
-        for i, key in enumerate(keys):
-            if key not in first:
-                first[key] = i
-                uniq.append(i)
+        first, uniq = _first_positions(keys)
         try:
             got = self._store.load([keys[i] for i in uniq], [dsts[i] for i in uniq]).result()
         except BufferSizeError:
@@ -299,12 +294,7 @@ class KVStoreHiCacheStorage(HiCacheStorage):
             return False
 
     def _save(self, keys: list, srcs: list) -> list[bool]:
-        first: dict = {}
-        uniq = []
-        for i, key in enumerate(keys):
-            if key not in first:
-                first[key] = i
-                uniq.append(i)
+        first, uniq = _first_positions(keys)
         try:
             got = self._store.save([keys[i] for i in uniq], [srcs[i] for i in uniq]).result()
         except _STORE_FAILURES as exc:
@@ -335,6 +325,18 @@ class KVStoreHiCacheStorage(HiCacheStorage):
             if self.storage_config.enable_storage_metrics and good:
                 self._metrics["backup_pgs"].append(good)
                 self._metrics["backup_bandwidth"].append(nbytes / max(time.perf_counter() - start, 1e-9) / 1e9)
+
+
+def _first_positions(keys: list) -> tuple[dict, list[int]]:
+    """Where each distinct key first appears, and those positions in order (SGLang may
+    name one page hash twice in a batch; the Store refuses duplicate keys)."""
+    first: dict = {}
+    uniq: list[int] = []
+    for i, key in enumerate(keys):
+        if key not in first:
+            first[key] = i
+            uniq.append(i)
+    return first, uniq
 
 
 __all__ = ["KVStoreHiCacheStorage"]
