@@ -173,10 +173,6 @@ class ArenaTier(Tier):
     _index: SlotIndex
 
     @property
-    def capacity_bytes(self) -> int:
-        return self._capacity
-
-    @property
     def used_bytes(self) -> int:
         return self._index.used_bytes
 

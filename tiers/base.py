@@ -40,16 +40,19 @@ class Tier(ABC):
 
     name: str = "tier"
     capabilities: TierCapabilities = TierCapabilities()
+    # Subclasses set ``_capacity`` and keep ``_used`` current (or override the properties).
+    _capacity: int
+    _used: int
 
     @property
-    @abstractmethod
     def capacity_bytes(self) -> int:
         """Configured capacity in payload bytes; ``used_bytes`` never exceeds it."""
+        return self._capacity
 
     @property
-    @abstractmethod
     def used_bytes(self) -> int:
         """Payload bytes currently stored (headers and padding not counted)."""
+        return self._used
 
     @abstractmethod
     def contains(self, keys: Sequence[BlockKey]) -> list[bool]:

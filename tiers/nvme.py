@@ -155,14 +155,6 @@ class NvmeTier(Tier):
 
     # -- the Tier contract ----------------------------------------------------------------
 
-    @property
-    def capacity_bytes(self) -> int:
-        return self._capacity
-
-    @property
-    def used_bytes(self) -> int:
-        return self._used
-
     def nbytes(self, key: BlockKey) -> int | None:
         e = self._entries.get(key)
         return e.length if e else None

@@ -39,14 +39,6 @@ class RemoteTier(Tier):
         self._lock = threading.Lock()
         self.capabilities = TierCapabilities(device="remote", persistent=False, alignment=1, max_concurrency=8)
 
-    @property
-    def capacity_bytes(self) -> int:
-        return self._capacity
-
-    @property
-    def used_bytes(self) -> int:
-        return self._used
-
     def nbytes(self, key: BlockKey) -> int | None:
         return self._sizes.get(key)
 

@@ -118,14 +118,6 @@ class S3Tier(Tier):
 
     # -- accounting -------------------------------------------------------------------------
 
-    @property
-    def capacity_bytes(self) -> int:
-        return self._capacity
-
-    @property
-    def used_bytes(self) -> int:
-        return self._used
-
     def nbytes(self, key: BlockKey) -> int | None:
         entry = self._index.get(key)
         return entry.nbytes if entry else None
