@@ -1,11 +1,16 @@
 """Batched block copies for the client's same-host path.
 
-Blocks that sit back to back both in the source (the server's arena, the staging
-region) and in the caller's memory are copied as one range: a single large memcpy
-streams with non-temporal stores, many block-sized ones do not (measured here: 64 MiB
-as one copy ≈ 1.4-1.7x the rate of 256 KiB pieces). Large batches are then split by
-bytes over a few threads (numpy copies release the GIL). Device buffers are copied
-one by one (one H2D/D2H copy each).
+Every block of a batch moves between a caller's buffer and one shared region (the
+server's arena, or the client's staging region) at a known offset. Blocks that sit back
+to back both in the region and in the caller's memory are copied as one range: a
+single large memcpy streams with non-temporal stores, many block-sized ones do not
+(measured here: 64 MiB as one copy ≈ 1.4-1.7x the rate of 256 KiB pieces). Host copies
+are ``memmove`` calls on raw addresses (ctypes releases the GIL around them), so a
+large batch split over a few threads copies in parallel and no per-block numpy view is
+built. Device buffers are copied one by one (one H2D/D2H copy each).
+
+Ownership: callers keep every buffer and the region mapped until the call returns;
+nothing is kept afterwards. Thread-safe (no shared state).
 """
 
 from __future__ import annotations
@@ -20,99 +25,99 @@ from kvstore.buffers import copy_bytes, host_view, is_device
 from kvstore.errors import BufferSizeError
 
 PARALLEL_BYTES = 8 << 20   # below this a batch is copied by the calling thread alone
-_Piece = tuple[Any, Any, Any]  # (dst, src, objects to keep alive while copying)
+_memmove = ctypes.memmove
+_Run = list  # [caller address, region address, nbytes]
 
 
-def _raw(address: int, nbytes: int) -> np.ndarray:
-    return np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(address))
+def host_address(buf: Any, writable: bool) -> tuple[int, int]:
+    """``(address, nbytes)`` of a host buffer's bytes (contiguous numpy arrays without
+    building a view; anything else through :func:`host_view`)."""
+    if type(buf) is np.ndarray and buf.flags.c_contiguous and (buf.flags.writeable or not writable):
+        return buf.ctypes.data, buf.nbytes
+    v = host_view(buf, writable=writable)
+    return v.ctypes.data, v.nbytes
 
 
-def _host(buf: Any, writable: bool) -> np.ndarray:
-    if type(buf) is np.ndarray and buf.dtype == np.uint8 and buf.ndim == 1 and buf.flags.c_contiguous:
-        if writable and not buf.flags.writeable:
-            return host_view(buf, writable=True)  # raises the usual error
-        return buf
-    return host_view(buf, writable=writable)
-
-
-def coalesce(pairs: Sequence[tuple[Any, Any]], src_addresses: Sequence[int] | None = None) -> list[_Piece]:
-    """``(dst, src)`` pairs as copy pieces, adjacent host ranges merged. Raises
-    :class:`BufferSizeError` for a pair whose sizes differ. ``src_addresses``, when
-    the caller knows them (offsets into a mapped region), saves looking them up. The
-    caller keeps every buffer alive until the copies are done."""
-    out: list[_Piece] = []
-    run: list[Any] | None = None  # [dst address, src address, nbytes, [(dst, src), ...]]
-
-    def flush() -> None:
-        if run is None:
-            return
-        parts = run[3]
-        if len(parts) == 1:
-            out.append((parts[0][0], parts[0][1], None))
-        else:
-            out.append((_raw(run[0], run[2]), _raw(run[1], run[2]), parts))
-
-    for j, (dst, src) in enumerate(pairs):
-        if is_device(dst) or is_device(src):
-            flush()
-            run = None
-            out.append((dst, src, None))
+def plan(bufs: Sequence[Any], sizes: Sequence[int], region_address: int, offsets: Sequence[int],
+         writable: bool) -> tuple[list[_Run], list[tuple[Any, int, int]]]:
+    """Host runs ``[buffer address, region address, nbytes]`` with adjacent blocks
+    merged, and device buffers as ``(buf, offset, nbytes)``. ``writable``: the buffers
+    are destinations. Raises :class:`BufferSizeError` where a buffer's size is not
+    ``sizes[i]``."""
+    runs: list[_Run] = []
+    device: list[tuple[Any, int, int]] = []
+    last: _Run | None = None
+    for buf, n, off in zip(bufs, sizes, offsets):
+        if is_device(buf):
+            device.append((buf, off, n))
             continue
-        d, s = _host(dst, True), _host(src, False)
-        if d.nbytes != s.nbytes:
-            raise BufferSizeError(f"buffer has {d.nbytes} bytes, block has {s.nbytes}")
-        da, n = d.ctypes.data, d.nbytes
-        sa = src_addresses[j] if src_addresses is not None else s.ctypes.data
-        if run is not None and run[0] + run[2] == da and run[1] + run[2] == sa:
-            run[2] += n
-            run[3].append((d, s))
+        a, nb = host_address(buf, writable)
+        if nb != n:
+            raise BufferSizeError(f"buffer has {nb} bytes, block has {n}")
+        r = region_address + off
+        if last is not None and last[0] + last[2] == a and last[1] + last[2] == r:
+            last[2] += n
         else:
-            flush()
-            run = [da, sa, n, [(d, s)]]
-    flush()
-    return out
+            last = [a, r, n]
+            runs.append(last)
+    return runs, device
 
 
-def _split(pieces: list[_Piece], k: int, total: int) -> list[list[_Piece]]:
-    """``k`` groups of about ``total / k`` bytes; host pieces are cut where needed."""
+def _split(runs: list[_Run], k: int, total: int) -> list[list[_Run]]:
+    """``k`` groups of about ``total / k`` bytes; runs are cut where needed."""
     share = -(-total // k)
-    groups: list[list[_Piece]] = [[]]
+    groups: list[list[_Run]] = [[]]
     room = share
-    for dst, src, keep in pieces:
-        if is_device(dst) or is_device(src):
-            groups[-1].append((dst, src, keep))
-            continue
-        pos, n = 0, dst.nbytes
+    for a, r, n in runs:
+        pos = 0
         while pos < n:
             if room == 0 and len(groups) < k:
                 groups.append([])
                 room = share
             take = n - pos if len(groups) == k else min(room, n - pos)
-            groups[-1].append((dst[pos:pos + take], src[pos:pos + take], keep))
+            groups[-1].append([a + pos, r + pos, take])
             pos += take
             room -= take
     return groups
 
 
-def _run(pieces: list[_Piece]) -> None:
-    for dst, src, _ in pieces:
-        if type(dst) is np.ndarray and type(src) is np.ndarray:
-            np.copyto(dst, src)
-        else:
-            copy_bytes(dst, src)
+def _move(runs: list[_Run], to_region: bool) -> None:
+    if to_region:
+        for a, r, n in runs:
+            _memmove(r, a, n)
+    else:
+        for a, r, n in runs:
+            _memmove(a, r, n)
 
 
-def copy_batch(pairs: Sequence[tuple[Any, Any]], total: int, pool: Executor | None, threads: int,
-               src_addresses: Sequence[int] | None = None) -> None:
-    """Copy every ``(dst, src)``; ``pool`` runs ``threads - 1`` of the parts."""
-    pieces = coalesce(pairs, src_addresses)
+def copy_runs(runs: list[_Run], to_region: bool, pool: Executor | None, threads: int) -> None:
+    """Copy host runs (from :func:`plan`) into the region (``to_region``) or out of it;
+    ``pool`` runs ``threads - 1`` parts of a large batch."""
+    total = sum(r[2] for r in runs)
     if pool is None or threads < 2 or total < PARALLEL_BYTES:
-        _run(pieces)
+        _move(runs, to_region)
         return
-    groups = _split(pieces, threads, total)
-    futures = [pool.submit(_run, g) for g in groups[1:]]
+    groups = _split(runs, threads, total)
+    futures = [pool.submit(_move, g, to_region) for g in groups[1:]]
     try:
-        _run(groups[0])
+        _move(groups[0], to_region)
     finally:
         for f in futures:
             f.result()
+
+
+def copy_device(device: list[tuple[Any, int, int]], region: np.ndarray, to_region: bool) -> None:
+    for buf, off, n in device:
+        if to_region:
+            copy_bytes(region[off:off + n], buf)
+        else:
+            copy_bytes(buf, region[off:off + n])
+
+
+def copy_batch(bufs: Sequence[Any], sizes: Sequence[int], region: np.ndarray, region_address: int,
+               offsets: Sequence[int], to_region: bool, pool: Executor | None, threads: int) -> None:
+    """Copy ``bufs[i]`` into ``region[offsets[i]:+sizes[i]]`` (``to_region``) or back.
+    The caller has checked every range lies inside ``region``."""
+    runs, device = plan(bufs, sizes, region_address, offsets, writable=not to_region)
+    copy_runs(runs, to_region, pool, threads)
+    copy_device(device, region, to_region)

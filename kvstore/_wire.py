@@ -201,19 +201,25 @@ class ClientStaging:
 
 
 class ArenaMap:
-    """The server's DRAM arena mapped read-only into this process."""
+    """The server's DRAM arena mapped into this process: read-write when this process
+    may open the file for writing (same-host puts then fill reserved slots in place),
+    else read-only (puts go through the staging region). ``writable`` says which."""
 
     def __init__(self, info: dict[str, Any]) -> None:
-        fd = os.open(info["path"], os.O_RDONLY)
+        try:
+            fd, prot, self.writable = os.open(info["path"], os.O_RDWR), mmap.PROT_READ | mmap.PROT_WRITE, True
+        except PermissionError:
+            fd, prot, self.writable = os.open(info["path"], os.O_RDONLY), mmap.PROT_READ, False
         try:
             st = os.fstat(fd)
             if (st.st_dev, st.st_ino) != (info["dev"], info["ino"]):
                 raise RemoteError("the server's arena file is not the one this host sees")
             self._mmap = mmap.mmap(fd, info["nbytes"], flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
-                                   prot=mmap.PROT_READ)
+                                   prot=prot)
         finally:
             os.close(fd)
         self.array = np.frombuffer(self._mmap, dtype=np.uint8)
+        self.nbytes = self.array.nbytes
         self.address = self.array.ctypes.data
 
     @staticmethod

@@ -3,8 +3,9 @@
 ``Client("host:port", token=...)`` connects, authenticates, and, when the server runs
 on this host and shares its DRAM arena, moves block bytes through shared memory: a
 load copies straight out of the server's arena (one memcpy, or one H2D copy into a GPU
-tensor) under a lease, a save goes through a per-connection staging region; only small
-control frames cross the (Unix) socket. For a remote server that offers NIXL, the
+tensor) under a lease, a save reserves arena slots, copies straight into them and
+commits (through a per-connection staging region where this process cannot write the
+arena, or the server found no room); only small control frames cross the (Unix) socket. For a remote server that offers NIXL, the
 server moves bytes one-sided between its arena and the client's buffers (RDMA where
 the fabric has it; see docs/nixl.md); a NIXL/UCX failure switches this client to TCP,
 logged and counted in ``fallbacks``. Otherwise bytes travel over TCP, received
@@ -297,15 +298,47 @@ class Client:
         return self._tcp_put(conn, keys, srcs) if res is None else res
 
     def _shm_put(self, conn: Conn, keys: list[BlockKey], srcs: list[Any]) -> list[bool]:
+        if not self._arena.writable:
+            return self._staged_put(conn, keys, srcs)
+        # Reserve slots in the server's arena, write the blocks straight into them,
+        # commit: one copy, no staging. Blocks it found no room for go through staging.
+        sizes = [nbytes_of(s) for s in srcs]
+        _, body = conn.call(P.Op.SHM_RESERVE, P.encode_records(P.SIZED, keys, sizes))
+        rid, placed = P.decode_placed(body, len(keys))
+        got = placed["nbytes"]
+        take = np.flatnonzero(got >= 0)
+        try:
+            if len(take):
+                off = placed["offset"][take]
+                if (got[take] != np.asarray(sizes)[take]).any() or int((off + got[take]).max()) > self._arena.nbytes:
+                    raise RemoteError(f"server {conn.addr}: SHM_RESERVE placement outside the arena "
+                                      "or of the wrong size")
+                idx = take.tolist()
+                copy_batch([srcs[i] for i in idx], [sizes[i] for i in idx], self._arena.array, self._arena.address,
+                           off.tolist(), True, self._copier, self._copy_threads)
+        except BaseException:
+            if rid and not conn.broken:
+                conn.call(P.Op.SHM_COMMIT, P.encode_commit(rid, False))
+            raise
+        out = P.decode_flags(conn.call(P.Op.SHM_COMMIT, P.encode_commit(rid, True))[1], len(keys)) if rid \
+            else [False] * len(keys)
+        for i in np.flatnonzero(got == P.PRESENT).tolist():
+            out[i] = True
+        rest = np.flatnonzero(got == P.MISS).tolist()
+        if rest:
+            for i, ok in zip(rest, self._staged_put(conn, [keys[i] for i in rest], [srcs[i] for i in rest])):
+                out[i] = ok
+        return out
+
+    def _staged_put(self, conn: Conn, keys: list[BlockKey], srcs: list[Any]) -> list[bool]:
         staging = conn.attach_staging(self._staging_bytes)
-        sizes, offsets, pairs, pos = [], [], [], 0
+        sizes, offsets, pos = [], [], 0
         for src in srcs:
             n = nbytes_of(src)
-            pairs.append((staging.array[pos:pos + n], src))
             sizes.append(n)
             offsets.append(pos)
             pos += n
-        copy_batch(pairs, pos, self._copier, self._copy_threads)
+        copy_batch(srcs, sizes, staging.array, staging.address, offsets, True, self._copier, self._copy_threads)
         _, body = conn.call(P.Op.SHM_PUT, P.encode_records(P.STAGED, keys, sizes, offsets))
         return P.decode_flags(body, len(keys))
 
@@ -313,35 +346,30 @@ class Client:
         sizes = [nbytes_of(d) for d in dsts]
         _, body = conn.call(P.Op.SHM_GET, P.encode_records(P.SIZED, keys, sizes))
         lid, placed = P.decode_placed(body, len(keys))
-        out = [False] * len(keys)
-        socket_idx, pairs, addrs, total = [], [], [], 0
+        got, where = placed["nbytes"], placed["where"]
         try:
-            regions = {P.WHERE_ARENA: (self._arena.array, self._arena.address)}
-            if conn.staging is not None:
-                regions[P.WHERE_STAGING] = (conn.staging.array, conn.staging.address)
-            for i, (n, off, where) in enumerate(placed.tolist()):
-                if n < 0:
+            want = np.asarray(sizes, dtype=np.int64)
+            if ((got >= 0) & (got != want)).any():
+                raise RemoteError(f"server {conn.addr}: SHM_GET placed a block of another size than its buffer")
+            out = (got >= 0).tolist()
+            for code, region in ((P.WHERE_ARENA, self._arena), (P.WHERE_STAGING, conn.staging)):
+                idx = np.flatnonzero((got >= 0) & (where == code))
+                if not len(idx):
                     continue
-                if n != sizes[i]:
-                    raise RemoteError(f"server {conn.addr}: SHM_GET placed {n} bytes for a {sizes[i]}-byte buffer")
-                if where == P.WHERE_SOCKET:
-                    socket_idx.append(i)
-                    continue
-                src, base = regions.get(where, (None, 0))
-                if src is None or off + n > src.nbytes:
+                off = placed["offset"][idx]
+                if region is None or int((off + got[idx]).max()) > region.nbytes:
                     raise RemoteError(f"server {conn.addr}: SHM_GET placement outside the shared regions")
-                pairs.append((dsts[i], src[off:off + n]))
-                addrs.append(base + off)
-                total += n
-                out[i] = True
-            copy_batch(pairs, total, self._copier, self._copy_threads, addrs)
+                ii = idx.tolist()
+                copy_batch([dsts[i] for i in ii], [sizes[i] for i in ii], region.array, region.address,
+                           off.tolist(), False, self._copier, self._copy_threads)
         finally:
             if lid:
                 conn.send(P.Op.SHM_DONE, P.encode_u64(lid))
-        _raise_mismatch(keys, placed["nbytes"].tolist(), sizes)
+        _raise_mismatch(keys, got.tolist(), sizes)
+        socket_idx = np.flatnonzero((got >= 0) & (where == P.WHERE_SOCKET)).tolist()
         if socket_idx:
-            got = self._tcp_get(conn, [keys[i] for i in socket_idx], [dsts[i] for i in socket_idx])
-            for i, ok in zip(socket_idx, got):
+            res = self._tcp_get(conn, [keys[i] for i in socket_idx], [dsts[i] for i in socket_idx])
+            for i, ok in zip(socket_idx, res):
                 out[i] = ok
         return out
 

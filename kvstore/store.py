@@ -15,7 +15,7 @@ import logging
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any, Iterator, Mapping, Sequence
 
 from kvstore._build import build_admission, build_eviction, build_tier
@@ -130,30 +130,39 @@ class Store(TierMovement):
                 self._leases.pop(key, None)
 
     @contextmanager
-    def borrow(self, keys: Sequence[BlockKey]) -> Iterator[list[Any]]:
+    def borrow(self, keys: Sequence[BlockKey], *, offsets: bool = False) -> Iterator[list[Any]]:
         """Zero-copy, read-only views of blocks held in the first tier, for the cache
         server's send and shared-memory paths. Yields one entry per key: a view, or
         ``None`` where the first tier does not hold the key or cannot expose its memory
-        (use :meth:`load` for those). Views are hits like a load (counted, recency
-        updated, leases dropped); each stays valid, its slot never reused, until the
-        ``with`` block exits. Thread-safe; exit the block from any thread."""
+        (use :meth:`load` for those). With ``offsets``, entries are ``(offset, nbytes)``
+        inside the first tier's arena instead of views (``None`` too where the tier has
+        no arena), for a peer that maps the arena itself. Views are hits like a load
+        (counted, recency updated, leases dropped); each stays valid, its slot never
+        reused, until the ``with`` block exits. Thread-safe; exit the block from any thread."""
         self._check_open()
         lvl = self._levels[0]
         where = self._where
         held = [k if where.get(k, 0) & 1 else None for k in keys]
-        with lvl.tier.views([k for k in held if k is not None]) as got:
+        present = [k for k in held if k is not None]
+        if offsets:
+            slots = getattr(lvl.tier, "slots", None)
+            cm = slots(present) if slots is not None else nullcontext([None] * len(present))
+        else:
+            cm = lvl.tier.views(present)
+        with cm as got:
             it = iter(got)
             views = [next(it) if k is not None else None for k in held]
             with self._lock:
                 self._ops["loads"] += len(keys)
+                counters, leases, policy = lvl.counters, self._leases, lvl.policy
                 for key, view in zip(keys, views):
                     if view is None:
                         continue
-                    lvl.counters["hits"] += 1
-                    lvl.counters["bytes_read"] += view.nbytes
-                    self._leases.pop(key, None)
-                    if self._where.get(key, 0) & 1:
-                        lvl.policy.on_access(key)
+                    counters["hits"] += 1
+                    counters["bytes_read"] += view[1] if offsets else view.nbytes
+                    leases.pop(key, None)
+                    if where.get(key, 0) & 1:
+                        policy.on_access(key)
             yield views
 
     def flush(self) -> int:

@@ -1,5 +1,5 @@
 """The client's batched copies: coalescing adjacent ranges and splitting over threads
-must copy exactly the same bytes as one copy per block."""
+must copy exactly the same bytes as one copy per block, both into a region and out."""
 
 from __future__ import annotations
 
@@ -8,34 +8,68 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 
-from kvstore._copy import coalesce, copy_batch
-from kvstore.errors import BufferSizeError
+from kvstore._copy import copy_batch, plan
+from kvstore.errors import BufferSizeError, InvalidArgumentError
+
+BLOCK, N = 1 << 20, 12
+
+
+def _layout(name: str, rng: np.random.Generator) -> list[int]:
+    if name == "contiguous":
+        return list(range(N))
+    if name == "scattered":
+        return [int(j) for j in rng.permutation(N + 4)[:N]]
+    return [0, 1, 2, 5, 6, 9, 3, 4, 10, 11, 12, 15]
 
 
 @pytest.mark.parametrize("threads", [1, 3])
 @pytest.mark.parametrize("layout", ["contiguous", "scattered", "mixed"])
-def test_copy_batch_matches_per_block_copies(threads, layout):
+def test_copy_out_of_region_matches_per_block_copies(threads, layout):
     rng = np.random.default_rng(1)
-    block, n = 1 << 20, 12
-    src = rng.integers(0, 256, (n + 4) * block, dtype=np.uint8)
-    dst = np.zeros((n + 4) * block, np.uint8)
-    if layout == "contiguous":
-        order = list(range(n))
-    elif layout == "scattered":
-        order = list(rng.permutation(n + 4)[:n])
-    else:
-        order = [0, 1, 2, 5, 6, 9, 3, 4, 10, 11, 12, 15]
-    pairs = [(dst[i * block:(i + 1) * block], src[j * block:(j + 1) * block]) for i, j in zip(range(n), order)]
-    pairs.append((bytearray(100), memoryview(src)[:100]))  # a non-numpy buffer joins too
+    region = rng.integers(0, 256, (N + 4) * BLOCK + 100, dtype=np.uint8)
+    dst = np.zeros((N + 4) * BLOCK, np.uint8)
+    order = _layout(layout, rng)
+    bufs = [dst[i * BLOCK:(i + 1) * BLOCK] for i in range(N)] + [bytearray(100)]  # a non-numpy buffer too
+    offsets = [j * BLOCK for j in order] + [(N + 4) * BLOCK]
+    sizes = [BLOCK] * N + [100]
     with ThreadPoolExecutor(2) as pool:
-        copy_batch(pairs, n * block + 100, pool, threads)
-    for d, s in pairs:
-        assert np.array_equal(np.frombuffer(d, np.uint8), np.frombuffer(s, np.uint8))
-    assert not dst[n * block:].any()  # nothing written past the destinations
+        copy_batch(bufs, sizes, region, region.ctypes.data, offsets, False, pool, threads)
+    for buf, off, n in zip(bufs, offsets, sizes):
+        assert np.array_equal(np.frombuffer(buf, np.uint8), region[off:off + n])
+    assert not dst[N * BLOCK:].any()  # nothing written past the destinations
     if layout == "contiguous":
-        assert len(coalesce(pairs[:-1])) == 1
+        runs, device = plan(bufs[:-1], sizes[:-1], region.ctypes.data, offsets[:-1], True)
+        assert len(runs) == 1 and runs[0][2] == N * BLOCK and not device
 
 
-def test_size_mismatch_raises():
+@pytest.mark.parametrize("threads", [1, 3])
+@pytest.mark.parametrize("layout", ["contiguous", "scattered"])
+def test_copy_into_region_matches_per_block_copies(threads, layout):
+    rng = np.random.default_rng(2)
+    src = rng.integers(0, 256, (N, BLOCK), dtype=np.uint8)
+    region = np.zeros((N + 4) * BLOCK, np.uint8)
+    offsets = [j * BLOCK for j in _layout(layout, rng)]
+    with ThreadPoolExecutor(2) as pool:
+        copy_batch(list(src), [BLOCK] * N, region, region.ctypes.data, offsets, True, pool, threads)
+    written = np.zeros(len(region), bool)
+    for row, off in zip(src, offsets):
+        assert np.array_equal(region[off:off + BLOCK], row)
+        written[off:off + BLOCK] = True
+    assert not region[~written].any()  # nothing written outside the blocks' ranges
+
+
+def test_size_mismatch_raises_before_copying():
+    region = np.ones(8, np.uint8)
+    dst = np.zeros(4, np.uint8)
     with pytest.raises(BufferSizeError):
-        copy_batch([(np.zeros(4, np.uint8), np.zeros(5, np.uint8))], 5, None, 1)
+        copy_batch([dst], [5], region, region.ctypes.data, [0], False, None, 1)
+    assert not dst.any()
+
+
+def test_read_only_destination_is_refused():
+    region = np.ones(8, np.uint8)
+    dst = np.zeros(8, np.uint8)
+    dst.flags.writeable = False
+    with pytest.raises(InvalidArgumentError, match="read-only"):
+        copy_batch([dst], [8], region, region.ctypes.data, [0], False, None, 1)
+    assert not dst.any()

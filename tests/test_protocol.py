@@ -51,11 +51,11 @@ def test_partial_frame_is_left_for_later():
 
 @pytest.mark.parametrize("data,words", [
     (b"XX" + _frame(P.Op.PING)[2:], "magic"),
-    (_frame(P.Op.PING)[:2] + b"\x02" + _frame(P.Op.PING)[3:], "version"),
+    (_frame(P.Op.PING)[:2] + bytes([P.VERSION + 1]) + _frame(P.Op.PING)[3:], "version"),
     (_frame(P.Op.PING)[:3] + b"\xee" + _frame(P.Op.PING)[4:], "opcode"),
-    (struct.pack("<2sBBIIIQ", b"KV", 1, P.Op.PING, 1, 3, 0, 0), "status"),
-    (struct.pack("<2sBBIIIQ", b"KV", 1, P.Op.PUT, 1, 0, 16, 1 << 40), "max_frame_bytes"),
-    (struct.pack("<2sBBIIIQ", b"KV", 1, P.Op.CONTAINS, 1, 0, 1 << 30, 0), "body"),
+    (struct.pack("<2sBBIIIQ", b"KV", P.VERSION, P.Op.PING, 1, 3, 0, 0), "status"),
+    (struct.pack("<2sBBIIIQ", b"KV", P.VERSION, P.Op.PUT, 1, 0, 16, 1 << 40), "max_frame_bytes"),
+    (struct.pack("<2sBBIIIQ", b"KV", P.VERSION, P.Op.CONTAINS, 1, 0, 1 << 30, 0), "body"),
     (_frame(P.Op.CONTAINS, struct.pack("<I", 65) + bytes(65 * 96)), "max_batch"),
     (_frame(P.Op.CONTAINS, struct.pack("<I", 2) + bytes(96)), "records"),
     (_frame(P.Op.LOOKUP, struct.pack("<dI", float("nan"), 0)), "lease"),

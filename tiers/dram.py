@@ -191,6 +191,17 @@ class DramTier(ArenaTier):
         finally:
             self._index.release_many(slots)
 
+    @contextmanager
+    def slots(self, keys: Sequence[BlockKey]) -> Iterator[list[tuple[int, int] | None]]:
+        """``(offset, nbytes)`` inside the arena of many blocks (``None`` where absent),
+        held like :meth:`views`: for a process that maps the arena itself (the cache
+        server's same-host clients), without building a view per block."""
+        slots = self._index.acquire_many(keys)
+        try:
+            yield [(s.offset, s.nbytes) if s is not None else None for s in slots]
+        finally:
+            self._index.release_many(slots)
+
     def reserve(self, keys: Sequence[BlockKey], sizes: Sequence[int]) -> "Reservation":
         """Reserve slots that a caller fills in place (e.g. a one-sided network transfer
         writing straight into the arena), then publishes with ``commit()``.

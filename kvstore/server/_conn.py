@@ -62,6 +62,7 @@ class Connection:
         self.busy = False
         self.last_active = time.monotonic()
         self.leases: dict[int, Lease] = {}
+        self.reservations: dict[int, tuple[Any, int]] = {}  # id -> (Store reservation, bytes)
         self.leased_bytes = 0
         self.next_lease = 1
         self.staging: Staging | None = None
@@ -148,10 +149,17 @@ class Connection:
             pass
 
     def close(self) -> None:
-        """Release every lease and the staging map, close the socket. Idempotent."""
+        """Release every lease, abort every open reservation, drop the staging map, close
+        the socket. Idempotent."""
         for lease in self.leases.values():
             lease.release()
         self.leases.clear()
+        for res, _ in self.reservations.values():  # a dead client's slots are freed, never published
+            try:
+                res.abort()
+            except KVStoreError as exc:
+                log.warning("connection %s: aborting a reservation failed: %s", self.peer, exc)
+        self.reservations.clear()
         self.leased_bytes = 0
         if self.staging is not None:
             self.staging.close()
@@ -331,20 +339,20 @@ class Connection:
         n = len(keys)
         want = rec["nbytes"].tolist()
         sizes, offsets, where = [P.MISS] * n, [0] * n, [P.WHERE_ARENA] * n
-        lease = Lease(self.server.borrow(keys))
+        lease = Lease(self.server.borrow(keys, offsets=True))
         try:
-            base = self.server.arena.base_address
-            lower = []
-            for i, v in enumerate(lease.views):
-                if v is None:
+            lower, leased = [], 0
+            for i, slot in enumerate(lease.views):
+                if slot is None:
                     lower.append(i)
-                elif v.nbytes != want[i]:
+                elif slot[1] != want[i]:
                     sizes[i] = P.SIZE_MISMATCH
                 else:
-                    sizes[i], offsets[i] = want[i], v.ctypes.data - base
-                    lease.nbytes += want[i]
-            if self.leased_bytes + lease.nbytes > self.server.config.server.max_inflight_bytes:
-                raise _Busy(f"{self.leased_bytes + lease.nbytes} leased bytes would exceed "
+                    sizes[i], offsets[i] = want[i], slot[0]
+                    leased += want[i]
+            lease.nbytes = leased
+            if self.leased_bytes + leased > self.server.config.server.max_inflight_bytes:
+                raise _Busy(f"{self.leased_bytes + leased} leased bytes would exceed "
                             f"max_inflight_bytes; release earlier leases first")
             if lower:
                 staged = self._place_lower(keys, want, lower, sizes, offsets, where)
@@ -397,6 +405,54 @@ class Connection:
         ok = await asyncio.wrap_future(self.server.store.save(keys, srcs)) if keys else []
         self.server.metrics.bytes.labels("in", "shm").inc(int(rec["nbytes"].sum()))
         await self._reply(P.Op.SHM_PUT, rid, bytes(ok))
+
+    async def _op_shm_reserve(self, rid: int, args: tuple, header: P.Header) -> None:
+        """Room in the arena that the client fills in place, published by SHM_COMMIT.
+        The slots are invisible to readers until then, count against this connection's
+        in-flight bytes, and are freed if the connection closes first."""
+        self._need_local()
+        keys, rec = args
+        sizes = rec["nbytes"].tolist()
+        total = sum(sizes)
+        limit = self.server.config.server.max_inflight_bytes
+        if self.leased_bytes + total > limit:
+            raise _Busy(f"{self.leased_bytes + total} reserved and leased bytes would exceed max_inflight_bytes "
+                        f"{limit}; commit or release earlier ones first")
+        res = await self.loop.run_in_executor(None, self.server.store.reserve, keys, sizes)
+        n = len(keys)
+        placed = np.zeros(n, dtype=P.PLACED)
+        got, offsets, reserved = [P.MISS] * n, [0] * n, 0
+        base = self.server.arena.base_address
+        for i, (present, view) in enumerate(zip(res.present, res.views)):
+            if present:
+                got[i] = P.PRESENT
+            elif view is not None:
+                got[i], offsets[i] = sizes[i], view.ctypes.data - base
+                reserved += sizes[i]
+        res_id = 0
+        if reserved:
+            res_id, self.next_lease = self.next_lease, self.next_lease + 1
+            self.reservations[res_id] = (res, reserved)
+            self.leased_bytes += reserved
+        else:
+            res.commit()  # nothing to fill: ends it (present keys counted as hits)
+        placed["nbytes"], placed["offset"] = got, offsets
+        await self._reply(P.Op.SHM_RESERVE, rid, P.encode_placed(res_id, placed))
+
+    async def _op_shm_commit(self, rid: int, args: tuple, header: P.Header) -> None:
+        res_id, commit = args
+        entry = self.reservations.pop(res_id, None)
+        if entry is None:
+            raise InvalidArgumentError(f"no open reservation {res_id} on this connection")
+        res, nbytes = entry
+        self.leased_bytes -= nbytes
+        if commit:
+            ok = await self.loop.run_in_executor(None, res.commit)
+            self.server.metrics.bytes.labels("in", "shm").inc(nbytes)
+        else:
+            await self.loop.run_in_executor(None, res.abort)
+            ok = res.present
+        await self._reply(P.Op.SHM_COMMIT, rid, bytes(ok))
 
     async def _op_shm_done(self, rid: int, lid: int, header: P.Header) -> None:
         self._release_lease(lid)

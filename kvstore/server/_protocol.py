@@ -19,15 +19,17 @@ from typing import Any, Sequence
 import numpy as np
 
 from kvstore.errors import ProtocolError
-from kvstore.keys import KEY_WIRE_BYTES, BlockKey
+from kvstore.keys import KEY_WIRE_BYTES, BlockKey, _trusted
 
 MAGIC = b"KV"
-VERSION = 1
+VERSION = 2
 HEADER = struct.Struct("<2sBBIIIQ")  # magic, version, op, request id, status, body len, payload len
 HEADER_BYTES = HEADER.size           # 24
 _U32 = struct.Struct("<I")
 _LOOKUP = struct.Struct("<dI")
 _U64 = struct.Struct("<Q")
+_COMMIT = struct.Struct("<QB")  # reservation id, 1 = commit / 0 = abort
+_ZERO = bytes(32)
 MISS = -1          # GET reply size: not stored
 SIZE_MISMATCH = -2  # GET reply size: stored with another size than the caller's buffer
 
@@ -37,6 +39,7 @@ STAGED = np.dtype([("key", f"V{KEY_WIRE_BYTES}"), ("nbytes", "<u8"), ("offset", 
 PLACED = np.dtype([("nbytes", "<i8"), ("offset", "<u8"), ("where", "u1")])
 WHERE_ARENA, WHERE_STAGING, WHERE_SOCKET = 0, 1, 2
 NOT_SENT = -3       # NIXL_GET reply size: stored in a slower tier; fetch it with GET
+PRESENT = -4        # SHM_RESERVE reply size: already stored, nothing to write
 NIXL_REC = np.dtype([("key", f"V{KEY_WIRE_BYTES}"), ("nbytes", "<u8"), ("addr", "<u8")])
 _NIXL_HEAD = struct.Struct("<BxxxI")  # memory kind (0 host, 1 GPU), device id
 
@@ -58,6 +61,8 @@ class Op(enum.IntEnum):
     NIXL_HELLO = 14  # client NIXL agent metadata -> server NIXL agent metadata
     NIXL_GET = 15    # mem kind, device, (key, nbytes, client address)* -> sizes (server WRITEs)
     NIXL_PUT = 16    # mem kind, device, (key, nbytes, client address)* -> one byte per key (server READs)
+    SHM_RESERVE = 24  # (key, nbytes)* -> reservation id, (nbytes, offset, where)* (client writes the arena)
+    SHM_COMMIT = 25   # reservation id, commit/abort -> one byte per key
 
 
 NO_REPLY = frozenset({Op.SHM_DONE})
@@ -156,9 +161,15 @@ def _count(body: memoryview, record: int, limits: Limits, offset: int = 0) -> in
 
 
 def _keys_from(raw: np.ndarray) -> list[BlockKey]:
-    data = raw.tobytes()  # one copy of the key column, then slices of it
-    return [BlockKey(data[o:o + 32], data[o + 32:o + 64], data[o + 64:o + 96])
-            for o in range(0, len(data), KEY_WIRE_BYTES)]
+    # One copy of the key column, then slices of it. The fields are 32-byte slices by
+    # construction, so the keys skip BlockKey's validation (this runs for every block
+    # of every batch on the server's event loop).
+    data, zero = raw.tobytes(), _ZERO
+    out = []
+    for o in range(0, len(data), KEY_WIRE_BYTES):
+        parent, ns = data[o + 32:o + 64], data[o + 64:o + 96]
+        out.append(_trusted(data[o:o + 32], None if parent == zero else parent, None if ns == zero else ns))
+    return out
 
 
 def decode_keys(body: Any, limits: Limits, offset: int = 0) -> list[BlockKey]:
@@ -197,7 +208,7 @@ def decode_records(dtype: np.dtype, body: Any, limits: Limits) -> tuple[list[Blo
     n = _count(mv, dtype.itemsize, limits)
     rec = np.frombuffer(mv, dtype=dtype, count=n, offset=4)
     keys = _keys_from(rec["key"])
-    if len({k.digest for k in keys}) != n:
+    if len(set(keys)) != n:
         raise ProtocolError("a key appears twice in one batch")
     return keys, rec
 
@@ -229,6 +240,20 @@ def decode_placed(body: Any, n: int) -> tuple[int, np.ndarray]:
     if mv.nbytes != 8 + n * PLACED.itemsize:
         raise ProtocolError(f"reply of {mv.nbytes} bytes does not hold {n} placements")
     return _U64.unpack_from(mv, 0)[0], np.frombuffer(mv, dtype=PLACED, count=n, offset=8)
+
+
+def encode_commit(reservation_id: int, commit: bool) -> bytes:
+    return _COMMIT.pack(reservation_id, 1 if commit else 0)
+
+
+def decode_commit(body: Any) -> tuple[int, bool]:
+    mv = memoryview(body).cast("B")
+    if mv.nbytes != _COMMIT.size:
+        raise ProtocolError(f"SHM_COMMIT body must be {_COMMIT.size} bytes, got {mv.nbytes}")
+    rid, action = _COMMIT.unpack_from(mv, 0)
+    if action > 1:
+        raise ProtocolError(f"SHM_COMMIT action must be 0 (abort) or 1 (commit), got {action}")
+    return rid, bool(action)
 
 
 def encode_u64(value: int) -> bytes:
@@ -284,7 +309,7 @@ def decode_request(header: Header, body: Any, limits: Limits) -> Any:
         args = decode_lookup(body, limits)
     elif op in (Op.CONTAINS, Op.DELETE, Op.RELEASE):
         args = decode_keys(body, limits)
-    elif op is Op.GET or op is Op.SHM_GET:
+    elif op is Op.GET or op is Op.SHM_GET or op is Op.SHM_RESERVE:
         args = decode_records(SIZED, body, limits)
     elif op is Op.PUT:
         args = decode_records(SIZED, body, limits)
@@ -293,6 +318,8 @@ def decode_request(header: Header, body: Any, limits: Limits) -> Any:
             raise ProtocolError(f"PUT announces {total} block bytes but carries {header.payload_len}")
     elif op is Op.SHM_PUT:
         args = decode_records(STAGED, body, limits)
+    elif op is Op.SHM_COMMIT:
+        args = decode_commit(body)
     elif op is Op.NIXL_HELLO:
         args = bytes(body)
         if not args:
@@ -324,7 +351,7 @@ def parse_requests(data: Any, limits: Limits) -> tuple[list[tuple[Header, Any]],
 
 
 __all__ = ["HEADER", "HEADER_BYTES", "Header", "Limits", "MAGIC", "MISS", "NIXL_REC", "NOT_SENT", "NO_REPLY",
-           "Op", "PLACED", "decode_nixl", "encode_nixl",
+           "Op", "PLACED", "PRESENT", "decode_commit", "encode_commit", "decode_nixl", "encode_nixl",
            "SIZED", "SIZE_MISMATCH", "STAGED", "Status", "VERSION", "WHERE_ARENA", "WHERE_SOCKET",
            "WHERE_STAGING", "decode_flags", "decode_json", "decode_keys", "decode_lookup",
            "decode_placed", "decode_records", "decode_request", "decode_sizes", "decode_u32",

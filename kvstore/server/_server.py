@@ -198,9 +198,9 @@ class Server:
 
     # -- helpers for connections ---------------------------------------------------------------
 
-    def borrow(self, keys: Sequence[Any]) -> Any:
+    def borrow(self, keys: Sequence[Any], offsets: bool = False) -> Any:
         if self._borrowable:
-            return self.store.borrow(keys)
+            return self.store.borrow(keys, offsets=offsets)
         return nullcontext([None] * len(keys))
 
     def hello_info(self, local: bool) -> dict[str, Any]:
