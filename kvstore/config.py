@@ -158,6 +158,7 @@ class ServerConfig(_Frozen):
     idle_timeout_s: float = Field(300.0, gt=0)
     shm_lease_s: float = Field(30.0, gt=0)       # a same-host read lease ends after this at most
     shutdown_grace_s: float = Field(10.0, ge=0)  # requests in flight get this long at shutdown
+    send_threads: int = Field(4, ge=0)           # threads sending large TCP GET replies (0: the event loop)
 
 
 class StoreConfig(_Frozen):

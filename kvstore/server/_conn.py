@@ -267,11 +267,10 @@ class Connection:
                 buf = self._buffer(sum(want[i] for i in lower))
                 await self._load_lower(keys, want, lower, buf, 0, sizes, srcs)
             total = sum(s for s in sizes if s > 0)
-            await self._reply(P.Op.GET, rid, P.encode_sizes(sizes), total)
-            send = self.loop.sock_sendall
-            for src in srcs:
-                if src is not None and src.nbytes:
-                    await send(self.sock, memoryview(src))
+            body = P.encode_sizes(sizes)
+            frame = [P.pack_header(P.Op.GET, rid, len(body), total) + body]
+            frame += [src for src in srcs if src is not None]
+            await self.server.sender.send(self.loop, self.sock, frame, total)  # header and blocks, vectored
             self.server.metrics.bytes.labels("out", "tcp").inc(total)
 
     async def _load_lower(self, keys: list, want: list[int], idx: list[int], buf: np.ndarray, base: int,

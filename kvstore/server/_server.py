@@ -27,6 +27,7 @@ from kvstore.server._admin import handle_admin
 from kvstore.server._conn import Connection
 from kvstore.server._metrics import ServerMetrics
 from kvstore.server._nixl import NixlService
+from kvstore.server._send import Sender
 from kvstore.server._shm import Arena
 
 log = logging.getLogger("kvstore.server")
@@ -71,6 +72,7 @@ class Server:
         self.arena = Arena.of(first) if cfg.transport in ("auto", "shm") and self._borrowable else None
         self.metrics = ServerMetrics(self.store)
         self.nixl = NixlService(self)
+        self.sender = Sender(cfg.send_threads, cfg.idle_timeout_s)
         self.conns: set[Connection] = set()
         self.closing = False
         self.port = 0
@@ -151,6 +153,7 @@ class Server:
         for c in list(self.conns):
             c.close()
         self.nixl.close()  # deregisters the arena before the Store unmaps it
+        self.sender.close()
         if self._owns_store:
             await asyncio.get_running_loop().run_in_executor(None, self._close_store)
         self._stopped.set()
