@@ -66,6 +66,8 @@ class Client:
         self._max_batch = int(self.info.get("max_batch", 4096))
         self._max_payload = min(int(self.info.get("max_frame_bytes", 256 << 20)),
                                 int(self.info.get("max_inflight_bytes", 1 << 30))) - (1 << 20)
+        # the server refuses a staging region larger than its per-client in-flight limit
+        self._staging_bytes = min(self._staging_bytes, int(self.info.get("max_inflight_bytes", 1 << 30)))
         self._arena: ArenaMap | None = None
         self._conn_addr = self.address
         if transport in ("auto", "shm") and ArenaMap.is_local(self.info.get("shm")):
@@ -368,6 +370,8 @@ class Client:
         _raise_mismatch(keys, got.tolist(), sizes)
         socket_idx = np.flatnonzero((got >= 0) & (where == P.WHERE_SOCKET)).tolist()
         if socket_idx:
+            if conn.staging is None:  # next time the server loads such blocks into staging
+                conn.attach_staging(self._staging_bytes)
             res = self._tcp_get(conn, [keys[i] for i in socket_idx], [dsts[i] for i in socket_idx])
             for i, ok in zip(socket_idx, res):
                 out[i] = ok
