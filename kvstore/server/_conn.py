@@ -22,6 +22,8 @@ import numpy as np
 from kvstore.errors import (AuthError, BufferSizeError, InvalidArgumentError, KVStoreError, ProtocolError,
                             StoreClosedError, TransportError)
 from kvstore.server import _protocol as P
+from kvstore.server._conn_shm import SameHostOps
+from kvstore.server._refusals import Busy as _Busy, Disconnected as _Disconnected, Fatal as _Fatal
 from kvstore.server._shm import Lease, Staging
 
 if TYPE_CHECKING:
@@ -31,26 +33,11 @@ log = logging.getLogger("kvstore.server")
 _KEEP_BUFFER_BYTES = 256 << 20  # scratch buffers up to this size are kept for the next request
 
 
-class _Disconnected(Exception):
-    """The peer closed the connection (between or inside frames)."""
-
-
-class _Fatal(Exception):
-    """Reply with this status, then close the connection."""
-
-    def __init__(self, status: P.Status, message: str) -> None:
-        super().__init__(message)
-        self.status = status
-
-
-class _Busy(KVStoreError):
-    """A per-client limit is reached; the request is refused, the connection kept."""
-
-
-class Connection:
+class Connection(SameHostOps):
     """State of one client connection; all of it lives on the event loop thread.
     Memory it may hold: a scratch buffer of at most ``max_inflight_bytes`` (dropped after
-    use when over 256 MiB) and leases on at most ``max_inflight_bytes`` of slots."""
+    use when over 256 MiB) and leases plus reservations on at most ``max_inflight_bytes``
+    of slots. The same-host operations live in :class:`SameHostOps` (``_conn_shm.py``)."""
 
     def __init__(self, server: "Server", sock: socket.socket, peer: str, local: bool) -> None:
         self.server, self.sock, self.peer, self.local = server, sock, peer, local
@@ -316,142 +303,3 @@ class Connection:
         ok = await self.loop.run_in_executor(None, self.server.nixl.put, self, args)
         self.server.metrics.bytes.labels("in", "nixl").inc(int(args[3]["nbytes"].sum()))
         await self._reply(P.Op.NIXL_PUT, rid, bytes(ok))
-
-    # -- same-host shared memory ---------------------------------------------------------------
-
-    def _need_local(self) -> None:
-        if not self.local or self.server.arena is None:
-            raise _Fatal(P.Status.UNAVAILABLE, "shared memory is only offered to same-host clients "
-                         "of a server whose first tier is a shared DRAM arena")
-
-    async def _op_shm_attach(self, rid: int, args: dict, header: P.Header) -> None:
-        self._need_local()
-        if self.staging is not None:
-            raise InvalidArgumentError("a staging region is already attached to this connection")
-        self.staging = Staging.attach(args.get("path"), args.get("nbytes"),
-                                      self.server.config.server.max_inflight_bytes)
-        await self._reply(P.Op.SHM_ATTACH, rid)
-
-    async def _op_shm_get(self, rid: int, args: tuple, header: P.Header) -> None:
-        self._need_local()
-        keys, rec = args
-        n = len(keys)
-        want = rec["nbytes"].tolist()
-        sizes, offsets, where = [P.MISS] * n, [0] * n, [P.WHERE_ARENA] * n
-        lease = Lease(self.server.borrow(keys, offsets=True))
-        try:
-            lower, leased = [], 0
-            for i, slot in enumerate(lease.views):
-                if slot is None:
-                    lower.append(i)
-                elif slot[1] != want[i]:
-                    sizes[i] = P.SIZE_MISMATCH
-                else:
-                    sizes[i], offsets[i] = want[i], slot[0]
-                    leased += want[i]
-            lease.nbytes = leased
-            if self.leased_bytes + leased > self.server.config.server.max_inflight_bytes:
-                raise _Busy(f"{self.leased_bytes + leased} leased bytes would exceed "
-                            f"max_inflight_bytes; release earlier leases first")
-            if lower:
-                staged = self._place_lower(keys, want, lower, sizes, offsets, where)
-                if staged:
-                    got, srcs = [P.MISS] * n, [None] * n
-                    await self._load_lower(keys, want, staged, self.staging.array, 0, got, srcs)
-                    for i in staged:
-                        if got[i] < 0:
-                            sizes[i] = got[i]
-        except BaseException:
-            lease.release()
-            raise
-        lid = 0
-        if lease.nbytes:
-            lid, self.next_lease = self.next_lease, self.next_lease + 1
-            self.leases[lid] = lease
-            self.leased_bytes += lease.nbytes
-        else:
-            lease.release()
-        placed = np.empty(n, dtype=P.PLACED)
-        placed["nbytes"], placed["offset"], placed["where"] = sizes, offsets, where
-        self.server.metrics.bytes.labels("out", "shm").inc(lease.nbytes)
-        await self._reply(P.Op.SHM_GET, rid, P.encode_placed(lid, placed))
-
-    def _place_lower(self, keys: list, want: list[int], lower: list[int], sizes: list[int],
-                     offsets: list[int], where: list[int]) -> list[int]:
-        """Blocks held only below the first tier: into the client's staging region while
-        it has room (returned, to be loaded there), the rest marked for a socket GET."""
-        present = self.server.store.contains([keys[i] for i in lower])
-        room = self.staging.nbytes if self.staging is not None else 0
-        staged, pos = [], 0
-        for i, there in zip(lower, present):
-            if not there:
-                continue
-            sizes[i] = want[i]
-            if pos + want[i] <= room:
-                offsets[i], where[i] = pos, P.WHERE_STAGING
-                staged.append(i)
-                pos += want[i]
-            else:
-                where[i] = P.WHERE_SOCKET
-        return staged
-
-    async def _op_shm_put(self, rid: int, args: tuple, header: P.Header) -> None:
-        self._need_local()
-        if self.staging is None:
-            raise InvalidArgumentError("SHM_PUT needs an attached staging region (SHM_ATTACH)")
-        keys, rec = args
-        srcs = [self.staging.slice(int(off), int(n)) for n, off in zip(rec["nbytes"], rec["offset"])]
-        ok = await asyncio.wrap_future(self.server.store.save(keys, srcs)) if keys else []
-        self.server.metrics.bytes.labels("in", "shm").inc(int(rec["nbytes"].sum()))
-        await self._reply(P.Op.SHM_PUT, rid, bytes(ok))
-
-    async def _op_shm_reserve(self, rid: int, args: tuple, header: P.Header) -> None:
-        """Room in the arena that the client fills in place, published by SHM_COMMIT.
-        The slots are invisible to readers until then, count against this connection's
-        in-flight bytes, and are freed if the connection closes first."""
-        self._need_local()
-        keys, rec = args
-        sizes = rec["nbytes"].tolist()
-        total = sum(sizes)
-        limit = self.server.config.server.max_inflight_bytes
-        if self.leased_bytes + total > limit:
-            raise _Busy(f"{self.leased_bytes + total} reserved and leased bytes would exceed max_inflight_bytes "
-                        f"{limit}; commit or release earlier ones first")
-        res = await self.loop.run_in_executor(None, self.server.store.reserve, keys, sizes)
-        n = len(keys)
-        placed = np.zeros(n, dtype=P.PLACED)
-        got, offsets, reserved = [P.MISS] * n, [0] * n, 0
-        base = self.server.arena.base_address
-        for i, (present, view) in enumerate(zip(res.present, res.views)):
-            if present:
-                got[i] = P.PRESENT
-            elif view is not None:
-                got[i], offsets[i] = sizes[i], view.ctypes.data - base
-                reserved += sizes[i]
-        res_id = 0
-        if reserved:
-            res_id, self.next_lease = self.next_lease, self.next_lease + 1
-            self.reservations[res_id] = (res, reserved)
-            self.leased_bytes += reserved
-        else:
-            res.commit()  # nothing to fill: ends it (present keys counted as hits)
-        placed["nbytes"], placed["offset"] = got, offsets
-        await self._reply(P.Op.SHM_RESERVE, rid, P.encode_placed(res_id, placed))
-
-    async def _op_shm_commit(self, rid: int, args: tuple, header: P.Header) -> None:
-        res_id, commit = args
-        entry = self.reservations.pop(res_id, None)
-        if entry is None:
-            raise InvalidArgumentError(f"no open reservation {res_id} on this connection")
-        res, nbytes = entry
-        self.leased_bytes -= nbytes
-        if commit:
-            ok = await self.loop.run_in_executor(None, res.commit)
-            self.server.metrics.bytes.labels("in", "shm").inc(nbytes)
-        else:
-            await self.loop.run_in_executor(None, res.abort)
-            ok = res.present
-        await self._reply(P.Op.SHM_COMMIT, rid, bytes(ok))
-
-    async def _op_shm_done(self, rid: int, lid: int, header: P.Header) -> None:
-        self._release_lease(lid)
