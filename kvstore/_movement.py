@@ -103,9 +103,10 @@ class TierMovement:
         self._index_put(i, keys, sizes, plan, ok)
         return plan.result
 
-    def _plan_put(self, i: int, keys: list[BlockKey], sizes: list[int]) -> "_PutPlan":
+    def _plan_put(self, i: int, keys: list[BlockKey], sizes: list[int], *, evict: bool = True) -> "_PutPlan":
         """Admission and room for new blocks in level ``i``: which to write, and the
-        victims to evict first (already out of the index). Takes the lock."""
+        victims to evict first (already out of the index). ``evict=False`` takes free
+        room only: blocks that do not fit are left out. Takes the lock."""
         lvl = self._levels[i]
         plan = _PutPlan([False] * len(keys))
         chosen = plan.chosen
@@ -123,7 +124,14 @@ class TierMovement:
             # The blocks being added hang under these parents: evicting one now would
             # leave its new children unreachable (a chained key needs its prefix).
             plan.parents = {keys[j].parent for j in chosen} if lvl.policy.uses_parent else None
-            if lvl.policy.uses_parent and chosen:
+            if not evict:
+                free = lvl.tier.capacity_bytes - lvl.tier.used_bytes
+                plan.chosen = []
+                for j in chosen:
+                    if sizes[j] <= free:
+                        plan.chosen.append(j)
+                        free -= sizes[j]
+            elif lvl.policy.uses_parent and chosen:
                 # Prefix-aware policies rank new blocks against old ones: place the batch
                 # block by block as if each were inserted before the next one needs room,
                 # so a new block the policy values least (a one-off request's tail) is

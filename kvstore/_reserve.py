@@ -26,7 +26,8 @@ class Reservation:
 
     ``views[i]`` is a writable, flat ``uint8`` array of ``sizes[i]`` bytes for
     ``keys[i]``, or ``None`` when the block needs no write (``present[i]``: the Store
-    holds it already) or got no room (save it with :meth:`Store.save` instead).
+    holds it already) or got no room (listed in ``missing``: save those with
+    :meth:`Store.save` instead).
     Nothing is visible to readers until :meth:`commit`. End a reservation with exactly
     one of :meth:`commit` or :meth:`abort`; used as a context manager, leaving the block
     commits and an exception aborts. Not thread-safe: one owner fills and ends it.
@@ -40,13 +41,9 @@ class Reservation:
         if tier_res is not None:
             for c, view in zip(plan.chosen, tier_res.views):
                 self.views[fresh[c]] = view
+        self.missing = [i for i, (p, v) in enumerate(zip(present, self.views)) if not p and v is None]
         self.stored: list[bool] | None = None
         self._done = False
-
-    @property
-    def missing(self) -> list[int]:
-        """Indices of keys neither held already nor given room."""
-        return [i for i, (p, v) in enumerate(zip(self.present, self.views)) if not p and v is None]
 
     def commit(self) -> list[bool]:
         """Publish the filled views. Per key: True when the Store holds it now."""
@@ -94,7 +91,7 @@ class Reservation:
         self.abort() if exc_type is not None else self.commit()
 
 
-def reserve(store: "Store", keys: Sequence[BlockKey], sizes: Sequence[int]) -> Reservation:
+def reserve(store: "Store", keys: Sequence[BlockKey], sizes: Sequence[int], evict: bool) -> Reservation:
     """See :meth:`Store.reserve`."""
     keys, sizes = list(keys), [int(n) for n in sizes]
     store._check_pairs(keys, sizes)
@@ -115,7 +112,7 @@ def reserve(store: "Store", keys: Sequence[BlockKey], sizes: Sequence[int]) -> R
     if not fresh or not hasattr(lvl.tier, "reserve"):
         return Reservation(store, keys, present, fresh, [], None, None)
     fkeys, fsizes = [keys[j] for j in fresh], [sizes[j] for j in fresh]
-    plan = store._plan_put(0, fkeys, fsizes)
+    plan = store._plan_put(0, fkeys, fsizes, evict=evict)
     store._evict(0, plan.victims)
     tier_res = None
     if plan.chosen:

@@ -75,15 +75,16 @@ class Store(TierMovement):
         self._check_pairs(keys, srcs)
         return self._pool.submit(self._save, list(keys), list(srcs))
 
-    def reserve(self, keys: Sequence[BlockKey], sizes: Sequence[int]) -> Reservation:
+    def reserve(self, keys: Sequence[BlockKey], sizes: Sequence[int], *, evict: bool = True) -> Reservation:
         """Save by filling the first tier's memory in place: room for each block is
         taken now (admission and eviction as in :meth:`save`), the caller writes
         ``reservation.views[i]`` and then commits (see :class:`kvstore._reserve.Reservation`).
         Saves a copy when the caller can produce the bytes straight into the slots (a
         gather of KV pages). Where the first tier cannot lend memory, or has no room,
-        ``views[i]`` is ``None``: use :meth:`save` for those."""
+        ``views[i]`` is ``None``: use :meth:`save` for those. ``evict=False`` takes only
+        free room (no spill on the caller's thread)."""
         self._check_open()
-        return reserve(self, keys, sizes)
+        return reserve(self, keys, sizes, evict)
 
     def load(self, keys: Sequence[BlockKey], dsts: Sequence[Any]) -> "Future[list[bool]]":
         """Copy blocks into caller-owned buffers. Fail-closed: ``True`` only where the

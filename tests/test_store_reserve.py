@@ -136,3 +136,23 @@ def test_bad_input_is_refused():
         with pytest.raises(InvalidArgumentError):
             store.reserve([keys[0], keys[0]], [BLOCK, BLOCK])
         assert store.tiers[0].used_bytes == 0
+
+
+def test_without_eviction_only_free_room_is_taken():
+    with store_of(top_blocks=3) as store:
+        old, old_srcs = blocks(2)
+        store.save(old, old_srcs).result()
+        keys, srcs = blocks(2, start=10)
+        with store.reserve(keys, [BLOCK] * 2, evict=False) as res:
+            assert res.missing == [1]
+            res.views[0][:] = srcs[0]
+        assert res.stored == [True, False]
+        assert store.tiers[0].contains(old) == [True, True]     # nothing evicted
+
+
+def test_missing_is_still_known_after_commit():
+    with store_of(top_blocks=1) as store:
+        keys, srcs = blocks(2)
+        with store.reserve(keys, [BLOCK] * 2, evict=False) as res:
+            res.views[0][:] = srcs[0]
+        assert res.missing == [1] and res.stored == [True, False]
