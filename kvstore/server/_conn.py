@@ -225,6 +225,7 @@ class Connection(SameHostOps):
 
     async def _op_put(self, rid: int, args: tuple, header: P.Header) -> None:
         keys, rec = args
+        keys = self.server.intern(keys)
         total = header.payload_len
         buf = self._buffer(total)
         await self._recv_exact(memoryview(buf)[:total])  # straight off the socket, no copy
@@ -238,6 +239,7 @@ class Connection(SameHostOps):
 
     async def _op_get(self, rid: int, args: tuple, header: P.Header) -> None:
         keys, rec = args
+        keys = self.server.intern(keys)
         want = rec["nbytes"].tolist()
         sizes = [P.MISS] * len(keys)
         with self.server.borrow(keys) as views:

@@ -40,6 +40,7 @@ class SameHostOps:
     async def _op_shm_get(self, rid: int, args: tuple, header: P.Header) -> None:
         self._need_local()
         keys, rec = args
+        keys = self.server.intern(keys)
         n = len(keys)
         want = rec["nbytes"].tolist()
         sizes, offsets, where = [P.MISS] * n, [0] * n, [P.WHERE_ARENA] * n
@@ -105,6 +106,7 @@ class SameHostOps:
         if self.staging is None:
             raise InvalidArgumentError("SHM_PUT needs an attached staging region (SHM_ATTACH)")
         keys, rec = args
+        keys = self.server.intern(keys)
         srcs = [self.staging.slice(int(off), int(n)) for n, off in zip(rec["nbytes"], rec["offset"])]
         ok = await asyncio.wrap_future(self.server.store.save(keys, srcs)) if keys else []
         self.server.metrics.bytes.labels("in", "shm").inc(int(rec["nbytes"].sum()))
@@ -116,6 +118,7 @@ class SameHostOps:
         in-flight bytes, and are freed if the connection closes first."""
         self._need_local()
         keys, rec = args
+        keys = self.server.intern(keys)
         sizes = rec["nbytes"].tolist()
         total = sum(sizes)
         limit = self.server.config.server.max_inflight_bytes

@@ -30,6 +30,7 @@ from kvstore.server._nixl import NixlService
 from kvstore.server._send import Sender
 from kvstore.server._shm import Arena
 
+_INTERN_MAX = 1 << 16   # interned keys kept (about 25 MiB at most)
 log = logging.getLogger("kvstore.server")
 
 
@@ -73,6 +74,7 @@ class Server:
         self.metrics = ServerMetrics(self.store)
         self.nixl = NixlService(self)
         self.sender = Sender(cfg.send_threads, cfg.idle_timeout_s)
+        self._interned: dict[bytes, Any] = {}
         self.conns: set[Connection] = set()
         self.closing = False
         self.port = 0
@@ -200,6 +202,15 @@ class Server:
                     c.task.cancel()
 
     # -- helpers for connections ---------------------------------------------------------------
+
+    def intern(self, keys: list[Any]) -> list[Any]:
+        """The same key objects for the same digests, request after request: the Store's
+        dicts then match a looked-up key by identity instead of calling ``__eq__`` on
+        every probe (several per key per request). Bounded; cleared when full."""
+        cache = self._interned
+        if len(cache) > _INTERN_MAX:
+            cache.clear()
+        return [cache.setdefault(k.digest, k) for k in keys]
 
     def borrow(self, keys: Sequence[Any], offsets: bool = False) -> Any:
         if self._borrowable:
