@@ -64,6 +64,9 @@ def test_partial_frame_is_left_for_later():
     (_frame(P.Op.HELLO, b"\xff\xfe"), "JSON"),
     (_frame(P.Op.HELLO, b"[1]"), "object"),
     (_frame(P.Op.SHM_DONE, b"1234"), "8-byte"),
+    (_frame(P.Op.SHM_COMMIT, b"123"), "SHM_COMMIT body"),
+    (_frame(P.Op.SHM_COMMIT, struct.pack("<QB", 1, 7)), "action"),
+    (_frame(P.Op.SHM_RESERVE, P.encode_records(P.SIZED, make_keys(1) * 2, [1, 1])), "twice"),
     (_frame(P.Op.GET, P.encode_records(P.SIZED, make_keys(1) * 2, [1, 1])), "twice"),
     (P.pack_header(P.Op.STATS, 1, 0, 5) + b"12345", "payload"),
 ])
@@ -120,3 +123,12 @@ def test_fuzz_mutated_frames(frames):
     for header, _ in reqs:
         assert header.op in P.Op._value2member_map_
         assert header.body_len + header.payload_len <= LIMITS.max_frame_bytes
+
+
+def test_reservation_frames_round_trip():
+    keys = make_keys(3)
+    frames, used = P.parse_requests(_frame(P.Op.SHM_RESERVE, P.encode_records(P.SIZED, keys, [1, 2, 3]))
+                                    + _frame(P.Op.SHM_COMMIT, P.encode_commit(42, False)), LIMITS)
+    (h1, (got_keys, rec)), (h2, commit) = frames
+    assert got_keys == keys and rec["nbytes"].tolist() == [1, 2, 3]
+    assert commit == (42, False) and P.decode_commit(P.encode_commit(7, True)) == (7, True)
