@@ -6,8 +6,8 @@ to back both in the region and in the caller's memory are copied as one range: a
 single large memcpy streams with non-temporal stores, many block-sized ones do not
 (measured here: 64 MiB as one copy ≈ 1.4-1.7x the rate of 256 KiB pieces). Host copies
 are ``memmove`` calls on raw addresses (ctypes releases the GIL around them), so a
-large batch split over a few threads copies in parallel and no per-block numpy view is
-built. Device buffers are copied one by one (one H2D/D2H copy each).
+large batch shared out in 4 MiB pieces between the calling thread and a helper copies
+in parallel, and no per-block numpy view is built. Device buffers are copied one by one (one H2D/D2H copy each).
 
 Ownership: callers keep every buffer and the region mapped until the call returns;
 nothing is kept afterwards. Thread-safe (no shared state).
@@ -16,6 +16,7 @@ nothing is kept afterwards. Thread-safe (no shared state).
 from __future__ import annotations
 
 import ctypes
+import threading
 from concurrent.futures import Executor
 from typing import Any, Sequence
 
@@ -25,6 +26,7 @@ from kvstore.buffers import copy_bytes, host_view, is_device
 from kvstore.errors import BufferSizeError
 
 PARALLEL_BYTES = 8 << 20   # below this a batch is copied by the calling thread alone
+CHUNK_BYTES = 4 << 20      # large batches are shared out between threads in pieces of this size
 _memmove = ctypes.memmove
 _Run = list  # [caller address, region address, nbytes]
 
@@ -63,22 +65,13 @@ def plan(bufs: Sequence[Any], sizes: Sequence[int], region_address: int, offsets
     return runs, device
 
 
-def _split(runs: list[_Run], k: int, total: int) -> list[list[_Run]]:
-    """``k`` groups of about ``total / k`` bytes; runs are cut where needed."""
-    share = -(-total // k)
-    groups: list[list[_Run]] = [[]]
-    room = share
+def _chunks(runs: list[_Run], size: int) -> list[_Run]:
+    """Runs cut into pieces of at most ``size`` bytes."""
+    out: list[_Run] = []
     for a, r, n in runs:
-        pos = 0
-        while pos < n:
-            if room == 0 and len(groups) < k:
-                groups.append([])
-                room = share
-            take = n - pos if len(groups) == k else min(room, n - pos)
-            groups[-1].append([a + pos, r + pos, take])
-            pos += take
-            room -= take
-    return groups
+        for pos in range(0, n, size):
+            out.append([a + pos, r + pos, min(size, n - pos)])
+    return out
 
 
 def _move(runs: list[_Run], to_region: bool) -> None:
@@ -90,20 +83,54 @@ def _move(runs: list[_Run], to_region: bool) -> None:
             _memmove(a, r, n)
 
 
+class _Shared:
+    """Chunks claimed one at a time by the caller and the helper threads. The caller
+    never waits for a helper that has not started: it copies whatever is still
+    unclaimed itself and then waits only for chunks a helper is copying. (On a busy
+    host a woken helper can start milliseconds late; a fixed split would wait for it.)"""
+
+    def __init__(self, chunks: list[_Run], to_region: bool) -> None:
+        self.chunks, self.to_region = chunks, to_region
+        self.next = 0
+        self.busy = 0
+        self.error: BaseException | None = None
+        self.lock = threading.Lock()
+        self.idle = threading.Event()
+
+    def work(self) -> None:
+        chunks, lock = self.chunks, self.lock
+        while True:
+            with lock:
+                i = self.next
+                if i >= len(chunks) or self.error is not None:
+                    return
+                self.next = i + 1
+                self.busy += 1
+            try:
+                _move(chunks[i:i + 1], self.to_region)
+            except BaseException as exc:
+                self.error = exc
+            finally:
+                with lock:
+                    self.busy -= 1
+                    if self.busy == 0 and (self.next >= len(chunks) or self.error is not None):
+                        self.idle.set()
+
+
 def copy_runs(runs: list[_Run], to_region: bool, pool: Executor | None, threads: int) -> None:
     """Copy host runs (from :func:`plan`) into the region (``to_region``) or out of it;
-    ``pool`` runs ``threads - 1`` parts of a large batch."""
+    ``pool`` lends up to ``threads - 1`` helpers for a large batch."""
     total = sum(r[2] for r in runs)
     if pool is None or threads < 2 or total < PARALLEL_BYTES:
         _move(runs, to_region)
         return
-    groups = _split(runs, threads, total)
-    futures = [pool.submit(_move, g, to_region) for g in groups[1:]]
-    try:
-        _move(groups[0], to_region)
-    finally:
-        for f in futures:
-            f.result()
+    shared = _Shared(_chunks(runs, CHUNK_BYTES), to_region)
+    for _ in range(threads - 1):
+        pool.submit(shared.work)
+    shared.work()
+    shared.idle.wait()
+    if shared.error is not None:
+        raise shared.error
 
 
 def copy_device(device: list[tuple[Any, int, int]], region: np.ndarray, to_region: bool) -> None:
