@@ -22,6 +22,7 @@ is counted in ``stats()``.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from contextlib import ExitStack
 from typing import TYPE_CHECKING, Any
@@ -37,6 +38,9 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvstore.server")
 _MEM = {0: "DRAM", 1: "VRAM"}
 _UCX_WORKERS = 4  # concurrent clients' transfers spread over this many UCX workers
+# one large transfer (a 64-block get) is split over this many copy threads, so a single
+# client is not held to one core's copy speed; none on a one-core machine
+_UCX_THREADS = min(4, os.cpu_count() or 1) if (os.cpu_count() or 1) > 1 else 0
 _MAX_IDLE_STAGING = 4  # idle staging buffers kept registered for the next puts
 _PREWARM_BUFFERS, _PREWARM_BYTES = 2, 64 << 20  # made when NIXL starts, before any put waits on them
 
@@ -74,7 +78,7 @@ class NixlService:
             from kvstore.transport.nixl import NixlEndpoint
 
             try:
-                ep = NixlEndpoint("server", workers=_UCX_WORKERS, progress_thread=False)
+                ep = NixlEndpoint("server", workers=_UCX_WORKERS, threads=_UCX_THREADS, progress_thread=False)
                 arena = getattr(self.server.store.tiers[0], "arena", None)
                 if arena is None:
                     raise TransportError("the first tier has no host arena to register")

@@ -42,6 +42,9 @@ from kvstore.transport._nixl_env import prepare_ucx_env
 log = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT_S = 30.0
+# With copy threads, a transfer of at least this many descriptors is cut into one chunk
+# per thread (see NixlEndpoint); smaller ones run on the calling thread.
+SPLIT_DESCS = 8
 _MEM_CODES = {"DRAM": 0, "VRAM": 1}
 _MEM_NAMES = {v: k for k, v in _MEM_CODES.items()}
 _DESC_HEADER = struct.Struct("<BxxxI")  # memory kind, row count; rows follow as 3 x u64
@@ -121,10 +124,17 @@ def _nixl_call(what: str, fn, *args, **kwargs):
 class NixlEndpoint:
     """One NIXL agent with a UCX backend. Thread-safe: NIXL runs in read-write
     thread-sync mode and registrations are guarded here. Registered buffers are kept referenced (so
-    never freed) until deregistered or the endpoint closes."""
+    never freed) until deregistered or the endpoint closes.
 
-    def __init__(self, role: str = "peer", *, workers: int = 1, timeout_s: float = DEFAULT_TIMEOUT_S,
-                 progress_thread: bool = True) -> None:
+    ``threads``: NIXL's UCX thread pool (``num_threads``): a transfer this endpoint starts
+    with at least :data:`SPLIT_DESCS` descriptors is cut into one chunk per thread, each
+    posted on its own UCX worker. Between processes of one host UCX moves bytes with
+    cross-memory attach, a kernel copy made by the thread that posts the operation, so
+    the threads are what lets one large transfer use more than one core. The pool's
+    threads sleep while no transfer is in flight. 0: every transfer runs on the caller."""
+
+    def __init__(self, role: str = "peer", *, workers: int = 1, threads: int = 0,
+                 timeout_s: float = DEFAULT_TIMEOUT_S, progress_thread: bool = True) -> None:
         prepare_ucx_env()
         try:
             from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
@@ -138,7 +148,11 @@ class NixlEndpoint:
         conf = nixl_agent_config(enable_prog_thread=progress_thread, enable_listen_thread=False, backends=[],
                                  sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_RW)
         self._agent = _nixl_call("agent creation", nixl_agent, self.name, conf)
-        _nixl_call("UCX backend creation", self._agent.create_backend, "UCX", {"num_workers": str(max(1, workers))})
+        # NIXL counts the pool's workers (one per thread) in num_workers
+        params = {"num_workers": str(max(1, workers) + max(0, threads))}
+        if threads > 0:
+            params.update(num_threads=str(threads), split_batch_size=str(SPLIT_DESCS))
+        _nixl_call("UCX backend creation", self._agent.create_backend, "UCX", params)
         if "UCX" not in self._agent.backends:
             raise TransportError("NIXL's UCX backend did not start (see `kvstore doctor`)")
         self._lock = threading.Lock()
