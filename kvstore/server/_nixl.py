@@ -218,8 +218,9 @@ class NixlService:
             for i, (buf, region) in enumerate(self._free):
                 if buf.nbytes >= nbytes:
                     return self._free.pop(i)
-        buf = np.empty(max(nbytes, 16 << 20), np.uint8)
-        buf.fill(0)  # fault the pages in now, not inside a transfer
+        from kvstore.transport.nixl import staging_buffer
+
+        buf = staging_buffer(max(nbytes, 16 << 20))
         return buf, self._endpoint.register(buf)
 
     def _give_staging(self, staging: tuple[np.ndarray, int]) -> None:
