@@ -97,7 +97,10 @@ def descs_of(bufs: Sequence[Any]) -> Descs:
     rows = np.empty((len(bufs), 3), dtype=np.uint64)
     kinds = set()
     for i, buf in enumerate(bufs):
-        if is_torch(buf):
+        if type(buf) is np.ndarray and buf.flags.c_contiguous:  # the common case, without host_view's checks
+            rows[i] = (buf.ctypes.data, buf.nbytes, 0)
+            kinds.add("DRAM")
+        elif is_torch(buf):
             if not buf.is_contiguous():
                 raise InvalidArgumentError("tensor buffers must be contiguous")
             rows[i] = (buf.data_ptr(), nbytes_of(buf), max(buf.get_device(), 0))
@@ -199,8 +202,10 @@ class NixlEndpoint:
     def covers(self, descs: Descs) -> bool:
         """True when every descriptor lies inside one registered region."""
         with self._lock:
-            spans = [(a, e) for _, _, a, e in self._regions.values()]
-        return all(any(a <= int(r[0]) and int(r[0]) + int(r[1]) <= e for a, e in spans) for r in descs.rows)
+            spans = np.array([(a, e) for _, _, a, e in self._regions.values()], dtype=np.uint64).reshape(-1, 2)
+        starts = descs.rows[:, 0:1]
+        inside = (spans[:, 0] <= starts) & (starts + descs.rows[:, 1:2] <= spans[:, 1])  # rows x regions
+        return bool(inside.any(axis=1).all())
 
     def ensure_registered(self, bufs: Sequence[Any]) -> bool:
         """Register each buffer not already inside a registered region. Returns True when
