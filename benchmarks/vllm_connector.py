@@ -116,11 +116,11 @@ def bench_worker(model: str, layout: str, reps: int, quick: bool) -> dict:
         blocked = time.perf_counter() - t
         for f in inner._save_futures.pop("s", []):
             f.result()
+        took = time.perf_counter() - t
         worker.clear_connector_metadata()
-        time.sleep(0.02)   # let the store's done-callbacks return the staging buffer (steady state)
-        return keys, blocked
+        return keys, blocked, took
 
-    stored, _ = conn_save()
+    stored, _, _ = conn_save()
 
     def conn_load():
         meta = KVStoreConnectorMetadata(loads=[ChunkTransfer("l", [stored], block_ids)])
@@ -131,15 +131,15 @@ def bench_worker(model: str, layout: str, reps: int, quick: bool) -> dict:
         assert not errors, errors
 
     def save_sync():
-        t = time.perf_counter()
-        keys, _ = conn_save()
-        took = time.perf_counter() - t
+        keys, _, took = conn_save()
         worker.store.delete(keys)      # keep the store's footprint flat between rounds
+        time.sleep(0.02)               # staging buffers come back from store threads (steady state)
         return took
 
     def async_blocked():
-        keys, blocked = conn_save(async_=True)
+        keys, blocked, _ = conn_save(async_=True)
         worker.store.delete(keys)
+        time.sleep(0.02)
         return blocked
 
     # Interleaved rounds: this VM is shared, so compare each connector run with the raw

@@ -20,8 +20,10 @@ on store threads; their callbacks only return staging buffers to the pool.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 from concurrent.futures import Future, TimeoutError as FutureTimeout
+from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,6 +56,7 @@ class _Save:
     buf: torch.Tensor            # host staging handed to the store
     target: torch.Tensor         # where pages are gathered: ``buf``, or a device buffer
     layers: set[int]
+    todo: list[int] | None = None  # chunks left for the staging path (None: all)
 
 
 class WorkerSide:
@@ -100,11 +103,18 @@ class WorkerSide:
         # Device caches: scatter group i on the device while the store copies group
         # i + 1 on the host. Host caches: both are CPU copies and would only compete.
         self._load_parts = 1 if device.type == "cpu" else 4
+        # Host caches over an embedded Store: gather straight into the store's slots and
+        # scatter straight out of them (one copy each way instead of two via staging).
+        self._in_place = device.type == "cpu" and hasattr(self.store, "reserve")
 
     # -- loads ----------------------------------------------------------------------------
 
     def start_load(self, meta: KVStoreConnectorMetadata) -> None:
         for spec in meta.loads:
+            if self._in_place and not spec.is_async and not self.config.layerwise:
+                spec = self._load_in_place(spec)
+                if spec is None:
+                    continue
             load = self._submit_load(spec)
             if spec.is_async:
                 self._async_loads.append(load)
@@ -125,6 +135,32 @@ class WorkerSide:
         for load in self._loads:
             self._finish_load(load, layers=None)
         self._loads = []
+
+    def _load_in_place(self, spec: ChunkTransfer) -> ChunkTransfer | None:
+        """Scatter the leading chunks the store's first tier holds straight from its
+        slots (held for the copy). Returns the chunks left for the staging path, or
+        None when every chunk is in place."""
+        pages, cb, per = self._pages(), self._pages().chunk_bytes, self.shape.blocks_per_chunk
+        keys = spec.keys_for(self.rank)
+        n = len(keys)
+        ids = torch.tensor(spec.block_ids, dtype=torch.long).view(n, per)
+        with ExitStack() as held:
+            try:
+                views = held.enter_context(self.store.borrow(keys))
+            except KVStoreError:
+                return spec                 # the staging path reports the failure
+            good = 0
+            for view in views:
+                if view is None or view.nbytes != cb:
+                    break
+                good += 1
+            keep = _keep_mask(good, per, spec.skip_blocks) if good else None
+            for lo, hi, src in _spans(views[:good]):
+                pages.scatter(ids[lo:hi], src, keep=None if keep is None else keep[lo:hi])
+        if good == n:
+            return None
+        return ChunkTransfer(spec.req_id, [k[good:] for k in spec.keys], spec.block_ids[good:],
+                             skip_blocks=0 if good else spec.skip_blocks)
 
     def _submit_load(self, spec: ChunkTransfer) -> _Load:
         """Ask the store for the chunks (in groups for device caches, so that
@@ -266,6 +302,11 @@ class WorkerSide:
         cb = pages.chunk_bytes
         saves = self._step_saves(meta)
         for save in saves:
+            if self._in_place and not save.layers:
+                save.todo = self._save_in_place(save)
+                if save.todo:
+                    pages.gather(save.ids[save.todo], save.buf[: len(save.todo) * cb])
+                continue
             for layer in range(pages.num_layers):
                 if save.layers and layer not in save.layers:
                     pages.gather_layer(layer, save.ids, save.target)
@@ -276,9 +317,12 @@ class WorkerSide:
         # Gather everything first, then hand the store groups it copies in parallel:
         # copying while gathering would slow down the gather that the step waits for.
         for save in saves:
-            keys, n = save.spec.keys_for(self.rank), len(save.spec.block_ids)
+            keys = save.spec.keys_for(self.rank)
+            if save.todo is not None:
+                keys = [keys[i] for i in save.todo]
+            n = len(keys)
             futures = []
-            for lo, hi in _groups(n):
+            for lo, hi in _groups(n) if n else []:
                 try:
                     futures.append(self.store.save(keys[lo:hi], [save.buf[i * cb:(i + 1) * cb] for i in range(lo, hi)]))
                 except KVStoreError as exc:
@@ -287,15 +331,36 @@ class WorkerSide:
             if save.target is not save.buf:
                 self._dev_pool.give(save.target)
                 save.target = save.buf
+            # Registered even with nothing pending (saved in place, or refused), so an
+            # async-saving request is reported finished.
+            self._save_futures.setdefault(save.spec.req_id, []).extend(futures)
             if not futures:
                 self._pool.give(save.buf)
                 continue
             give_when_done(futures, save.buf, self._pool, save.spec.req_id)
-            self._save_futures.setdefault(save.spec.req_id, []).extend(futures)
             if not self.config.save_async:
                 for future in futures:
                     _wait(future, self.config.timeout_s, save.spec.req_id)
         self._saves = []
+
+    def _save_in_place(self, save: _Save) -> list[int]:
+        """Gather chunks straight into first-tier slots reserved in the store and
+        publish them. Returns the chunks that got no slot (saved through staging).
+        Synchronous saves let the reservation evict; asynchronous ones take free room
+        only, so the step never waits for a spill (the staging path evicts behind)."""
+        pages, cb = self._pages(), self._pages().chunk_bytes
+        keys = save.spec.keys_for(self.rank)
+        try:
+            res = self.store.reserve(keys, [cb] * len(keys), evict=not self.config.save_async)
+        except KVStoreError as exc:
+            log.warning("request %s: save refused: %s", save.spec.req_id, exc)
+            return []
+        with res:
+            idx = [i for i, view in enumerate(res.views) if view is not None]
+            ids = save.ids if len(idx) == len(keys) else save.ids[idx]
+            for lo, hi, dst in _spans([res.views[i] for i in idx]):
+                pages.gather(ids[lo:hi], dst)
+        return res.missing
 
     def finished_saves(self, finished_req_ids: set[str]) -> set[str]:
         """Finished requests whose saves are all done. Only with ``save_async``: then
@@ -355,6 +420,21 @@ def _groups(n: int, parts: int = 4) -> list[tuple[int, int]]:
     """``n`` chunks split into up to ``parts`` consecutive groups."""
     size = max(1, -(-n // parts))
     return [(lo, min(n, lo + size)) for lo in range(0, n, size)]
+
+
+def _spans(views: list) -> list[tuple[int, int, torch.Tensor]]:
+    """Runs of views that lie back to back in memory, each as ``(lo, hi, tensor)``
+    over views ``lo..hi`` (a batch of slots reserved together is usually one run, so
+    it moves with one index op). The tensors alias the views' memory."""
+    spans, lo = [], 0
+    ptrs = [v.ctypes.data for v in views]
+    for i in range(1, len(views) + 1):
+        if i < len(views) and ptrs[i] == ptrs[i - 1] + views[i - 1].nbytes:
+            continue
+        total = ptrs[i - 1] + views[i - 1].nbytes - ptrs[lo]
+        spans.append((lo, i, torch.frombuffer((ctypes.c_uint8 * total).from_address(ptrs[lo]), dtype=torch.uint8)))
+        lo = i
+    return spans
 
 
 def _prefix_len(ok: list[bool]) -> int:

@@ -63,89 +63,122 @@ class _Staged:
         return nbytes
 
 
+@dataclass
+class _PutPlan:
+    """What :meth:`TierMovement._plan_put` decided for one batch."""
+
+    result: list[bool]                       # per key: stored (so far)
+    chosen: list[int] = field(default_factory=list)    # indices to write
+    inserted: set[BlockKey] = field(default_factory=set)  # already placed in the policy
+    victims: list[tuple[BlockKey, int]] = field(default_factory=list)
+    parents: set[bytes | None] | None = None
+
+
 class TierMovement:
     """Tier-to-tier block movement for the Store (see the module docstring)."""
 
     def _put(self, i: int, keys: list[BlockKey], srcs: list[Any]) -> list[bool]:
         """Store blocks into level ``i``, evicting (and spilling) to make room."""
         lvl = self._levels[i]
-        result = [False] * len(keys)
-        chosen: list[int] = []
         sizes = [nbytes_of(src) for src in srcs]
-        with self._lock:
-            for j, key in enumerate(keys):
-                if self._where.get(key, 0) >> i & 1:
-                    lvl.policy.on_access(key)
-                    result[j] = True
-                    continue
-                decision = lvl.admission.decide(key, sizes[j])
-                if decision is Decision.ADMIT:
-                    chosen.append(j)
-                else:
-                    lvl.counters["rejected" if decision is Decision.REJECT else "throttled"] += 1
-            need = sum(sizes[j] for j in chosen)
-            # The blocks being added hang under these parents: evicting one now would
-            # leave its new children unreachable (a chained key needs its prefix).
-            parents = {keys[j].parent for j in chosen} if lvl.policy.uses_parent else None
-            inserted: set[BlockKey] = set()
-            if lvl.policy.uses_parent and chosen:
-                # Prefix-aware policies rank new blocks against old ones: place the batch
-                # block by block as if each were inserted before the next one needs room,
-                # so a new block the policy values least (a one-off request's tail) is
-                # dropped on arrival rather than evicting something worth more.
-                staged = _Staged()
-                victims = []
-                for j in chosen:
-                    victims += self._choose_victims(i, sizes[j], protect=parents, staged=staged)
-                    lvl.policy.on_insert(keys[j], sizes[j], parent_of(keys[j]))
-                    staged.add(keys[j], sizes[j])
-                lvl.counters["rejected"] += sum(1 for j in chosen if keys[j] not in staged.sizes)
-                chosen = [j for j in chosen if keys[j] in staged.sizes]
-                inserted = set(staged.sizes)
-            else:
-                victims = self._choose_victims(i, need, protect=parents)
-        self._evict(i, victims)
+        plan = self._plan_put(i, keys, sizes)
+        self._evict(i, plan.victims)
+        chosen = plan.chosen
         if not chosen:
-            return result
+            return plan.result
         ok = self._tier_call(lvl, "write", [keys[j] for j in chosen], [srcs[j] for j in chosen])
-        if inserted and ok is not None and not all(ok) or inserted and ok is None:
-            with self._lock:  # staged in the policy but not stored: take them out again
-                for j, good in zip(chosen, ok or [False] * len(chosen)):
-                    if not good:
-                        lvl.policy.on_remove(keys[j])
-                        inserted.discard(keys[j])
+        self._unstage(i, keys, plan, ok)
         if ok is not None and not all(ok):
             # Fragmentation or a racing writer: make room for the rest once more.
             retry = [j for j, good in zip(chosen, ok) if not good]
             with self._lock:
                 victims = self._choose_victims(i, sum(sizes[j] for j in retry), force=True,
-                                               protect=parents)
+                                               protect=plan.parents)
             if victims:
                 self._evict(i, victims)
                 again = self._tier_call(lvl, "write", [keys[j] for j in retry], [srcs[j] for j in retry])
                 if again is not None:
                     redo = dict(zip(retry, again))
                     ok = [good or redo.get(j, False) for j, good in zip(chosen, ok)]
-        ok = ok or [False] * len(chosen)
+        self._index_put(i, keys, sizes, plan, ok)
+        return plan.result
+
+    def _plan_put(self, i: int, keys: list[BlockKey], sizes: list[int], *, evict: bool = True) -> "_PutPlan":
+        """Admission and room for new blocks in level ``i``: which to write, and the
+        victims to evict first (already out of the index). ``evict=False`` takes free
+        room only: blocks that do not fit are left out. Takes the lock."""
+        lvl = self._levels[i]
+        plan = _PutPlan([False] * len(keys))
+        chosen = plan.chosen
         with self._lock:
-            for j, good in zip(chosen, ok):
+            for j, key in enumerate(keys):
+                if self._where.get(key, 0) >> i & 1:
+                    lvl.policy.on_access(key)
+                    plan.result[j] = True
+                    continue
+                decision = lvl.admission.decide(key, sizes[j])
+                if decision is Decision.ADMIT:
+                    chosen.append(j)
+                else:
+                    lvl.counters["rejected" if decision is Decision.REJECT else "throttled"] += 1
+            # The blocks being added hang under these parents: evicting one now would
+            # leave its new children unreachable (a chained key needs its prefix).
+            plan.parents = {keys[j].parent for j in chosen} if lvl.policy.uses_parent else None
+            if not evict:
+                free = lvl.tier.capacity_bytes - lvl.tier.used_bytes
+                plan.chosen = []
+                for j in chosen:
+                    if sizes[j] <= free:
+                        plan.chosen.append(j)
+                        free -= sizes[j]
+            elif lvl.policy.uses_parent and chosen:
+                # Prefix-aware policies rank new blocks against old ones: place the batch
+                # block by block as if each were inserted before the next one needs room,
+                # so a new block the policy values least (a one-off request's tail) is
+                # dropped on arrival rather than evicting something worth more.
+                staged = _Staged()
+                for j in chosen:
+                    plan.victims += self._choose_victims(i, sizes[j], protect=plan.parents, staged=staged)
+                    lvl.policy.on_insert(keys[j], sizes[j], parent_of(keys[j]))
+                    staged.add(keys[j], sizes[j])
+                lvl.counters["rejected"] += sum(1 for j in chosen if keys[j] not in staged.sizes)
+                plan.chosen = [j for j in chosen if keys[j] in staged.sizes]
+                plan.inserted = set(staged.sizes)
+            else:
+                plan.victims = self._choose_victims(i, sum(sizes[j] for j in chosen), protect=plan.parents)
+        return plan
+
+    def _unstage(self, i: int, keys: list[BlockKey], plan: "_PutPlan", ok: list[bool] | None) -> None:
+        """Take blocks placed in the policy ahead of the write but not stored out again."""
+        if not plan.inserted or ok is not None and all(ok):
+            return
+        with self._lock:
+            for j, good in zip(plan.chosen, ok or [False] * len(plan.chosen)):
+                if not good:
+                    self._levels[i].policy.on_remove(keys[j])
+                    plan.inserted.discard(keys[j])
+
+    def _index_put(self, i: int, keys: list[BlockKey], sizes: list[int], plan: "_PutPlan",
+                   ok: list[bool] | None) -> None:
+        """Index the blocks of ``plan`` that level ``i`` stored (``ok``); fills ``plan.result``."""
+        lvl = self._levels[i]
+        ok = ok or [False] * len(plan.chosen)
+        with self._lock:
+            for j, good in zip(plan.chosen, ok):
                 key = keys[j]
                 if not good:
                     lvl.counters["full"] += 1
                     continue
-                result[j] = True
+                plan.result[j] = True
                 mask = self._where.get(key, 0)
                 if not mask >> i & 1:
                     self._where[key] = mask | 1 << i
                     self._sizes[key] = sizes[j]
-                    if key not in inserted:
+                    if key not in plan.inserted:
                         lvl.policy.on_insert(key, sizes[j], parent_of(key) if lvl.policy.uses_parent else None)
                     lvl.counters["writes"] += 1
-                    lvl.counters["bytes_written"] += self._sizes[key]
-                elif key in inserted:
-                    # A concurrent writer indexed it first; it is in the policy once already.
-                    pass
-        return result
+                    lvl.counters["bytes_written"] += sizes[j]
+                # else a concurrent writer indexed it first; staged keys are in the policy once.
 
     def _choose_victims(self, i: int, need: int, *, force: bool = False,
                         protect: set[bytes | None] | None = None,

@@ -20,6 +20,7 @@ from typing import Any, Iterator, Mapping, Sequence
 
 from kvstore._build import build_admission, build_eviction, build_tier
 from kvstore._movement import Level, TierMovement, parent_of
+from kvstore._reserve import Reservation, reserve
 from kvstore.buffers import nbytes_of
 from kvstore.config import StoreConfig, load_config
 from kvstore.errors import BufferSizeError, InvalidArgumentError, StoreClosedError
@@ -73,6 +74,17 @@ class Store(TierMovement):
         self._check_open()
         self._check_pairs(keys, srcs)
         return self._pool.submit(self._save, list(keys), list(srcs))
+
+    def reserve(self, keys: Sequence[BlockKey], sizes: Sequence[int], *, evict: bool = True) -> Reservation:
+        """Save by filling the first tier's memory in place: room for each block is
+        taken now (admission and eviction as in :meth:`save`), the caller writes
+        ``reservation.views[i]`` and then commits (see :class:`kvstore._reserve.Reservation`).
+        Saves a copy when the caller can produce the bytes straight into the slots (a
+        gather of KV pages). Where the first tier cannot lend memory, or has no room,
+        ``views[i]`` is ``None``: use :meth:`save` for those. ``evict=False`` takes only
+        free room (no spill on the caller's thread)."""
+        self._check_open()
+        return reserve(self, keys, sizes, evict)
 
     def load(self, keys: Sequence[BlockKey], dsts: Sequence[Any]) -> "Future[list[bool]]":
         """Copy blocks into caller-owned buffers. Fail-closed: ``True`` only where the
@@ -367,6 +379,12 @@ class Store(TierMovement):
                 if count == self._selective_threshold:
                     hot.append(j)
         return [(i, hot) for i in range(1, len(self._levels))] if hot else []
+
+    def _write_below(self, keys: list[BlockKey]) -> None:
+        """Write-through for blocks committed into the first tier by a reservation."""
+        for key in keys:
+            for i in range(1, len(self._levels)):
+                self._copy_between(key, 0, i)
 
     def _prefetch(self, keys: list[BlockKey], target: int) -> int:
         with self._lock:

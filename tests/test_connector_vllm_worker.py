@@ -197,3 +197,46 @@ def test_lease_keeps_planned_chunks_while_the_store_fills(tmp_path):
     finally:
         worker.shutdown()
         sched.connector.shutdown()
+
+
+def _two_tier(make_worker, top_chunks, **options):
+    probe, *_ = make_worker()
+    chunk = probe._worker.pages.chunk_bytes
+    store = {"tiers": [{"name": f"t{uuid.uuid4().hex[:8]}", "kind": "dram", "capacity": top_chunks * chunk},
+                       {"name": f"b{uuid.uuid4().hex[:8]}", "kind": "dram", "capacity": 16 * chunk}],
+             "placement": {"write": options.pop("write", "back")}}
+    return make_worker(store=store, **options)
+
+
+def test_async_save_into_a_full_first_tier_uses_free_slots_then_staging(make_worker):
+    """Chunks that find free first-tier slots are gathered into them; the rest go
+    through staging and evict (spill) behind the step. Every chunk loads back."""
+    worker, caches, *_ = _two_tier(make_worker, 2, save_async=True)
+    keys, src, dst = keys_for(worker, 3), [[1, 2], [3, 4], [5, 6]], [[20, 21], [22, 23], [24, 25]]
+    expected = pages(caches, src)
+    save(worker, keys, src)
+    tiers = worker.store.stats()["tiers"]
+    assert tiers[0]["writes"] == 3 and tiers[0]["spills"] == 1 and tiers[1]["blocks"] == 1
+    for t in caches.values():
+        t[torch.tensor(flat(dst))] = 0
+    out = load(worker, keys, dst)
+    assert not out.invalid_block_ids
+    assert all(torch.equal(expected[n], pages(caches, dst)[n]) for n in caches)
+
+
+def test_load_takes_first_tier_chunks_in_place_and_the_rest_from_below(make_worker):
+    worker, caches, *_ = _two_tier(make_worker, 4, write="through")
+    keys, src, dst = keys_for(worker, 3), [[1, 2], [3, 4], [5, 6]], [[20, 21], [22, 23], [24, 25]]
+    expected = pages(caches, src)
+    save(worker, keys, src)
+    deadline = time.monotonic() + 30          # write-through runs on the store's threads
+    while worker.store.tiers[1].contains(keys) != [True] * 3:
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
+    worker.store.tiers[0].delete([keys[2]])   # chunk 2 now only in the lower tier
+    for t in caches.values():
+        t[torch.tensor(flat(dst))] = 0
+    out = load(worker, keys, dst)
+    assert not out.invalid_block_ids
+    assert all(torch.equal(expected[n], pages(caches, dst)[n]) for n in caches)
+    assert worker.store.stats()["tiers"][1]["hits"] == 1

@@ -1,0 +1,127 @@
+"""Saving blocks by filling the first tier's memory in place (:meth:`Store.reserve`).
+
+A connector that gathers KV pages into a buffer and then saves that buffer copies every
+byte twice. A reservation hands it the destination instead: room in the first tier's
+arena, taken with the same admission and eviction as :meth:`Store.save`, which the
+caller fills (one gather straight into the slots) and then publishes.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Sequence
+
+import numpy as np
+
+from kvstore.errors import InvalidArgumentError
+from kvstore.keys import BlockKey
+from policies.placement import WriteMode
+
+if TYPE_CHECKING:
+    from kvstore._movement import _PutPlan
+    from kvstore.store import Store
+
+
+class Reservation:
+    """Room for ``keys`` in the Store's first tier, filled by the caller.
+
+    ``views[i]`` is a writable, flat ``uint8`` array of ``sizes[i]`` bytes for
+    ``keys[i]``, or ``None`` when the block needs no write (``present[i]``: the Store
+    holds it already) or got no room (listed in ``missing``: save those with
+    :meth:`Store.save` instead).
+    Nothing is visible to readers until :meth:`commit`. End a reservation with exactly
+    one of :meth:`commit` or :meth:`abort`; used as a context manager, leaving the block
+    commits and an exception aborts. Not thread-safe: one owner fills and ends it.
+    """
+
+    def __init__(self, store: "Store", keys: list[BlockKey], present: list[bool],
+                 fresh: list[int], sizes: list[int], plan: "_PutPlan | None", tier_res: Any) -> None:
+        self._store, self._keys, self.present = store, keys, present
+        self._fresh, self._sizes, self._plan, self._tier_res = fresh, sizes, plan, tier_res
+        self.views: list[np.ndarray | None] = [None] * len(keys)
+        if tier_res is not None:
+            for c, view in zip(plan.chosen, tier_res.views):
+                self.views[fresh[c]] = view
+        self.missing = [i for i, (p, v) in enumerate(zip(present, self.views)) if not p and v is None]
+        self.stored: list[bool] | None = None
+        self._done = False
+
+    def commit(self) -> list[bool]:
+        """Publish the filled views. Per key: True when the Store holds it now."""
+        self._finish()
+        store, plan = self._store, self._plan
+        stored = list(self.present)
+        if plan is None:
+            self.stored = stored
+            return stored
+        fkeys = [self._keys[j] for j in self._fresh]
+        ok = self._tier_res.commit() if self._tier_res is not None else [False] * len(plan.chosen)
+        store._unstage(0, fkeys, plan, ok)
+        store._index_put(0, fkeys, self._sizes, plan, ok)
+        for j, good in zip(self._fresh, plan.result):
+            stored[j] = good
+        if store.placement.write is WriteMode.THROUGH and len(store._levels) > 1:
+            written = [k for k, good in zip(fkeys, plan.result) if good]
+            if written:
+                store._pool.submit(store._write_below, written)
+        self.stored = stored
+        return stored
+
+    def abort(self) -> None:
+        """Free the room; nothing is stored."""
+        self._finish()
+        if self._plan is None:
+            return
+        if self._tier_res is not None:
+            self._tier_res.abort()
+        fkeys = [self._keys[j] for j in self._fresh]
+        self._store._unstage(0, fkeys, self._plan, [False] * len(self._plan.chosen))
+
+    def _finish(self) -> None:
+        if self._done:
+            raise InvalidArgumentError("reservation already ended")
+        self._done = True
+        self.views = [None] * len(self._keys)
+
+    def __enter__(self) -> "Reservation":
+        return self
+
+    def __exit__(self, exc_type: Any, *exc: object) -> None:
+        if self._done:
+            return
+        self.abort() if exc_type is not None else self.commit()
+
+
+def reserve(store: "Store", keys: Sequence[BlockKey], sizes: Sequence[int], evict: bool) -> Reservation:
+    """See :meth:`Store.reserve`."""
+    keys, sizes = list(keys), [int(n) for n in sizes]
+    store._check_pairs(keys, sizes)
+    for n in sizes:
+        if n <= 0:
+            raise InvalidArgumentError(f"block size must be positive, got {n}")
+    lvl = store._levels[0]
+    with store._lock:
+        store._ops["saves"] += len(keys)
+        present = []
+        for key in keys:
+            mask = store._where.get(key, 0)
+            present.append(bool(mask))
+            for i, other in enumerate(store._levels):
+                if mask >> i & 1:
+                    other.policy.on_access(key)
+    fresh = [j for j, p in enumerate(present) if not p]
+    if not fresh or not hasattr(lvl.tier, "reserve"):
+        return Reservation(store, keys, present, fresh, [], None, None)
+    fkeys, fsizes = [keys[j] for j in fresh], [sizes[j] for j in fresh]
+    plan = store._plan_put(0, fkeys, fsizes, evict=evict)
+    store._evict(0, plan.victims)
+    tier_res = None
+    if plan.chosen:
+        tier_res = store._tier_call(lvl, "reserve", [fkeys[c] for c in plan.chosen],
+                                    [fsizes[c] for c in plan.chosen])
+        if tier_res is None:
+            store._unstage(0, fkeys, plan, [False] * len(plan.chosen))
+            plan.chosen = []
+    return Reservation(store, keys, present, fresh, fsizes, plan, tier_res)
+
+
+__all__ = ["Reservation", "reserve"]
