@@ -14,6 +14,10 @@ client share that peer, dropped when the last of them closes.
   :meth:`Store.save` (one copy), so admission, eviction and the index run as for any
   other save — as on the shared-memory path.
 
+Large transfers are cut by NIXL across the endpoint's copy threads (``_UCX_THREADS``; on
+one host each chunk is a kernel cross-memory copy made by the thread that posts it), so
+one client's batch is not held to one core.
+
 Every method blocks (it waits for transfers): the connection runs them in an executor.
 A transfer failure raises :class:`TransportError` (the client falls back to TCP) and
 is counted in ``stats()``.
