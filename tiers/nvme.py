@@ -28,6 +28,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Iterator, Sequence
 
+import numpy as np
+
 from kvstore.buffers import host_view, is_device, nbytes_of
 from kvstore.errors import (BufferSizeError, CorruptBlockError, InvalidArgumentError, StoreClosedError,
                             TierError, TierFullError)
@@ -36,18 +38,10 @@ from tiers._nvme_files import Shard, data_file_name
 from tiers._nvme_gpu import DeviceIO
 from tiers._nvme_index import Record
 from tiers._nvme_io import PAGE, read_block, write_block
+from tiers._nvme_open import Entry, open_shard
 from tiers.base import RecoveredBlock, Tier, TierCapabilities
 
 log = logging.getLogger(__name__)
-
-
-class _Entry:
-    __slots__ = ("shard", "file_no", "offset", "length", "checksum", "last", "readers", "dead")
-
-    def __init__(self, shard: "Shard", file_no: int, offset: int, length: int, checksum: int,
-                 last: float) -> None:
-        self.shard, self.file_no, self.offset, self.length = shard, file_no, offset, length
-        self.checksum, self.last, self.readers, self.dead = checksum, last, 0, False
 
 
 class NvmeTier(Tier):
@@ -75,9 +69,9 @@ class NvmeTier(Tier):
         self._capacity = int(capacity_bytes)
         self._lock = threading.Lock()       # entries, accounting, allocators
         self._commit = threading.Lock()     # orders index commits against the entries map
-        self._entries: dict[BlockKey, _Entry] = {}
+        self._entries: dict[BlockKey, Entry] = {}
         self._pending: set[BlockKey] = set()
-        self._touched: dict[BlockKey, _Entry] = {}
+        self._touched: dict[BlockKey, Entry] = {}
         self._used = 0
         self._clock_last = 0.0
         self._flush_s = access_flush_s
@@ -111,44 +105,11 @@ class NvmeTier(Tier):
     # -- start-up -------------------------------------------------------------------------
 
     def _open_shard(self, shard: Shard) -> None:
-        """Rebuild accounting and allocators from the index; drop what cannot be trusted."""
-        for warning in shard.data.open_existing(shard.index.file_sizes()):
-            log.warning("NVMe tier %s: %s", self.name, warning)
-        rows = sorted(shard.index.scan(), key=lambda r: (r[1].file_no, r[1].offset) if r[1] else (-1, 0))
-        bad = [digest for digest, rec, _ in rows if rec is None]
-        by_file: dict[int, list] = {}
-        for row in rows:
-            if row[1] is not None:
-                by_file.setdefault(row[1].file_no, []).append(row)
-        kept: list[tuple[BlockKey, _Entry]] = []
-        for file_no, file_rows in by_file.items():
-            ok = shard.data.adopt(file_no, [(rec.offset, rec.length) for _, rec, _ in file_rows])
-            for (digest, rec, last), good in zip(file_rows, ok):
-                if not good:
-                    bad.append(digest)
-                    continue
-                key = BlockKey.from_bytes(rec.key_bytes)   # the record checksum vouches for it
-                kept.append((key, _Entry(shard, rec.file_no, rec.offset, rec.length, rec.checksum, last)))
-        if bad:
-            log.warning("NVMe tier %s: dropped %d damaged or lost index entries in %s", self.name,
-                        len(bad), shard.path)
-            self.counters["corrupt_blocks"] += len(bad)
-        used = sum(e.length for _, e in kept)
-        if used > shard.capacity:
-            kept.sort(key=lambda ke: ke[1].last)
-        first = 0
-        while first < len(kept) and used > shard.capacity:  # capacity lowered: oldest go
-            key, e = kept[first]
-            first += 1
-            used -= e.length
-            shard.data.free(e.file_no, e.offset, e.length)
-            bad.append(key.digest)
-        self.counters["dropped_at_open"] += first
-        kept = kept[first:]
-        shard.index.delete(bad + shard.index.stray_access())
-        for key, e in kept:
-            self._entries[key] = e
-            self._clock_last = max(self._clock_last, e.last)
+        """Rebuild accounting and allocators from the index (see :mod:`tiers._nvme_open`)."""
+        kept, used = open_shard(shard, self.name, self.counters)
+        self._entries.update(kept)
+        if kept:
+            self._clock_last = max(self._clock_last, kept[-1][1].last)   # kept is oldest first
         shard.used = used
         self._used += used
         self.counters["recovered_blocks"] += len(kept)
@@ -169,8 +130,10 @@ class NvmeTier(Tier):
 
     def recover(self) -> list[RecoveredBlock]:
         with self._lock:
-            items = sorted(self._entries.items(), key=lambda kv: kv[1].last)
-        return [RecoveredBlock(k, e.length, e.last) for k, e in items]
+            items = list(self._entries.items())
+            lasts = np.fromiter((e.last for _, e in items), np.float64, len(items))
+        order = np.argsort(lasts, kind="stable").tolist()
+        return [RecoveredBlock(k, e.length, e.last) for k, e in map(items.__getitem__, order)]
 
     def write(self, keys: Sequence[BlockKey], srcs: Sequence[Any]) -> list[bool]:
         out = [False] * len(keys)
@@ -210,7 +173,7 @@ class NvmeTier(Tier):
                     failed.extend(p for p, _ in items)
             with self._lock:
                 for (j, key, _, shard, file_no, offset, n), csum, last in committed:
-                    self._entries[key] = _Entry(shard, file_no, offset, n, csum, last)
+                    self._entries[key] = Entry(shard, file_no, offset, n, csum, last)
                     self._pending.discard(key)
                     out[j] = True
                 for j, key, _, shard, file_no, offset, n in failed:
@@ -336,7 +299,7 @@ class NvmeTier(Tier):
         payload = self._device.stage(src) if is_device(src) else host_view(src)
         return write_block(shard.data.fd(file_no), offset, key.digest, payload)
 
-    def _read_one(self, key: BlockKey, e: _Entry, dst: Any) -> None:
+    def _read_one(self, key: BlockKey, e: Entry, dst: Any) -> None:
         fd = e.shard.data.fd(e.file_no)
         if is_device(dst):
             path = os.path.join(e.shard.path, data_file_name(e.file_no))
@@ -382,7 +345,7 @@ class NvmeTier(Tier):
                 return None
         return exc
 
-    def _remove(self, found: list[tuple[BlockKey, _Entry]]) -> int:
+    def _remove(self, found: list[tuple[BlockKey, Entry]]) -> int:
         """Drop entries (still the same objects) from memory, then the index; extents are
         freed once the index no longer names them and no reader holds them."""
         with self._commit:
@@ -409,7 +372,7 @@ class NvmeTier(Tier):
                         e.shard.data.free(e.file_no, e.offset, e.length)
         return len(gone)
 
-    def _unread(self, e: _Entry) -> None:
+    def _unread(self, e: Entry) -> None:
         e.readers -= 1
         if e.dead and e.readers == 0:
             e.shard.data.free(e.file_no, e.offset, e.length)
