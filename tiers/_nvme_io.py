@@ -19,7 +19,7 @@ import threading
 
 import numpy as np
 
-from kvstore.block import HEADER_BYTES, encode_header, parse_header, verify_payload
+from kvstore.block import HEADER_BYTES, checksum, encode_header, parse_header
 from kvstore.errors import CorruptBlockError, TierIOError
 
 PAGE = 4096
@@ -43,7 +43,10 @@ def is_aligned(arr: np.ndarray) -> bool:
 
 class _Scratch(threading.local):
     def __init__(self) -> None:
-        self.header = aligned_empty(PAGE)
+        self.header = aligned_empty(PAGE)        # reads land here: any bytes after the header
+        self.head = memoryview(self.header)[:HEADER_BYTES]
+        self.out = aligned_empty(PAGE)           # writes: only the first 64 bytes ever change,
+        self.out_head = memoryview(self.out)[:HEADER_BYTES]   # so the padding stays zero
         self.tail = aligned_empty(PAGE)
         self.bounce = aligned_empty(0)
 
@@ -72,11 +75,10 @@ def write_block(fd: int, offset: int, digest: bytes, payload: np.ndarray) -> int
     s = _scratch
     n = payload.nbytes
     full = n - n % PAGE
-    header = s.header
-    header[:] = 0
-    csum = encode_header(digest, payload, header)
+    header = s.out
+    csum = encode_header(digest, payload, s.out_head, payload_checksum=checksum(payload))
     if is_aligned(payload):
-        iov = [header, payload[:full]] if full else [header]
+        iov = [header, payload if full == n else payload[:full]] if full else [header]
         if n > full:
             tail = s.tail
             tail[:n - full] = payload[full:]
@@ -87,7 +89,7 @@ def write_block(fd: int, offset: int, digest: bytes, payload: np.ndarray) -> int
         bounce[:n] = payload
         bounce[n:] = 0
         iov = [header, bounce]
-    total = sum(v.nbytes for v in iov)
+    total = extent_bytes(n)
     try:
         done = os.pwritev(fd, iov, offset)
     except OSError as exc:
@@ -106,32 +108,35 @@ def read_block(fd: int, offset: int, digest: bytes, length: int, csum: int, dst:
     any mismatch or short read (``dst`` then holds unspecified bytes) and
     :class:`TierIOError` when the medium fails.
     """
+    if dst.nbytes != length:
+        raise CorruptBlockError(f"payload length {dst.nbytes} differs from header's {length}")
     s = _scratch
     full = length - length % PAGE
     header = s.header
     if is_aligned(dst):
-        iov = [header, dst[:full]] if full else [header]
+        iov = [header, dst if full == length else dst[:full]] if full else [header]
         if length > full:
             iov.append(s.tail)
         target = None
     else:
         target = s.bounce_of(extent_bytes(length) - PAGE)
         iov = [header, target]
-    total = sum(v.nbytes for v in iov)
+    total = extent_bytes(length)
     try:
         got = os.preadv(fd, iov, offset)
     except OSError as exc:
         raise io_error(f"read of {length} bytes at offset {offset} failed", exc) from exc
     if got != total:
         raise CorruptBlockError(f"short read: {got} of {total} bytes at offset {offset} (file truncated?)")
-    hlen, hsum = parse_header(header[:HEADER_BYTES], digest=digest)
+    hlen, hsum = parse_header(s.head, digest=digest)
     if hlen != length or hsum != csum:
         raise CorruptBlockError(f"block header (length {hlen}) disagrees with the index (length {length})")
     if target is not None:
         dst[:] = target[:length]
     elif length > full:
         dst[full:] = s.tail[:length - full]
-    verify_payload(dst, length, csum)
+    if checksum(dst) != csum:
+        raise CorruptBlockError("block payload checksum mismatch")
 
 
 def read_header(fd: int, offset: int) -> bytes | None:

@@ -13,9 +13,10 @@ Not thread-safe: called from the tier's constructor, before the tier is shared.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Iterator
 
 import numpy as np
 
@@ -40,16 +41,24 @@ class Entry:
         self.checksum, self.last, self.readers, self.dead = checksum, last, 0, False
 
 
-def open_shard(shard: "Shard", name: str, counters: dict[str, int]) -> tuple[list, int]:
-    """Rebuild ``shard``'s allocators from its index; returns ``([(key, Entry)] oldest
-    access first, payload bytes used)`` and raises ``counters`` for what was dropped."""
+@contextlib.contextmanager
+def paused_gc() -> Iterator[None]:
+    """Collector off while a bulk step makes a million long-lived objects (each
+    allocation threshold crossed would otherwise walk every object made so far)."""
     enabled = gc.isenabled()
-    gc.disable()   # a million new long-lived objects would trigger many full collections
+    gc.disable()
     try:
-        return _open(shard, name, counters)
+        yield
     finally:
         if enabled:
             gc.enable()
+
+
+def open_shard(shard: "Shard", name: str, counters: dict[str, int]) -> tuple[list, int]:
+    """Rebuild ``shard``'s allocators from its index; returns ``([(key, Entry)] oldest
+    access first, payload bytes used)`` and raises ``counters`` for what was dropped."""
+    with paused_gc():
+        return _open(shard, name, counters)
 
 
 def _open(shard: "Shard", name: str, counters: dict[str, int]) -> tuple[list, int]:

@@ -38,7 +38,7 @@ from tiers._nvme_files import Shard, data_file_name
 from tiers._nvme_gpu import DeviceIO
 from tiers._nvme_index import Record
 from tiers._nvme_io import PAGE, read_block, write_block
-from tiers._nvme_open import Entry, open_shard
+from tiers._nvme_open import Entry, open_shard, paused_gc
 from tiers.base import RecoveredBlock, Tier, TierCapabilities
 
 log = logging.getLogger(__name__)
@@ -133,7 +133,8 @@ class NvmeTier(Tier):
             items = list(self._entries.items())
             lasts = np.fromiter((e.last for _, e in items), np.float64, len(items))
         order = np.argsort(lasts, kind="stable").tolist()
-        return [RecoveredBlock(k, e.length, e.last) for k, e in map(items.__getitem__, order)]
+        with paused_gc():
+            return [RecoveredBlock(k, e.length, e.last) for k, e in map(items.__getitem__, order)]
 
     def write(self, keys: Sequence[BlockKey], srcs: Sequence[Any]) -> list[bool]:
         out = [False] * len(keys)
@@ -163,7 +164,7 @@ class NvmeTier(Tier):
         with self._commit:
             committed = []
             for shard, items in done.items():
-                records = [(p, csum, self._now()) for p, csum in items]
+                records = list(zip((p for p, _ in items), (c for _, c in items), self._stamps(len(items))))
                 try:
                     shard.index.put((p[1].digest, Record(p[4], p[5], p[6], csum, p[1].to_bytes()), last)
                                     for p, csum, last in records)
@@ -206,10 +207,11 @@ class NvmeTier(Tier):
                     self._unread(e)
         bad = []
         first_error = None
+        stamps = iter(self._stamps(len(jobs)))
         for (j, key, e, _), (ok, value) in zip(jobs, results):
             if ok:
                 out[j] = True
-                e.last = self._now()
+                e.last = next(stamps)
                 self._touched[key] = e
             else:
                 error = self._count_failure(value, "read")
@@ -377,11 +379,15 @@ class NvmeTier(Tier):
         if e.dead and e.readers == 0:
             e.shard.data.free(e.file_no, e.offset, e.length)
 
-    def _now(self) -> float:
-        """Wall-clock time, strictly increasing, so recovery reproduces access order."""
+    def _stamps(self, n: int) -> list[float]:
+        """``n`` wall-clock times, strictly increasing across calls, so recovery
+        reproduces access order (one lock and one clock read per batch)."""
         with self._lock:
-            self._clock_last = max(time.time(), self._clock_last + 1e-6)
-            return self._clock_last
+            first = max(time.time(), self._clock_last + 1e-6)
+            out = [first + i * 1e-6 for i in range(n)]
+            if out:
+                self._clock_last = out[-1]
+            return out
 
     def _check_open(self) -> None:
         if self._closed:
