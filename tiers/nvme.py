@@ -318,19 +318,21 @@ class NvmeTier(Tier):
             except Exception as exc:  # sorted out by the caller: miss, count or re-raise
                 return False, exc
 
-        def run_lane(lane: list[tuple]) -> list[tuple[bool, Any]]:
-            return [call(job) for job in lane]
-
         if len(jobs) <= 1:
-            return run_lane(jobs)
-        # One task per I/O thread, each working through its share of the batch in turn:
-        # the device still sees io_threads requests in flight, and the executor's per-task
-        # cost is paid io_threads times per batch instead of once per block.
-        lanes = min(len(jobs), self._io_threads)
-        parts = list(self._pool.map(run_lane, [jobs[i::lanes] for i in range(lanes)]))
+            return [call(job) for job in jobs]
+        # A few tasks (one per I/O thread) each take the next job until none is left: the
+        # device sees io_threads requests in flight, the executor's per-task cost is paid
+        # io_threads times per batch instead of once per block, and a thread the scheduler
+        # delays holds up only its current job, not a fixed share of the batch.
         out: list[tuple[bool, Any]] = [None] * len(jobs)  # type: ignore[list-item]
-        for i, part in enumerate(parts):
-            out[i::lanes] = part
+        todo = iter(enumerate(jobs))   # next() on it is atomic under the GIL
+
+        def run_lane() -> None:
+            for i, job in todo:
+                out[i] = call(job)
+
+        for task in [self._pool.submit(run_lane) for _ in range(min(len(jobs), self._io_threads))]:
+            task.result()
         return out
 
     def _count_failure(self, exc: BaseException, what: str) -> BaseException | None:
