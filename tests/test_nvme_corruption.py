@@ -273,3 +273,43 @@ def test_overlapping_records_keep_only_the_first(filled):
         assert t.stats()["allocated_bytes"] == (N - 1) * extent_bytes(BLOCK)
     finally:
         t.close()
+
+
+def load_batch(t, keys):
+    """One read_into for all keys into page-aligned buffers: adjacent blocks are read in
+    runs (one preadv for several blocks), each still verified on its own."""
+    from tiers._nvme_io import aligned_empty
+
+    dsts = [aligned_empty(BLOCK) for _ in keys]
+    ok = t.read_into(keys, dsts)
+    for i, (good, dst) in enumerate(zip(ok, dsts)):
+        assert not good or np.array_equal(dst, payload(i, BLOCK)), "wrong bytes returned"
+    return ok
+
+
+@pytest.mark.parametrize("where_in_block", ["payload", "header"])
+def test_corrupt_block_inside_a_run_is_the_only_miss(filled, where_in_block):
+    path, keys, where = filled
+    victim = sorted(keys, key=lambda k: where[k])[N // 2]   # neighbours on both sides
+    file_no, off = where[victim]
+    flip(data_path(path, file_no), off + (PAGE + 7 if where_in_block == "payload" else 40))
+    t = open_tier(path)
+    try:
+        assert load_batch(t, keys) == [k != victim for k in keys]
+        assert t.stats()["corrupt_blocks"] == 1
+        assert t.contains([victim]) == [False]
+    finally:
+        t.close()
+
+
+def test_truncation_inside_a_run(filled):
+    """A run whose read comes back short: blocks wholly read are returned, the rest miss."""
+    path, keys, where = filled
+    t = open_tier(path)
+    try:
+        order = sorted(keys, key=lambda k: where[k])
+        os.truncate(data_path(path, 0), where[order[5]][1] + PAGE + 10)
+        assert load_batch(t, keys) == [order.index(k) < 5 for k in keys]
+        assert t.stats()["corrupt_blocks"] == N - 5
+    finally:
+        t.close()

@@ -37,7 +37,7 @@ from kvstore.keys import BlockKey
 from tiers._nvme_files import Shard, data_file_name
 from tiers._nvme_gpu import DeviceIO
 from tiers._nvme_index import Record
-from tiers._nvme_io import PAGE, read_block, write_block
+from tiers._nvme_io import PAGE, joinable, plan_runs, read_block, read_run, write_block, write_run
 from tiers._nvme_open import Entry, open_shard, paused_gc
 from tiers.base import RecoveredBlock, Tier, TierCapabilities
 
@@ -151,7 +151,8 @@ class NvmeTier(Tier):
                     plan.append((j, key, src) + where)
         if not plan:
             return out
-        results = self._parallel(self._write_one, [(p[1], p[2], p[3], p[4], p[5]) for p in plan])
+        results = self._in_runs(self._write_run, plan, [p[2] for p in plan], [(p[3], p[4], p[5]) for p in plan],
+                                [p[6] for p in plan], writable=False)
         done: dict[Shard, list] = {}
         failed = []
         first_error = None
@@ -200,7 +201,9 @@ class NvmeTier(Tier):
                 e.readers += 1
                 jobs.append((j, key, e, dst))
         try:
-            results = self._parallel(self._read_one, [(key, e, dst) for _, key, e, dst in jobs])
+            results = self._in_runs(self._read_run, jobs, [job[3] for job in jobs],
+                                    [(e.shard, e.file_no, e.offset) for _, _, e, _ in jobs],
+                                    [e.length for _, _, e, _ in jobs], writable=True)
         finally:
             with self._lock:
                 for _, _, e, _ in jobs:
@@ -296,6 +299,52 @@ class NvmeTier(Tier):
                 self._used += n
                 return shard, where[0], where[1], n
         return None
+
+    def _in_runs(self, fn: Callable[..., list], items: list, bufs: list, where: list[tuple[Shard, int, int]],
+                 sizes: list[int], *, writable: bool) -> list[tuple[bool, Any]]:
+        """Move ``items`` in runs of blocks adjacent on disk (one system call each, see
+        :func:`~tiers._nvme_io.plan_runs`), the runs in parallel; ``fn(run, views)`` gets
+        the run's items and host views (``None`` for a block moved on its own) and
+        returns per block ``(ok, value)``. A run whose call raises fails every block in
+        it with that error. Returns ``(ok, value)`` per item, in ``items`` order."""
+        views = [None] * len(items)
+        if len(items) > 1:
+            for i, buf in enumerate(bufs):
+                if type(buf) is np.ndarray:   # the DRAM tier's slots; others go one by one
+                    try:
+                        view = host_view(buf, writable=writable)
+                    except Exception:   # e.g. read-only: the block's own transfer reports it
+                        continue
+                    if joinable(view):
+                        views[i] = view
+        # at least io_threads/2 runs per batch, so several transfers are in flight
+        cap = max(1, -(-len(items) // max(1, self._io_threads // 2)))
+        runs = plan_runs([((w[0].no, w[1]), w[2], n, views[i] is not None)
+                          for i, (w, n) in enumerate(zip(where, sizes))], cap)
+        got = self._parallel(fn, [([items[i] for i in run], [views[i] for i in run]) for run in runs])
+        out: list[tuple[bool, Any]] = [None] * len(items)  # type: ignore[list-item]
+        for run, (ok, value) in zip(runs, got):
+            for i, res in zip(run, value if ok else [(False, value)] * len(run)):
+                out[i] = res
+        return out
+
+    def _write_run(self, run: list[tuple], views: list) -> list[tuple[bool, Any]]:
+        if len(run) == 1:
+            _, key, src, shard, file_no, offset, _ = run[0]
+            return [(True, self._write_one(key, src, shard, file_no, offset))]
+        _, _, _, shard, file_no, offset, _ = run[0]
+        sums = write_run(shard.data.fd(file_no), offset, [p[1].digest for p in run], views)
+        return [(True, csum) for csum in sums]
+
+    def _read_run(self, run: list[tuple], views: list) -> list[tuple[bool, Any]]:
+        if len(run) == 1:
+            _, key, e, dst = run[0]
+            self._read_one(key, e, dst)
+            return [(True, None)]
+        e = run[0][2]
+        errors = read_run(e.shard.data.fd(e.file_no), e.offset,
+                          [(key.digest, e.length, e.checksum) for _, key, e, _ in run], views)
+        return [(True, None) if err is None else (False, err) for err in errors]
 
     def _write_one(self, key: BlockKey, src: Any, shard: Shard, file_no: int, offset: int) -> int:
         payload = self._device.stage(src) if is_device(src) else host_view(src)
