@@ -26,7 +26,7 @@ import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 
@@ -37,7 +37,8 @@ from kvstore.keys import BlockKey
 from tiers._nvme_files import Shard, data_file_name
 from tiers._nvme_gpu import DeviceIO
 from tiers._nvme_index import Record
-from tiers._nvme_io import PAGE, joinable, plan_runs, read_block, read_run, write_block, write_run
+from tiers._nvme_batch import in_runs
+from tiers._nvme_io import PAGE, read_block, read_run, write_block, write_run
 from tiers._nvme_open import Entry, open_shard, paused_gc
 from tiers.base import RecoveredBlock, Tier, TierCapabilities
 
@@ -151,8 +152,8 @@ class NvmeTier(Tier):
                     plan.append((j, key, src) + where)
         if not plan:
             return out
-        results = self._in_runs(self._write_run, plan, [p[2] for p in plan], [(p[3], p[4], p[5]) for p in plan],
-                                [p[6] for p in plan], writable=False)
+        results = in_runs(self._pool, self._io_threads, self._write_run, plan, [p[2] for p in plan],
+                          [(p[3].no, p[4], p[5]) for p in plan], [p[6] for p in plan], writable=False)
         done: dict[Shard, list] = {}
         failed = []
         first_error = None
@@ -201,9 +202,9 @@ class NvmeTier(Tier):
                 e.readers += 1
                 jobs.append((j, key, e, dst))
         try:
-            results = self._in_runs(self._read_run, jobs, [job[3] for job in jobs],
-                                    [(e.shard, e.file_no, e.offset) for _, _, e, _ in jobs],
-                                    [e.length for _, _, e, _ in jobs], writable=True)
+            results = in_runs(self._pool, self._io_threads, self._read_run, jobs, [job[3] for job in jobs],
+                              [(e.shard.no, e.file_no, e.offset) for _, _, e, _ in jobs],
+                              [e.length for _, _, e, _ in jobs], writable=True)
         finally:
             with self._lock:
                 for _, _, e, _ in jobs:
@@ -300,34 +301,6 @@ class NvmeTier(Tier):
                 return shard, where[0], where[1], n
         return None
 
-    def _in_runs(self, fn: Callable[..., list], items: list, bufs: list, where: list[tuple[Shard, int, int]],
-                 sizes: list[int], *, writable: bool) -> list[tuple[bool, Any]]:
-        """Move ``items`` in runs of blocks adjacent on disk (one system call each, see
-        :func:`~tiers._nvme_io.plan_runs`), the runs in parallel; ``fn(run, views)`` gets
-        the run's items and host views (``None`` for a block moved on its own) and
-        returns per block ``(ok, value)``. A run whose call raises fails every block in
-        it with that error. Returns ``(ok, value)`` per item, in ``items`` order."""
-        views = [None] * len(items)
-        if len(items) > 1:
-            for i, buf in enumerate(bufs):
-                if type(buf) is np.ndarray:   # the DRAM tier's slots; others go one by one
-                    try:
-                        view = host_view(buf, writable=writable)
-                    except Exception:   # e.g. read-only: the block's own transfer reports it
-                        continue
-                    if joinable(view):
-                        views[i] = view
-        # at least io_threads/2 runs per batch, so several transfers are in flight
-        cap = max(1, -(-len(items) // max(1, self._io_threads // 2)))
-        runs = plan_runs([((w[0].no, w[1]), w[2], n, views[i] is not None)
-                          for i, (w, n) in enumerate(zip(where, sizes))], cap)
-        got = self._parallel(fn, [([items[i] for i in run], [views[i] for i in run]) for run in runs])
-        out: list[tuple[bool, Any]] = [None] * len(items)  # type: ignore[list-item]
-        for run, (ok, value) in zip(runs, got):
-            for i, res in zip(run, value if ok else [(False, value)] * len(run)):
-                out[i] = res
-        return out
-
     def _write_run(self, run: list[tuple], views: list) -> list[tuple[bool, Any]]:
         if len(run) == 1:
             _, key, src, shard, file_no, offset, _ = run[0]
@@ -357,32 +330,6 @@ class NvmeTier(Tier):
             self._device.read(fd, path, e.offset, key.digest, e.length, e.checksum, dst)
         else:
             read_block(fd, e.offset, key.digest, e.length, e.checksum, host_view(dst, writable=True))
-
-    def _parallel(self, fn: Callable[..., Any], jobs: list[tuple]) -> list[tuple[bool, Any]]:
-        """Run ``fn(*job)`` for every job, in parallel on the pool when there are several;
-        each result is ``(True, value)`` or ``(False, exception)``."""
-        def call(job: tuple) -> tuple[bool, Any]:
-            try:
-                return True, fn(*job)
-            except Exception as exc:  # sorted out by the caller: miss, count or re-raise
-                return False, exc
-
-        if len(jobs) <= 1:
-            return [call(job) for job in jobs]
-        # A few tasks (one per I/O thread) each take the next job until none is left: the
-        # device sees io_threads requests in flight, the executor's per-task cost is paid
-        # io_threads times per batch instead of once per block, and a thread the scheduler
-        # delays holds up only its current job, not a fixed share of the batch.
-        out: list[tuple[bool, Any]] = [None] * len(jobs)  # type: ignore[list-item]
-        todo = iter(enumerate(jobs))   # next() on it is atomic under the GIL
-
-        def run_lane() -> None:
-            for i, job in todo:
-                out[i] = call(job)
-
-        for task in [self._pool.submit(run_lane) for _ in range(min(len(jobs), self._io_threads))]:
-            task.result()
-        return out
 
     def _count_failure(self, exc: BaseException, what: str) -> BaseException | None:
         """Count a failed block I/O; returns ``exc`` when it must reach the caller (a bug
