@@ -241,6 +241,7 @@ def test_bulk_index_load_agrees_with_the_row_scan(tmp_path):
         txn.put(keys[6].digest, txn.get(keys[7].digest, db=blocks), db=blocks)  # names another key
         txn.delete(keys[8].digest, db=access)                                 # no access time
         txn.put(b"\xff" * 32, b"\0" * 8, db=access)                           # stray access time
+        txn.put(b"short key", txn.get(keys[9].digest, db=blocks), db=blocks)  # not a digest
     snap = index.load()
     rows = list(index.scan())
     assert snap.digests == [d for d, _, _ in rows]

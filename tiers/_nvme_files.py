@@ -140,10 +140,11 @@ class DataDir:
         f = self.files.get(file_no)
         if f is None:
             return np.zeros(len(offsets), bool)
-        sizes = PAGE + (lengths + (PAGE - 1)) // PAGE * PAGE
-        ends = offsets + sizes
+        sane = (lengths >= 0) & (lengths <= f.size) & (offsets >= 0) & (offsets <= f.size)  # no overflow below
+        sizes = PAGE + (np.where(sane, lengths, 0) + (PAGE - 1)) // PAGE * PAGE
+        ends = np.where(sane, offsets, 0) + sizes
         prev = np.concatenate(([0], ends[:-1]))
-        if not ((offsets % PAGE == 0) & (offsets >= prev) & (ends <= f.valid_bytes)).all():
+        if not (sane & (offsets % PAGE == 0) & (offsets >= prev) & (ends <= f.valid_bytes)).all():
             return np.array(self.adopt(file_no, list(zip(offsets.tolist(), lengths.tolist()))), bool)
         size = f.size - f.size % PAGE
         gap = offsets > prev

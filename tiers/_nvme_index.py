@@ -156,8 +156,10 @@ class BlockIndex:
                             for i in range(0, n * RECORD_BYTES, RECORD_BYTES)), np.uint64, n)
         raw = np.frombuffer(blob, np.uint8).reshape(n, RECORD_BYTES)
         key_at = KEY_OFFSET
-        named = np.frombuffer(b"".join(digests), np.uint8).reshape(n, 32) if n else raw[:, :32]
-        ok = (sized & (rec["sum"] == sums) & (rec["version"] == FORMAT_VERSION)
+        keyed = np.fromiter(map(len, digests), np.int64, n) == 32   # another length: damage
+        names = b"".join(digests) if keyed.all() else b"".join(d if len(d) == 32 else bytes(32) for d in digests)
+        named = np.frombuffer(names, np.uint8).reshape(n, 32)
+        ok = (sized & keyed & (rec["sum"] == sums) & (rec["version"] == FORMAT_VERSION)
               & (raw[:, key_at:key_at + 32] == named).all(axis=1))
         key = raw[:, key_at:key_at + KEY_WIRE_BYTES]
         if adigests == digests and all(len(v) == _TIME.size for v in araw):
