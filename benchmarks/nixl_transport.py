@@ -3,8 +3,8 @@ run: 1 MiB blocks, 1/4/16 concurrent client processes.
 
     python benchmarks/nixl_transport.py [--clients 1 4 16] [--blocks 32] [--rounds 4]
 
-Each client process owns ``--blocks`` keys and buffers allocated once and pre-touched
-(for NIXL they are registered, as an engine registers its KV-cache pool). After an
+Each client process owns ``--blocks`` keys and buffers allocated once, page-aligned and
+pre-touched (for NIXL they are registered, as an engine registers its KV-cache pool). After an
 untimed warm-up (save and load once), it saves ``--blocks`` new keys (put) and loads
 its blocks ``--rounds`` times (get). Throughput is all clients'
 bytes over the wall time from the first start to the last finish (a barrier lines the
@@ -74,7 +74,8 @@ def kvstore_worker(address: str, transport: str, idx: int, blocks: int, rounds: 
 
     keys = Namespace(model="bench", dtype="uint8", chunk_tokens=1, salt=f"{transport}-{idx}").chunk_keys(
         np.arange(blocks, dtype=np.int64))
-    pool = np.empty(blocks * BLOCK, np.uint8)
+    raw = np.empty(blocks * BLOCK + 4096, np.uint8)  # page-aligned, like an engine's KV pool
+    pool = raw[(-raw.ctypes.data) % 4096:][:blocks * BLOCK]
     pool[:] = idx % 251  # touched once, before timing
     bufs = [pool[i * BLOCK:(i + 1) * BLOCK] for i in range(blocks)]
     with Client(address, transport=transport, timeout_s=120, pool_size=2) as c:
@@ -133,7 +134,7 @@ with socket.socket() as s:
 st = MooncakeDistributedStore()
 rc = st.setup(f"127.0.0.1:{port}", meta, 0, (blocks + 1) << 20, "tcp", "", master)
 assert rc == 0, rc
-buf = np.empty(blocks << 20, np.uint8); buf[:] = idx % 251
+raw = np.empty((blocks << 20) + 4096, np.uint8); buf = raw[(-raw.ctypes.data) % 4096:][:blocks << 20]; buf[:] = idx % 251
 assert st.register_buffer(buf.ctypes.data, buf.nbytes) == 0
 keys = [f"b{idx}-{i}" for i in range(blocks)]
 ptrs = [buf.ctypes.data + (i << 20) for i in range(blocks)]

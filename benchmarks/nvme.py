@@ -180,6 +180,10 @@ def bench_sizes(args, base: str) -> list[dict]:
                 if getattr(r, "reason", None) and not got[r.name]:
                     skipped[r.name] = r.reason
                     continue
+                # settle the disk first: the previous contender's deleted files and dirty
+                # pages are flushed (and, on a file system mounted with discard, trimmed)
+                # at the next journal commit, which must not land inside this measurement
+                os.sync()
                 try:
                     got[r.name].append(r.run())
                 except Exception as exc:  # a contender that fails is reported, not estimated

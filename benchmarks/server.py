@@ -21,7 +21,7 @@ Every cell: C concurrent client processes; each puts one batch of fresh 64 MiB (
 or 1 MiB blocks), verifies one read-back byte for byte, then gets the batch repeatedly
 for ``--seconds``. Throughput = all bytes got / wall time; p50/p99 per batch request.
 Systems are interleaved cell by cell so machine noise hits all of them alike.
-Writes ``benchmarks/results/server.json`` and ``server.png``.
+Writes ``benchmarks/results/server.json`` and ``server.png`` (``--out NAME``: ``NAME.json``).
 """
 
 from __future__ import annotations
@@ -102,6 +102,9 @@ def main() -> int:
     ap.add_argument("--clients", default="1,4,16")
     ap.add_argument("--seconds", type=float, default=2.5, help="get phase per cell")
     ap.add_argument("--quick", action="store_true", help="1 MiB, 1 and 4 clients, 0.5 s")
+    ap.add_argument("--out", default="server",
+                    help="results name: writes benchmarks/results/<out>.json and .png (e.g. server_nixl for a "
+                         "NIXL-vs-TCP subset run, so the full table in server.json stays)")
     ap.add_argument("--lmcache-clients", default="1,4",
                     help="client counts LMCache runs with (each of its clients loads torch: slow to start)")
     args = ap.parse_args()
@@ -149,7 +152,7 @@ def main() -> int:
         for peer in peers.values():
             peer.stop()
         shutil.rmtree(tmp, ignore_errors=True)
-    _report(results, skipped, blocks, counts, systems)
+    _report(results, skipped, blocks, counts, systems, args.out)
     return 0
 
 
@@ -162,7 +165,8 @@ def _row(r: dict) -> str:
             f"  put {r['put_gbps']:6.2f} GB/s{flag}")
 
 
-def _report(results: list[dict], skipped: dict, blocks: list[int], counts: list[int], systems: list[str]) -> None:
+def _report(results: list[dict], skipped: dict, blocks: list[int], counts: list[int], systems: list[str],
+            name: str) -> None:
     ok = {(r["system"], r["block"], r["clients"]): r for r in results if "error" not in r}
     print("\nget throughput GB/s (p99 ms) per 64 MiB request; ratios vs peers")
     cols = [s for s in systems if s not in skipped]
@@ -190,12 +194,12 @@ def _report(results: list[dict], skipped: dict, blocks: list[int], counts: list[
         print(f"skipped {s}: {why}")
     out = {"machine": os.uname().nodename, "cpus": os.cpu_count(), "batch_bytes": BATCH, "results": results,
            "skipped": skipped, "ratios": ratios, "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-    (RESULTS / "server.json").write_text(json.dumps(out, indent=2))
-    _plot(ok, blocks, counts, cols)
-    print(f"wrote {RESULTS / 'server.json'} and server.png")
+    (RESULTS / f"{name}.json").write_text(json.dumps(out, indent=2))
+    _plot(ok, blocks, counts, cols, RESULTS / f"{name}.png")
+    print(f"wrote {RESULTS / name}.json and {name}.png")
 
 
-def _plot(ok: dict, blocks: list[int], counts: list[int], cols: list[str]) -> None:
+def _plot(ok: dict, blocks: list[int], counts: list[int], cols: list[str], path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -212,7 +216,7 @@ def _plot(ok: dict, blocks: list[int], counts: list[int], cols: list[str]) -> No
         ax.set_ylabel("GB/s")
         ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(RESULTS / "server.png", dpi=110)
+    fig.savefig(path, dpi=110)
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ from kvstore.buffers import copy_bytes, host_view, is_device, nbytes_of
 from kvstore.errors import BufferSizeError, RemoteError
 from kvstore.keys import BlockKey
 from kvstore.server import _protocol as P
-from kvstore.transport.nixl import Descs, NixlEndpoint, descs_of
+from kvstore.transport.nixl import Descs, NixlEndpoint, descs_of, staging_buffer
 
 _KIND = {"DRAM": 0, "VRAM": 1}
 
@@ -60,7 +60,7 @@ class NixlClientPath:
             for i, buf in enumerate(self._free):
                 if buf.nbytes >= nbytes:
                     return self._free.pop(i)
-        buf = np.zeros(max(nbytes, self._staging_bytes), np.uint8)  # touched once, reused
+        buf = staging_buffer(max(nbytes, self._staging_bytes))  # touched once, reused
         self.register(buf)
         return buf
 

@@ -53,7 +53,9 @@ class _ChurnEndpoint(NixlEndpoint):
 class Harness:
     def __init__(self, capacity: int) -> None:
         self.tier = DramTier(capacity, name="nixl-test")
-        self.endpoint = _ChurnEndpoint("server", timeout_s=20.0)
+        # with a copy-thread pool, as the cache server runs it: transfers of SPLIT_DESCS
+        # blocks or more (the 8-block round trip, the 128-block dying client) are split
+        self.endpoint = _ChurnEndpoint("server", threads=2, timeout_s=20.0)
         self.endpoint.register(self.tier.arena)
         self.events: list[tuple] = []
         self._churns = 0

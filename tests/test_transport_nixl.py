@@ -25,7 +25,7 @@ if importlib.util.find_spec("nixl") is None:
     pytest.skip("nixl is not installed (bash scripts/deps/60-nixl.sh installs it)", allow_module_level=True)
 
 from kvstore.errors import BufferSizeError, ProtocolError, TransportError  # noqa: E402
-from kvstore.transport.nixl import Descs, NixlEndpoint, descs_of  # noqa: E402
+from kvstore.transport.nixl import Descs, NixlEndpoint, descs_of, staging_buffer  # noqa: E402
 from tests._nixl_server import HarnessClient, block_payload  # noqa: E402
 
 
@@ -195,3 +195,18 @@ def test_transfer_errors_are_transport_errors():
             ep.write(descs_of([a]), "nobody", descs_of([a]))
     with pytest.raises(TransportError, match="closed"):
         ep.write(descs_of([a]), "nobody", descs_of([a]))
+
+
+def test_covers_needs_each_descriptor_inside_one_region():
+    """Buffers used in place must lie wholly inside a registered region; staging
+    buffers are page-aligned (a copy between buffers apart modulo 64 bytes is slow)."""
+    pool = staging_buffer(3 * 4096)
+    assert pool.ctypes.data % 4096 == 0 and pool.nbytes == 3 * 4096
+    with NixlEndpoint("solo", timeout_s=5.0) as ep:
+        assert not ep.covers(descs_of([pool]))
+        ep.register(pool[:2 * 4096])
+        assert ep.covers(descs_of([pool[:4096], pool[4096:2 * 4096]]))
+        assert not ep.covers(descs_of([pool[4096:]]))  # runs past the region's end
+        assert not ep.covers(descs_of([pool[:4096], pool[2 * 4096:]]))  # one of two outside
+        ep.register(pool[2 * 4096:])
+        assert ep.covers(descs_of([pool[:4096], pool[2 * 4096:]]))

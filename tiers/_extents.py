@@ -40,6 +40,18 @@ class ExtentAllocator:
             alloc._add(pos, alloc.size - pos)
         return alloc
 
+    @classmethod
+    def with_free(cls, size: int, align: int, free: list[tuple[int, int]]) -> "ExtentAllocator":
+        """An allocator whose only free space is ``free`` extents ``(offset, nbytes)``,
+        sorted by offset, aligned, inside the region, not overlapping or touching: the
+        form index recovery builds when it has computed the gaps between used extents
+        in bulk."""
+        alloc = cls(0, align)
+        alloc.size = size - size % align
+        for offset, nbytes in free:
+            alloc._add(offset, nbytes)
+        return alloc
+
     def rounded(self, nbytes: int) -> int:
         return -(-nbytes // self.align) * self.align if nbytes else self.align
 

@@ -19,6 +19,8 @@ import os
 import re
 from dataclasses import dataclass
 
+import numpy as np
+
 from kvstore.errors import TierFullError, TierIOError, TierUnavailableError
 from tiers._extents import ExtentAllocator
 from tiers._nvme_index import BlockIndex
@@ -129,6 +131,29 @@ class DataDir:
                 end = offset + size
         f.alloc = ExtentAllocator.with_used(f.size, PAGE, used)
         return kept
+
+    def adopt_many(self, file_no: int, offsets: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+        """:meth:`adopt` for arrays (int64, sorted by offset), computed in bulk: when every
+        block is aligned, inside the valid part of the file and clear of the one before
+        (the normal case), the free gaps come straight from the arrays; otherwise the
+        row-by-row rules of :meth:`adopt` decide. Returns a bool mask of kept blocks."""
+        f = self.files.get(file_no)
+        if f is None:
+            return np.zeros(len(offsets), bool)
+        sane = (lengths >= 0) & (lengths <= f.size) & (offsets >= 0) & (offsets <= f.size)  # no overflow below
+        sizes = PAGE + (np.where(sane, lengths, 0) + (PAGE - 1)) // PAGE * PAGE
+        ends = np.where(sane, offsets, 0) + sizes
+        prev = np.concatenate(([0], ends[:-1]))
+        if not (sane & (offsets % PAGE == 0) & (offsets >= prev) & (ends <= f.valid_bytes)).all():
+            return np.array(self.adopt(file_no, list(zip(offsets.tolist(), lengths.tolist()))), bool)
+        size = f.size - f.size % PAGE
+        gap = offsets > prev
+        free = list(zip(prev[gap].tolist(), (offsets[gap] - prev[gap]).tolist()))
+        tail = int(ends[-1]) if len(ends) else 0
+        if tail < size:
+            free.append((tail, size - tail))
+        f.alloc = ExtentAllocator.with_free(f.size, PAGE, free)
+        return np.ones(len(offsets), bool)
 
     def alloc(self, nbytes: int) -> tuple[int, int] | None:
         """``(file_no, offset)`` of a free extent for ``nbytes`` of payload, creating a

@@ -26,7 +26,8 @@ from tqdm import tqdm
 from kvstore.errors import CorruptBlockError, InvalidArgumentError, TierIOError
 from tiers._nvme_files import data_file_name, lock_directory, probe_direct_io
 from tiers._nvme_index import BlockIndex
-from tiers._nvme_io import PAGE, aligned_empty, extent_bytes, open_data_file, read_block, verify_header_page
+from tiers._nvme_io import (MAX_RUN_BLOCKS, PAGE, aligned_empty, extent_bytes, open_data_file, plan_runs, read_block,
+                            read_run, verify_header_page)
 
 _SCAN_CHUNK = 8 << 20
 _VERIFY_THREADS = 8
@@ -111,28 +112,46 @@ def _check(path: str, index: BlockIndex, repair: bool, progress: bool) -> FsckRe
             checks.append((digest, rec, fd_size[0]))
         local = threading.local()
 
-        def verify(item) -> bool:
-            digest, rec, fd = item
+        def verify(run: list[tuple]) -> list[bool]:
+            """One run of adjacent blocks (see plan_runs) read in one call, each checked."""
+            need = sum(-(-rec.length // PAGE) * PAGE for _, rec, _ in run)
             buf = getattr(local, "buf", None)
-            if buf is None or buf.nbytes < rec.length:
-                buf = local.buf = aligned_empty(max(rec.length, 1 << 20))
+            if buf is None or buf.nbytes < need:
+                buf = local.buf = aligned_empty(max(need, 8 << 20))
+            if len(run) == 1:
+                digest, rec, fd = run[0]
+                try:
+                    read_block(fd, rec.offset, digest, rec.length, rec.checksum, buf[:rec.length])
+                    return [True]
+                except (CorruptBlockError, TierIOError):
+                    return [False]
+            views, pos = [], 0
+            for _, rec, _ in run:
+                views.append(buf[pos:pos + rec.length])
+                pos += rec.length
             try:
-                read_block(fd, rec.offset, digest, rec.length, rec.checksum, buf[:rec.length])
-                return True
-            except (CorruptBlockError, TierIOError):
-                return False
+                errors = read_run(run[0][2], run[0][1].offset,
+                                  [(digest, rec.length, rec.checksum) for digest, rec, _ in run], views)
+            except TierIOError:
+                return [False] * len(run)
+            return [err is None for err in errors]
 
+        # checks are in file order: blocks adjacent on disk are verified in runs
+        runs = [[checks[i] for i in run] for run in plan_runs(
+            [((rec.file_no,), rec.offset, rec.length, rec.length > 0 and rec.length % PAGE == 0)
+             for _, rec, _ in checks], MAX_RUN_BLOCKS)]
         bad_spans = set()
         with ThreadPoolExecutor(_VERIFY_THREADS) as pool:   # reads in flight keep the drive busy
-            for (digest, rec, _), good in zip(checks, pool.map(verify, checks)):
-                if good:
-                    report.verified += 1
-                    report.verified_bytes += rec.length
-                else:
-                    report.corrupt.append(digest.hex())
-                    drop.append(digest)
-                    bad_spans.add((rec.file_no, rec.offset))   # its space is scanned as free
-                bar.update(extent_bytes(rec.length))
+            for run, goods in zip(runs, pool.map(verify, runs)):
+                for (digest, rec, _), good in zip(run, goods):
+                    if good:
+                        report.verified += 1
+                        report.verified_bytes += rec.length
+                    else:
+                        report.corrupt.append(digest.hex())
+                        drop.append(digest)
+                        bad_spans.add((rec.file_no, rec.offset))   # its space is scanned as free
+                    bar.update(extent_bytes(rec.length))
         if bad_spans:
             used = {n: [sp for sp in spans if (n, sp[0]) not in bad_spans] for n, spans in used.items()}
         orphan_pages = []

@@ -26,7 +26,9 @@ import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Iterator, Sequence
+
+import numpy as np
 
 from kvstore.buffers import host_view, is_device, nbytes_of
 from kvstore.errors import (BufferSizeError, CorruptBlockError, InvalidArgumentError, StoreClosedError,
@@ -35,19 +37,12 @@ from kvstore.keys import BlockKey
 from tiers._nvme_files import Shard, data_file_name
 from tiers._nvme_gpu import DeviceIO
 from tiers._nvme_index import Record
-from tiers._nvme_io import PAGE, read_block, write_block
+from tiers._nvme_batch import in_runs
+from tiers._nvme_io import PAGE, read_block, read_run, write_block, write_run
+from tiers._nvme_open import Entry, open_shard, paused_gc
 from tiers.base import RecoveredBlock, Tier, TierCapabilities
 
 log = logging.getLogger(__name__)
-
-
-class _Entry:
-    __slots__ = ("shard", "file_no", "offset", "length", "checksum", "last", "readers", "dead")
-
-    def __init__(self, shard: "Shard", file_no: int, offset: int, length: int, checksum: int,
-                 last: float) -> None:
-        self.shard, self.file_no, self.offset, self.length = shard, file_no, offset, length
-        self.checksum, self.last, self.readers, self.dead = checksum, last, 0, False
 
 
 class NvmeTier(Tier):
@@ -75,9 +70,9 @@ class NvmeTier(Tier):
         self._capacity = int(capacity_bytes)
         self._lock = threading.Lock()       # entries, accounting, allocators
         self._commit = threading.Lock()     # orders index commits against the entries map
-        self._entries: dict[BlockKey, _Entry] = {}
+        self._entries: dict[BlockKey, Entry] = {}
         self._pending: set[BlockKey] = set()
-        self._touched: dict[BlockKey, _Entry] = {}
+        self._touched: dict[BlockKey, Entry] = {}
         self._used = 0
         self._clock_last = 0.0
         self._flush_s = access_flush_s
@@ -111,44 +106,11 @@ class NvmeTier(Tier):
     # -- start-up -------------------------------------------------------------------------
 
     def _open_shard(self, shard: Shard) -> None:
-        """Rebuild accounting and allocators from the index; drop what cannot be trusted."""
-        for warning in shard.data.open_existing(shard.index.file_sizes()):
-            log.warning("NVMe tier %s: %s", self.name, warning)
-        rows = sorted(shard.index.scan(), key=lambda r: (r[1].file_no, r[1].offset) if r[1] else (-1, 0))
-        bad = [digest for digest, rec, _ in rows if rec is None]
-        by_file: dict[int, list] = {}
-        for row in rows:
-            if row[1] is not None:
-                by_file.setdefault(row[1].file_no, []).append(row)
-        kept: list[tuple[BlockKey, _Entry]] = []
-        for file_no, file_rows in by_file.items():
-            ok = shard.data.adopt(file_no, [(rec.offset, rec.length) for _, rec, _ in file_rows])
-            for (digest, rec, last), good in zip(file_rows, ok):
-                if not good:
-                    bad.append(digest)
-                    continue
-                key = BlockKey.from_bytes(rec.key_bytes)   # the record checksum vouches for it
-                kept.append((key, _Entry(shard, rec.file_no, rec.offset, rec.length, rec.checksum, last)))
-        if bad:
-            log.warning("NVMe tier %s: dropped %d damaged or lost index entries in %s", self.name,
-                        len(bad), shard.path)
-            self.counters["corrupt_blocks"] += len(bad)
-        used = sum(e.length for _, e in kept)
-        if used > shard.capacity:
-            kept.sort(key=lambda ke: ke[1].last)
-        first = 0
-        while first < len(kept) and used > shard.capacity:  # capacity lowered: oldest go
-            key, e = kept[first]
-            first += 1
-            used -= e.length
-            shard.data.free(e.file_no, e.offset, e.length)
-            bad.append(key.digest)
-        self.counters["dropped_at_open"] += first
-        kept = kept[first:]
-        shard.index.delete(bad + shard.index.stray_access())
-        for key, e in kept:
-            self._entries[key] = e
-            self._clock_last = max(self._clock_last, e.last)
+        """Rebuild accounting and allocators from the index (see :mod:`tiers._nvme_open`)."""
+        kept, used = open_shard(shard, self.name, self.counters)
+        self._entries.update(kept)
+        if kept:
+            self._clock_last = max(self._clock_last, kept[-1][1].last)   # kept is oldest first
         shard.used = used
         self._used += used
         self.counters["recovered_blocks"] += len(kept)
@@ -169,8 +131,11 @@ class NvmeTier(Tier):
 
     def recover(self) -> list[RecoveredBlock]:
         with self._lock:
-            items = sorted(self._entries.items(), key=lambda kv: kv[1].last)
-        return [RecoveredBlock(k, e.length, e.last) for k, e in items]
+            items = list(self._entries.items())
+            lasts = np.fromiter((e.last for _, e in items), np.float64, len(items))
+        order = np.argsort(lasts, kind="stable").tolist()
+        with paused_gc():
+            return [RecoveredBlock(k, e.length, e.last) for k, e in map(items.__getitem__, order)]
 
     def write(self, keys: Sequence[BlockKey], srcs: Sequence[Any]) -> list[bool]:
         out = [False] * len(keys)
@@ -187,7 +152,8 @@ class NvmeTier(Tier):
                     plan.append((j, key, src) + where)
         if not plan:
             return out
-        results = self._parallel(self._write_one, [(p[1], p[2], p[3], p[4], p[5]) for p in plan])
+        results = in_runs(self._pool, self._io_threads, self._write_run, plan, [p[2] for p in plan],
+                          [(p[3].no, p[4], p[5]) for p in plan], [p[6] for p in plan], writable=False)
         done: dict[Shard, list] = {}
         failed = []
         first_error = None
@@ -200,7 +166,7 @@ class NvmeTier(Tier):
         with self._commit:
             committed = []
             for shard, items in done.items():
-                records = [(p, csum, self._now()) for p, csum in items]
+                records = list(zip((p for p, _ in items), (c for _, c in items), self._stamps(len(items))))
                 try:
                     shard.index.put((p[1].digest, Record(p[4], p[5], p[6], csum, p[1].to_bytes()), last)
                                     for p, csum, last in records)
@@ -210,7 +176,7 @@ class NvmeTier(Tier):
                     failed.extend(p for p, _ in items)
             with self._lock:
                 for (j, key, _, shard, file_no, offset, n), csum, last in committed:
-                    self._entries[key] = _Entry(shard, file_no, offset, n, csum, last)
+                    self._entries[key] = Entry(shard, file_no, offset, n, csum, last)
                     self._pending.discard(key)
                     out[j] = True
                 for j, key, _, shard, file_no, offset, n in failed:
@@ -236,17 +202,20 @@ class NvmeTier(Tier):
                 e.readers += 1
                 jobs.append((j, key, e, dst))
         try:
-            results = self._parallel(self._read_one, [(key, e, dst) for _, key, e, dst in jobs])
+            results = in_runs(self._pool, self._io_threads, self._read_run, jobs, [job[3] for job in jobs],
+                              [(e.shard.no, e.file_no, e.offset) for _, _, e, _ in jobs],
+                              [e.length for _, _, e, _ in jobs], writable=True)
         finally:
             with self._lock:
                 for _, _, e, _ in jobs:
                     self._unread(e)
         bad = []
         first_error = None
+        stamps = iter(self._stamps(len(jobs)))
         for (j, key, e, _), (ok, value) in zip(jobs, results):
             if ok:
                 out[j] = True
-                e.last = self._now()
+                e.last = next(stamps)
                 self._touched[key] = e
             else:
                 error = self._count_failure(value, "read")
@@ -332,41 +301,35 @@ class NvmeTier(Tier):
                 return shard, where[0], where[1], n
         return None
 
+    def _write_run(self, run: list[tuple], views: list) -> list[tuple[bool, Any]]:
+        if len(run) == 1:
+            _, key, src, shard, file_no, offset, _ = run[0]
+            return [(True, self._write_one(key, src, shard, file_no, offset))]
+        _, _, _, shard, file_no, offset, _ = run[0]
+        sums = write_run(shard.data.fd(file_no), offset, [p[1].digest for p in run], views)
+        return [(True, csum) for csum in sums]
+
+    def _read_run(self, run: list[tuple], views: list) -> list[tuple[bool, Any]]:
+        if len(run) == 1:
+            _, key, e, dst = run[0]
+            self._read_one(key, e, dst)
+            return [(True, None)]
+        e = run[0][2]
+        errors = read_run(e.shard.data.fd(e.file_no), e.offset,
+                          [(key.digest, e.length, e.checksum) for _, key, e, _ in run], views)
+        return [(True, None) if err is None else (False, err) for err in errors]
+
     def _write_one(self, key: BlockKey, src: Any, shard: Shard, file_no: int, offset: int) -> int:
         payload = self._device.stage(src) if is_device(src) else host_view(src)
         return write_block(shard.data.fd(file_no), offset, key.digest, payload)
 
-    def _read_one(self, key: BlockKey, e: _Entry, dst: Any) -> None:
+    def _read_one(self, key: BlockKey, e: Entry, dst: Any) -> None:
         fd = e.shard.data.fd(e.file_no)
         if is_device(dst):
             path = os.path.join(e.shard.path, data_file_name(e.file_no))
             self._device.read(fd, path, e.offset, key.digest, e.length, e.checksum, dst)
         else:
             read_block(fd, e.offset, key.digest, e.length, e.checksum, host_view(dst, writable=True))
-
-    def _parallel(self, fn: Callable[..., Any], jobs: list[tuple]) -> list[tuple[bool, Any]]:
-        """Run ``fn(*job)`` for every job, in parallel on the pool when there are several;
-        each result is ``(True, value)`` or ``(False, exception)``."""
-        def call(job: tuple) -> tuple[bool, Any]:
-            try:
-                return True, fn(*job)
-            except Exception as exc:  # sorted out by the caller: miss, count or re-raise
-                return False, exc
-
-        def run_lane(lane: list[tuple]) -> list[tuple[bool, Any]]:
-            return [call(job) for job in lane]
-
-        if len(jobs) <= 1:
-            return run_lane(jobs)
-        # One task per I/O thread, each working through its share of the batch in turn:
-        # the device still sees io_threads requests in flight, and the executor's per-task
-        # cost is paid io_threads times per batch instead of once per block.
-        lanes = min(len(jobs), self._io_threads)
-        parts = list(self._pool.map(run_lane, [jobs[i::lanes] for i in range(lanes)]))
-        out: list[tuple[bool, Any]] = [None] * len(jobs)  # type: ignore[list-item]
-        for i, part in enumerate(parts):
-            out[i::lanes] = part
-        return out
 
     def _count_failure(self, exc: BaseException, what: str) -> BaseException | None:
         """Count a failed block I/O; returns ``exc`` when it must reach the caller (a bug
@@ -382,7 +345,7 @@ class NvmeTier(Tier):
                 return None
         return exc
 
-    def _remove(self, found: list[tuple[BlockKey, _Entry]]) -> int:
+    def _remove(self, found: list[tuple[BlockKey, Entry]]) -> int:
         """Drop entries (still the same objects) from memory, then the index; extents are
         freed once the index no longer names them and no reader holds them."""
         with self._commit:
@@ -409,16 +372,20 @@ class NvmeTier(Tier):
                         e.shard.data.free(e.file_no, e.offset, e.length)
         return len(gone)
 
-    def _unread(self, e: _Entry) -> None:
+    def _unread(self, e: Entry) -> None:
         e.readers -= 1
         if e.dead and e.readers == 0:
             e.shard.data.free(e.file_no, e.offset, e.length)
 
-    def _now(self) -> float:
-        """Wall-clock time, strictly increasing, so recovery reproduces access order."""
+    def _stamps(self, n: int) -> list[float]:
+        """``n`` wall-clock times, strictly increasing across calls, so recovery
+        reproduces access order (one lock and one clock read per batch)."""
         with self._lock:
-            self._clock_last = max(time.time(), self._clock_last + 1e-6)
-            return self._clock_last
+            first = max(time.time(), self._clock_last + 1e-6)
+            out = [first + i * 1e-6 for i in range(n)]
+            if out:
+                self._clock_last = out[-1]
+            return out
 
     def _check_open(self) -> None:
         if self._closed:

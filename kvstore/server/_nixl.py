@@ -14,6 +14,10 @@ client share that peer, dropped when the last of them closes.
   :meth:`Store.save` (one copy), so admission, eviction and the index run as for any
   other save — as on the shared-memory path.
 
+Large transfers are cut by NIXL across the endpoint's copy threads (``_UCX_THREADS``; on
+one host each chunk is a kernel cross-memory copy made by the thread that posts it), so
+one client's batch is not held to one core.
+
 Every method blocks (it waits for transfers): the connection runs them in an executor.
 A transfer failure raises :class:`TransportError` (the client falls back to TCP) and
 is counted in ``stats()``.
@@ -22,6 +26,7 @@ is counted in ``stats()``.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from contextlib import ExitStack
 from typing import TYPE_CHECKING, Any
@@ -37,6 +42,9 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvstore.server")
 _MEM = {0: "DRAM", 1: "VRAM"}
 _UCX_WORKERS = 4  # concurrent clients' transfers spread over this many UCX workers
+# one large transfer (a 64-block get) is split over this many copy threads, so a single
+# client is not held to one core's copy speed; none on a one-core machine
+_UCX_THREADS = min(4, os.cpu_count() or 1) if (os.cpu_count() or 1) > 1 else 0
 _MAX_IDLE_STAGING = 4  # idle staging buffers kept registered for the next puts
 _PREWARM_BUFFERS, _PREWARM_BYTES = 2, 64 << 20  # made when NIXL starts, before any put waits on them
 
@@ -74,7 +82,7 @@ class NixlService:
             from kvstore.transport.nixl import NixlEndpoint
 
             try:
-                ep = NixlEndpoint("server", workers=_UCX_WORKERS, progress_thread=False)
+                ep = NixlEndpoint("server", workers=_UCX_WORKERS, threads=_UCX_THREADS, progress_thread=False)
                 arena = getattr(self.server.store.tiers[0], "arena", None)
                 if arena is None:
                     raise TransportError("the first tier has no host arena to register")
@@ -214,8 +222,9 @@ class NixlService:
             for i, (buf, region) in enumerate(self._free):
                 if buf.nbytes >= nbytes:
                     return self._free.pop(i)
-        buf = np.empty(max(nbytes, 16 << 20), np.uint8)
-        buf.fill(0)  # fault the pages in now, not inside a transfer
+        from kvstore.transport.nixl import staging_buffer
+
+        buf = staging_buffer(max(nbytes, 16 << 20))
         return buf, self._endpoint.register(buf)
 
     def _give_staging(self, staging: tuple[np.ndarray, int]) -> None:

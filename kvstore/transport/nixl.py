@@ -13,7 +13,8 @@ The server initiates every transfer, so its CPU never copies block bytes:
   client's buffers into them and publishes them only once the transfer is complete.
 
 Descriptors travel as :class:`Descs` (address, length, device id rows of one memory
-kind); :meth:`Descs.to_bytes` is their wire form. All NIXL/UCX failures surface as
+kind; defined in ``_nixl_descs`` with :func:`descs_of` and :func:`staging_buffer`,
+re-exported here); :meth:`Descs.to_bytes` is their wire form. All NIXL/UCX failures surface as
 :class:`~kvstore.errors.TransportError`; a transfer that cannot be cancelled after a
 timeout keeps its leases or reservation for good (``in_flight``), because UCX may still
 touch that memory.
@@ -24,87 +25,25 @@ from __future__ import annotations
 import logging
 import os
 import socket
-import struct
 import threading
 import time
 import uuid
 from contextlib import ExitStack
-from dataclasses import dataclass
 from typing import Any, Sequence
 
 import numpy as np
 
-from kvstore.buffers import host_view, is_device, is_torch, nbytes_of
-from kvstore.errors import BufferSizeError, InvalidArgumentError, ProtocolError, TransportError
+from kvstore.errors import BufferSizeError, InvalidArgumentError, TransportError
 from kvstore.keys import BlockKey
+from kvstore.transport._nixl_descs import Descs, descs_of, staging_buffer
 from kvstore.transport._nixl_env import prepare_ucx_env
 
 log = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT_S = 30.0
-_MEM_CODES = {"DRAM": 0, "VRAM": 1}
-_MEM_NAMES = {v: k for k, v in _MEM_CODES.items()}
-_DESC_HEADER = struct.Struct("<BxxxI")  # memory kind, row count; rows follow as 3 x u64
-
-
-@dataclass(frozen=True)
-class Descs:
-    """Transfer descriptors: rows of ``(address, nbytes, device_id)`` in one memory kind
-    (``"DRAM"`` or ``"VRAM"``). Immutable; addresses belong to whoever built it."""
-
-    mem: str
-    rows: np.ndarray  # (N, 3) uint64
-
-    def __len__(self) -> int:
-        return len(self.rows)
-
-    @property
-    def sizes(self) -> list[int]:
-        return [int(n) for n in self.rows[:, 1]]
-
-    def subset(self, indices: Sequence[int]) -> "Descs":
-        return Descs(self.mem, self.rows[np.asarray(indices, dtype=np.int64)])
-
-    def to_bytes(self) -> bytes:
-        return _DESC_HEADER.pack(_MEM_CODES[self.mem], len(self.rows)) + self.rows.astype("<u8").tobytes()
-
-    @classmethod
-    def from_bytes(cls, data: bytes | memoryview, *, max_rows: int = 1 << 20) -> "Descs":
-        """Parse the wire form; raises :class:`ProtocolError` when it is malformed."""
-        if len(data) < _DESC_HEADER.size:
-            raise ProtocolError(f"descriptor list truncated: {len(data)} bytes")
-        code, count = _DESC_HEADER.unpack_from(data)
-        if code not in _MEM_NAMES:
-            raise ProtocolError(f"descriptor list has unknown memory kind {code}")
-        if count > max_rows:
-            raise ProtocolError(f"descriptor list has {count} rows, at most {max_rows} allowed")
-        if len(data) != _DESC_HEADER.size + 24 * count:
-            raise ProtocolError(f"descriptor list of {count} rows needs {_DESC_HEADER.size + 24 * count} "
-                                f"bytes, got {len(data)}")
-        rows = np.frombuffer(data, dtype="<u8", offset=_DESC_HEADER.size, count=3 * count).reshape(count, 3)
-        return cls(_MEM_NAMES[code], rows.astype(np.uint64))
-
-
-def descs_of(bufs: Sequence[Any]) -> Descs:
-    """Descriptors for caller buffers (bytes-like, numpy, torch CPU or CUDA tensors), all
-    in one memory kind. The buffers must stay alive and unmoved while they are used."""
-    if not bufs:
-        raise InvalidArgumentError("no buffers given")
-    rows = np.empty((len(bufs), 3), dtype=np.uint64)
-    kinds = set()
-    for i, buf in enumerate(bufs):
-        if is_torch(buf):
-            if not buf.is_contiguous():
-                raise InvalidArgumentError("tensor buffers must be contiguous")
-            rows[i] = (buf.data_ptr(), nbytes_of(buf), max(buf.get_device(), 0))
-            kinds.add("VRAM" if is_device(buf) else "DRAM")
-        else:
-            arr = host_view(buf)
-            rows[i] = (arr.ctypes.data, arr.nbytes, 0)
-            kinds.add("DRAM")
-    if len(kinds) != 1:
-        raise InvalidArgumentError("one transfer takes buffers of one memory kind (all host or all GPU)")
-    return Descs(kinds.pop(), rows)
+# With copy threads, a transfer of at least this many descriptors is cut into one chunk
+# per thread (see NixlEndpoint); smaller ones run on the calling thread.
+SPLIT_DESCS = 8
 
 
 def _nixl_call(what: str, fn, *args, **kwargs):
@@ -121,10 +60,17 @@ def _nixl_call(what: str, fn, *args, **kwargs):
 class NixlEndpoint:
     """One NIXL agent with a UCX backend. Thread-safe: NIXL runs in read-write
     thread-sync mode and registrations are guarded here. Registered buffers are kept referenced (so
-    never freed) until deregistered or the endpoint closes."""
+    never freed) until deregistered or the endpoint closes.
 
-    def __init__(self, role: str = "peer", *, workers: int = 1, timeout_s: float = DEFAULT_TIMEOUT_S,
-                 progress_thread: bool = True) -> None:
+    ``threads``: NIXL's UCX thread pool (``num_threads``): a transfer this endpoint starts
+    with at least :data:`SPLIT_DESCS` descriptors is cut into one chunk per thread, each
+    posted on its own UCX worker. Between processes of one host UCX moves bytes with
+    cross-memory attach, a kernel copy made by the thread that posts the operation, so
+    the threads are what lets one large transfer use more than one core. The pool's
+    threads sleep while no transfer is in flight. 0: every transfer runs on the caller."""
+
+    def __init__(self, role: str = "peer", *, workers: int = 1, threads: int = 0,
+                 timeout_s: float = DEFAULT_TIMEOUT_S, progress_thread: bool = True) -> None:
         prepare_ucx_env()
         try:
             from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
@@ -138,7 +84,11 @@ class NixlEndpoint:
         conf = nixl_agent_config(enable_prog_thread=progress_thread, enable_listen_thread=False, backends=[],
                                  sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_RW)
         self._agent = _nixl_call("agent creation", nixl_agent, self.name, conf)
-        _nixl_call("UCX backend creation", self._agent.create_backend, "UCX", {"num_workers": str(max(1, workers))})
+        # NIXL counts the pool's workers (one per thread) in num_workers
+        params = {"num_workers": str(max(1, workers) + max(0, threads))}
+        if threads > 0:
+            params.update(num_threads=str(threads), split_batch_size=str(SPLIT_DESCS))
+        _nixl_call("UCX backend creation", self._agent.create_backend, "UCX", params)
         if "UCX" not in self._agent.backends:
             raise TransportError("NIXL's UCX backend did not start (see `kvstore doctor`)")
         self._lock = threading.Lock()
@@ -172,8 +122,10 @@ class NixlEndpoint:
     def covers(self, descs: Descs) -> bool:
         """True when every descriptor lies inside one registered region."""
         with self._lock:
-            spans = [(a, e) for _, _, a, e in self._regions.values()]
-        return all(any(a <= int(r[0]) and int(r[0]) + int(r[1]) <= e for a, e in spans) for r in descs.rows)
+            spans = np.array([(a, e) for _, _, a, e in self._regions.values()], dtype=np.uint64).reshape(-1, 2)
+        starts = descs.rows[:, 0:1]
+        inside = (spans[:, 0] <= starts) & (starts + descs.rows[:, 1:2] <= spans[:, 1])  # rows x regions
+        return bool(inside.any(axis=1).all())
 
     def ensure_registered(self, bufs: Sequence[Any]) -> bool:
         """Register each buffer not already inside a registered region. Returns True when
@@ -384,4 +336,5 @@ def receive_blocks(endpoint: NixlEndpoint, tier: Any, keys: Sequence[BlockKey], 
     return reservation.commit()
 
 
-__all__ = ["DEFAULT_TIMEOUT_S", "Descs", "NixlEndpoint", "descs_of", "receive_blocks", "send_blocks"]
+__all__ = ["DEFAULT_TIMEOUT_S", "SPLIT_DESCS", "Descs", "NixlEndpoint", "descs_of", "receive_blocks", "send_blocks",
+           "staging_buffer"]

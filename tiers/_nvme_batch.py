@@ -1,0 +1,77 @@
+"""How the NVMe tier spreads one batch over its I/O threads.
+
+:func:`in_runs` groups the batch's blocks into runs of extents adjacent on disk (see
+:func:`tiers._nvme_io.plan_runs`) and :func:`parallel` runs them on the tier's thread
+pool. Both are thread-safe as long as ``fn`` is; buffers are only borrowed for the
+call (the caller owns them).
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable
+
+import numpy as np
+
+from kvstore.buffers import host_view
+from tiers._nvme_io import joinable, plan_runs
+
+
+def in_runs(pool: ThreadPoolExecutor, threads: int, fn: Callable[[list, list], list], items: list,
+            bufs: list, where: list[tuple[int, int, int]], sizes: list[int], *,
+            writable: bool) -> list[tuple[bool, Any]]:
+    """Move ``items`` in runs of blocks adjacent on disk, the runs in parallel.
+
+    ``bufs[i]`` is item i's caller buffer, ``where[i]`` its ``(directory, file,
+    offset)`` and ``sizes[i]`` its payload bytes. ``fn(run_items, views)`` gets one
+    run's items with their host views (``None`` for a block moved on its own) and
+    returns per block ``(ok, value)``; a run whose call raises fails every block in it
+    with that error. Returns ``(ok, value)`` per item, in ``items`` order."""
+    views: list[np.ndarray | None] = [None] * len(items)
+    if len(items) > 1:
+        for i, buf in enumerate(bufs):
+            if type(buf) is np.ndarray:   # the DRAM tier's slots; other kinds go one by one
+                try:
+                    view = host_view(buf, writable=writable)
+                except Exception:   # e.g. read-only: the block's own transfer reports it
+                    continue
+                if joinable(view):
+                    views[i] = view
+    # at least threads/2 runs per batch, so several transfers are in flight
+    cap = max(1, -(-len(items) // max(1, threads // 2)))
+    runs = plan_runs([((w[0], w[1]), w[2], n, views[i] is not None)
+                      for i, (w, n) in enumerate(zip(where, sizes))], cap)
+    got = parallel(pool, threads, fn, [([items[i] for i in run], [views[i] for i in run]) for run in runs])
+    out: list[tuple[bool, Any]] = [None] * len(items)  # type: ignore[list-item]
+    for run, (ok, value) in zip(runs, got):
+        for i, res in zip(run, value if ok else [(False, value)] * len(run)):
+            out[i] = res
+    return out
+
+
+def parallel(pool: ThreadPoolExecutor, threads: int, fn: Callable[..., Any],
+             jobs: list[tuple]) -> list[tuple[bool, Any]]:
+    """Run ``fn(*job)`` for every job, in parallel on ``pool`` when there are several;
+    each result is ``(True, value)`` or ``(False, exception)``."""
+    def call(job: tuple) -> tuple[bool, Any]:
+        try:
+            return True, fn(*job)
+        except Exception as exc:  # sorted out by the caller: miss, count or re-raise
+            return False, exc
+
+    if len(jobs) <= 1:
+        return [call(job) for job in jobs]
+    # A few tasks (one per I/O thread) each take the next job until none is left: the
+    # device sees that many transfers in flight, the executor's per-task cost is paid
+    # once per thread instead of once per job, and a thread the scheduler delays holds
+    # up only its current job, not a fixed share of the batch.
+    out: list[tuple[bool, Any]] = [None] * len(jobs)  # type: ignore[list-item]
+    todo = iter(enumerate(jobs))   # next() on it is atomic under the GIL
+
+    def lane() -> None:
+        for i, job in todo:
+            out[i] = call(job)
+
+    for task in [pool.submit(lane) for _ in range(min(len(jobs), threads))]:
+        task.result()
+    return out
