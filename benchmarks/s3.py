@@ -3,13 +3,14 @@
 For each block size and concurrency: PUT and GET throughput of ``S3Tier.write`` /
 ``S3Tier.read_into`` (block header, XXH3 checksum, verification, streaming into caller
 buffers) and of plain ``put_object`` / ``get_object().read()`` on a thread pool of the
-same size, same bytes, same client settings. Each cell runs ``--repeats`` back-to-back pairs,
-alternating which client goes first; ratios are medians of the per-pair ratios, so load
+same size, same bytes, same client settings (one ``S3Settings`` builds both clients).
+Each cell runs ``--repeats`` back-to-back pairs, alternating which client goes first; ratios are medians of the per-pair ratios, so load
 from other jobs on a shared machine cancels out. Client CPU per block (whole process,
 ``time.process_time``) is printed beside each throughput: it shows what the header,
 checksum and verification cost, independent of the server's speed.
 
     python -m benchmarks.s3 [--sizes 1,4] [--concurrency 1,4,8] [--large 24] [--mib-per-cell 48] [--repeats 7]
+                            [--sign-payload]
 
 Prints a table and writes benchmarks/results/s3.json and s3.png. Needs Swift
 (scripts/deps/20-swift.sh), started here exactly as the tests start it.
@@ -35,20 +36,23 @@ sys.path.insert(0, str(ROOT))
 from benchmarks._common import RESULTS, write_json  # noqa: E402
 from kvstore.testing import make_keys  # noqa: E402
 from tests._swift import REGION, SwiftServer, aws_env  # noqa: E402
+from tiers._s3client import S3Settings, make_client  # noqa: E402
 from tiers.s3 import S3Tier  # noqa: E402
 
 BUCKET = "kvstore-bench"
 MiB = 1 << 20
 
 
-def raw_client(endpoint: str, concurrency: int):
-    import boto3
-    from botocore.config import Config
+def settings(endpoint: str, concurrency: int, sign_payload: bool) -> S3Settings:
+    """One set of connection settings for both clients of a cell."""
+    return S3Settings(name="bench", bucket=BUCKET, endpoint_url=endpoint, region=REGION, addressing_style="path",
+                      concurrency=concurrency, sign_payload=sign_payload)
 
-    cfg = Config(max_pool_connections=concurrency, s3={"addressing_style": "path"},
-                 retries={"max_attempts": 3, "mode": "standard"},
-                 request_checksum_calculation="when_required", response_checksum_validation="when_required")
-    return boto3.client("s3", endpoint_url=endpoint, region_name=REGION, config=cfg)
+
+def raw_client(s: S3Settings):
+    """Plain boto3 with exactly the tier's client configuration (timeouts, retries, pool,
+    payload signing, no flexible checksums), so only what the tier adds differs."""
+    return make_client(s, pool_connections=2 * s.concurrency)
 
 
 def _timed(fn) -> tuple[float, float]:
@@ -92,14 +96,15 @@ def bench_tier(tier: S3Tier, srcs: list[np.ndarray], tag: str) -> dict[str, floa
 
 
 def run_cell(server: SwiftServer, srcs: list[np.ndarray], blobs: list[bytes], size: int, conc: int,
-             repeats: int, variant: str = "default", **tier_kwargs) -> dict:
+             repeats: int, variant: str = "default", sign_payload: bool = False, **tier_kwargs) -> dict:
     """``repeats`` back-to-back pairs (boto3 then kvstore, or the reverse, alternating).
     Ratios are medians of the per-pair ratios, so load that drifts during the run (other
     jobs on the machine) cancels out; throughput and CPU figures are medians too."""
-    client = raw_client(server.endpoint_url, conc)
-    tier = S3Tier(4 * len(srcs) * size * MiB, name="bench", bucket=BUCKET, prefix="kv",
-                  endpoint_url=server.endpoint_url, region=REGION, addressing_style="path", concurrency=conc,
-                  **tier_kwargs)
+    s = settings(server.endpoint_url, conc, sign_payload)
+    client = raw_client(s)
+    tier = S3Tier(4 * len(srcs) * size * MiB, name=s.name, bucket=BUCKET, prefix="kv",
+                  endpoint_url=s.endpoint_url, region=s.region, addressing_style=s.addressing_style,
+                  concurrency=conc, sign_payload=sign_payload, **tier_kwargs)
     runs: dict[str, list[dict[str, float]]] = {"raw": [], "kv": []}
     try:
         for r in range(repeats):
@@ -112,6 +117,7 @@ def run_cell(server: SwiftServer, srcs: list[np.ndarray], blobs: list[bytes], si
         tier.close()
         client.close()
     row = {"block_mib": size, "concurrency": conc, "blocks": len(srcs), "repeats": repeats, "variant": variant,
+           "sign_payload": sign_payload,
            "multipart_put": stats["multipart_puts"] > 0, "ranged_get": stats["ranged_gets"] > 0}
     for which, got in runs.items():
         for k in got[0]:
@@ -131,6 +137,8 @@ def main() -> None:
                          "ranged parallel GET); 0 to skip")
     ap.add_argument("--mib-per-cell", type=int, default=48, help="bytes moved per measurement")
     ap.add_argument("--repeats", type=int, default=7, help="paired runs per cell")
+    ap.add_argument("--sign-payload", action="store_true",
+                    help="both clients SHA-256-sign PUT bodies (botocore's default over http)")
     args = ap.parse_args()
     sizes = [int(x) for x in args.sizes.split(",")]
     concs = [int(x) for x in args.concurrency.split(",")]
@@ -152,11 +160,11 @@ def main() -> None:
                     srcs = [rng.integers(0, 256, size * MiB, dtype=np.uint8)
                             for _ in range(max(4, args.mib_per_cell // size))]
                     data = {size: (srcs, [s.tobytes() for s in srcs])}
-                rows.append(run_cell(server, *data[size], size, conc, args.repeats))
+                rows.append(run_cell(server, *data[size], size, conc, args.repeats, sign_payload=args.sign_payload))
                 print_row(rows[-1], header=len(rows) == 1)
                 if size == args.large:  # the same blocks sent as one PUT each, still read in ranges
                     rows.append(run_cell(server, *data[size], size, conc, args.repeats, variant="single PUT",
-                                         multipart_threshold=1 << 40))
+                                         sign_payload=args.sign_payload, multipart_threshold=1 << 40))
                     print_row(rows[-1], header=False)
     out = write_json("s3", {"server": "OpenStack Swift s3api on 127.0.0.1", "unit": "MB/s",
                             "mib_per_cell": args.mib_per_cell, "repeats": args.repeats, "rows": rows})

@@ -244,6 +244,30 @@ def test_ranged_reads_of_recovered_blocks_use_the_stored_header_size(swift, raw)
         t.close()
 
 
+@pytest.mark.parametrize("sign", [False, True])
+def test_payload_signing_setting(swift, raw, sign):
+    """By default PUT bodies go as UNSIGNED-PAYLOAD (the block header checks them end to
+    end); sign_payload=True sends their SHA-256 and Swift verifies it. Both store."""
+    import hashlib
+
+    t = make_tier(swift, sign_payload=sign)
+    sent = []
+    t._client.meta.events.register("before-send.s3.PutObject",
+                                   lambda request, **_: sent.append((request.headers["X-Amz-Content-SHA256"],
+                                                                     bytes(request.body))))
+    try:
+        keys = make_keys(1, salt=f"sign-{sign}")
+        src = payload(5)
+        assert t.write(keys, [src]) == [True]
+        (digest, body), = sent
+        digest = digest.decode() if isinstance(digest, bytes) else digest
+        assert digest == (hashlib.sha256(body).hexdigest() if sign else "UNSIGNED-PAYLOAD")
+        dst = np.zeros_like(src)
+        assert t.read_into(keys, [dst]) == [True] and np.array_equal(dst, src)
+    finally:
+        t.close()
+
+
 def test_reads_blocks_written_by_another_instance_without_recover(swift, raw):
     prefix = f"peer-{uuid.uuid4().hex[:8]}"
     a, b = make_tier(swift, prefix=prefix), make_tier(swift, prefix=prefix)

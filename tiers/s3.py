@@ -74,7 +74,7 @@ class S3Tier(Tier):
                  prefix: str = "kvstore", region: str | None = None, addressing_style: str = "auto",
                  profile: str | None = None, concurrency: int = 8, connect_timeout_s: float = 2.0,
                  read_timeout_s: float = 10.0, max_attempts: int = 3, multipart_threshold: int = 16 << 20,
-                 part_size: int = 8 << 20, create_bucket: bool = False) -> None:
+                 part_size: int = 8 << 20, create_bucket: bool = False, sign_payload: bool = False) -> None:
         if capacity_bytes <= 0:
             raise InvalidArgumentError(f"S3 tier capacity must be positive, got {capacity_bytes}")
         if part_size < EXT_HEADER_BYTES:
@@ -88,7 +88,8 @@ class S3Tier(Tier):
         self._settings = S3Settings(name=name, bucket=bucket, endpoint_url=endpoint_url, region=region,
                                     addressing_style=addressing_style, profile=profile,
                                     concurrency=concurrency, connect_timeout_s=connect_timeout_s,
-                                    read_timeout_s=read_timeout_s, max_attempts=max_attempts)
+                                    read_timeout_s=read_timeout_s, max_attempts=max_attempts,
+                                    sign_payload=sign_payload)
         # Per-block requests and the parts of large blocks each get `concurrency` connections.
         self._client = make_client(self._settings, pool_connections=2 * concurrency)
         self._probe_client = make_client(self._settings, max_attempts=1, pool_connections=1,
