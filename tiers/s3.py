@@ -28,9 +28,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
 
-import numpy as np
 
-from kvstore.block import EXT_HEADER_BYTES, HEADER_BYTES, encode_ext_header
+from kvstore.block import EXT_HEADER_BYTES, HEADER_BYTES
 from kvstore.buffers import copy_bytes, host_view, is_device, nbytes_of
 from kvstore.errors import (BufferSizeError, CorruptBlockError, InvalidArgumentError, TierIOError,
                             TierUnavailableError)
@@ -38,6 +37,7 @@ from kvstore.keys import BlockKey
 from tiers import _s3io
 from tiers._s3client import S3Settings, check_bucket, is_bad_range, is_missing, is_unavailable, make_client
 from tiers._s3health import Health
+from tiers._s3stage import Staging
 from tiers.base import RecoveredBlock, Tier, TierCapabilities
 
 log = logging.getLogger(__name__)
@@ -103,7 +103,7 @@ class S3Tier(Tier):
         self._used = 0
         self._reserved = 0
         self._lock = threading.Lock()
-        self._local = threading.local()
+        self._staging = Staging(self._part_size, self._multipart_threshold)
         self._closed = False
         self._counters = dict.fromkeys(("gets", "puts", "deletes", "corrupt_blocks", "ranged_gets",
                                         "multipart_puts", "header_gets", "bytes_read", "bytes_written"), 0)
@@ -162,7 +162,7 @@ class S3Tier(Tier):
         name = _s3io.object_name(self.prefix, key)
         n = nbytes_of(dst)
         staged = is_device(dst)
-        target = memoryview(self._staging(n) if staged else host_view(dst, writable=True))
+        target = memoryview(self._staging.host(n) if staged else host_view(dst, writable=True))
         hb = entry.header if entry is not None else EXT_HEADER_BYTES
         try:
             if entry is not None and hb + n > self._part_size:
@@ -232,51 +232,6 @@ class S3Tier(Tier):
             raise errors[0]
         return [o.ok for o in outcomes]
 
-    def _staging(self, nbytes: int) -> np.ndarray:
-        """This thread's reusable staging buffer, at least ``nbytes`` long."""
-        buf = getattr(self._local, "buf", None)
-        if buf is None or buf.nbytes < nbytes:
-            buf = np.empty(max(nbytes, 1 << 20), np.uint8)
-            buf.fill(0)  # touch the pages once now, not on every request
-            self._local.buf = buf
-        return buf[:nbytes]
-
-    def _stage(self, key: BlockKey, src: Any, n: int) -> list[bytearray]:
-        """Header + payload copied once into this thread's reusable upload buffers: one
-        for a single PUT, one per part for a multipart upload. ``bytearray`` because
-        botocore resends those as they are when it retries (a ``memoryview`` would have
-        to be rewound, which botocore cannot do)."""
-        if is_device(src):
-            host = self._staging(n)
-            copy_bytes(host, src)
-        else:
-            host = host_view(src)
-        hb = EXT_HEADER_BYTES
-        total = hb + n
-        piece = self._part_size if total >= self._multipart_threshold else total
-        pieces = self._upload_buffers(total, piece)
-        encode_ext_header(key.digest, key.parent, host, memoryview(pieces[0])[:hb])
-        for k, buf in enumerate(pieces):
-            a = k * piece                      # this piece's offset in the object
-            lo = max(a, hb)
-            dst = np.frombuffer(buf, np.uint8)[lo - a:]
-            np.copyto(dst, host[lo - hb:lo - hb + dst.nbytes], casting="no")
-        return pieces
-
-    def _upload_buffers(self, total: int, piece: int) -> list[bytearray]:
-        """Pre-touched buffers covering ``total`` bytes in ``piece``-sized parts, kept per
-        thread and per shape (blocks of one model share a size, so they are reused)."""
-        cache = getattr(self._local, "uploads", None)
-        if cache is None:
-            cache = self._local.uploads = {}
-        bufs = cache.get((total, piece))
-        if bufs is None:
-            if len(cache) >= 4:
-                cache.pop(next(iter(cache)))
-            bufs = [bytearray(min(piece, total - a)) for a in range(0, total, piece)]
-            cache[(total, piece)] = bufs
-        return bufs
-
     # -- writes -----------------------------------------------------------------------------
 
     def write(self, keys: Sequence[BlockKey], srcs: Sequence[Any]) -> list[bool]:
@@ -312,7 +267,7 @@ class S3Tier(Tier):
             self._reserved += n
         stored = False
         try:
-            pieces = self._stage(key, src, n)
+            pieces = self._staging.stage(key, src, n)
             name = _s3io.object_name(self.prefix, key)
             if len(pieces) > 1:
                 _s3io.put_multipart(self._client, self.bucket, name, pieces, self._parts)
