@@ -179,8 +179,13 @@ def test_recover_reads_parents_from_headers_and_drops_bad_ones(swift, raw):
     body[HEADER_BYTES + 8 + 5] ^= 0x01  # one bit of the stored parent digest
     raw.put_object(Bucket=BUCKET, Key=bad, Body=bytes(body))
     second = make_tier(swift, prefix=prefix)
+    sent = []
+    second._client.meta.events.register("before-send.s3", lambda request, **_: sent.append(
+        (request.method, request.headers.get("Range"))))
     try:
         blocks = second.recover()
+        ranged = [m for m, r in sent if m == "GET" and r in (b"bytes=0-127", "bytes=0-127")]
+        assert len(ranged) == 4 and not any(m == "HEAD" for m, _ in sent)  # one header GET per object
         assert {b.key for b in blocks} == {keys[0], keys[1], keys[3]}
         assert {b.key: b.key.parent for b in blocks} == {keys[0]: None, keys[1]: keys[0].digest,
                                                          keys[3]: keys[2].digest}
