@@ -28,7 +28,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
 
-
 from kvstore.block import EXT_HEADER_BYTES, HEADER_BYTES
 from kvstore.buffers import copy_bytes, host_view, is_device, nbytes_of
 from kvstore.errors import (BufferSizeError, CorruptBlockError, InvalidArgumentError, TierIOError,
@@ -357,6 +356,8 @@ class S3Tier(Tier):
         return [RecoveredBlock(e.key, e.nbytes, e.last_access) for e in entries]
 
     def _recover_one(self, key: BlockKey, mtime: float) -> tuple[_Entry | None, BaseException | None]:
+        if not self._health.healthy:  # an earlier header request found the endpoint down
+            return None, TierUnavailableError("endpoint unavailable", tier=self.name)
         name = _s3io.object_name(self.prefix, key)
         try:
             hb, n, parent = _s3io.get_header(self._client, self.bucket, name, key)
