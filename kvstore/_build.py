@@ -42,7 +42,7 @@ def build_tier(cfg: TierConfig) -> Tier:
                       profile=cfg.profile, concurrency=cfg.concurrency,
                       connect_timeout_s=cfg.connect_timeout_s, read_timeout_s=cfg.read_timeout_s,
                       max_attempts=cfg.max_attempts, multipart_threshold=cfg.multipart_threshold,
-                      part_size=cfg.part_size, create_bucket=cfg.create_bucket)
+                      part_size=cfg.part_size, create_bucket=cfg.create_bucket, sign_payload=cfg.sign_payload)
     raise ConfigError(f"tiers.{cfg.name}.kind: tier kind {cfg.kind!r} is not available in this build")
 
 

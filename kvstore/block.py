@@ -11,6 +11,24 @@ A stored block is ``HEADER_BYTES`` of header followed by the payload::
     24     32   key digest
     56     8    header checksum: XXH3-64 of bytes 0..56
 
+Format version 2 (``EXT_VERSION``) is the same 64 bytes with version 2, followed by a
+64-byte extension that carries the key's parent digest, so a reader of the first
+``EXT_HEADER_BYTES`` learns the block's place in its chain without any other request
+(object stores keep it in the body instead of per-object metadata)::
+
+    offset size field
+    64     4    magic  b"KVSX"
+    68     1    1 when the key has a parent, else 0
+    69     3    zero
+    72     32   parent digest (zero without a parent)
+    104    16   zero
+    120    8    extension checksum: XXH3-64 of bytes 64..120, seeded with the header
+                checksum (bytes 56..64), so an extension only verifies with its own header
+
+A block of version 2 has ``EXT_HEADER_BYTES`` of header before its payload. Readers
+that only know version 1 (:func:`parse_header`) reject it as unsupported instead of
+misplacing the payload.
+
 Encoding writes the header into a caller-supplied buffer; verifying reads it from one.
 Neither copies the payload. All integers are little-endian.
 """
@@ -26,8 +44,12 @@ from kvstore.errors import CorruptBlockError
 MAGIC = b"KVSB"
 VERSION = 1
 HEADER_BYTES = 64
+EXT_VERSION = 2
+EXT_MAGIC = b"KVSX"
+EXT_HEADER_BYTES = 128
 _HEAD = struct.Struct("<4sHHQQ32s")  # 56 bytes, then the header checksum
 _CHECK = struct.Struct("<Q")
+_EXT = struct.Struct("<4sB3x32s16x")  # 56 bytes, then the extension checksum
 
 
 def checksum(payload) -> int:
@@ -41,10 +63,29 @@ def encode_header(digest: bytes, payload, out, *, payload_checksum: int | None =
     ``out`` is a writable buffer owned by the caller. Returns the payload checksum so
     callers can index it without hashing twice.
     """
+    return _encode_base(VERSION, digest, payload, out, payload_checksum)
+
+
+def encode_ext_header(digest: bytes, parent: bytes | None, payload, out, *,
+                      payload_checksum: int | None = None) -> int:
+    """Write a version-2 header (header + parent extension) for ``payload`` into
+    ``out[:EXT_HEADER_BYTES]``; ``parent`` is the parent digest or ``None``. Returns the
+    payload checksum."""
+    if parent is not None and len(parent) != len(digest):
+        raise ValueError(f"parent digest has {len(parent)} bytes, expected {len(digest)}")
+    csum = _encode_base(EXT_VERSION, digest, payload, out, payload_checksum)
+    target = memoryview(out).cast("B")
+    _EXT.pack_into(target, HEADER_BYTES, EXT_MAGIC, parent is not None, parent or bytes(len(digest)))
+    seed = _CHECK.unpack_from(target, 56)[0]
+    _CHECK.pack_into(target, 120, xxhash.xxh3_64_intdigest(target[HEADER_BYTES:120], seed))
+    return csum
+
+
+def _encode_base(version: int, digest: bytes, payload, out, payload_checksum: int | None) -> int:
     mv = memoryview(payload).cast("B")
     csum = checksum(mv) if payload_checksum is None else payload_checksum
     target = memoryview(out).cast("B")
-    _HEAD.pack_into(target, 0, MAGIC, VERSION, 0, mv.nbytes, csum, digest)
+    _HEAD.pack_into(target, 0, MAGIC, version, 0, mv.nbytes, csum, digest)
     _CHECK.pack_into(target, 56, xxhash.xxh3_64_intdigest(target[:56]))
     return csum
 
@@ -57,23 +98,56 @@ def header_bytes(digest: bytes, payload) -> bytearray:
 
 
 def parse_header(header, *, digest: bytes | None = None) -> tuple[int, int]:
-    """Check a header's magic, version, header checksum and (when given) key digest.
-
-    Returns ``(payload_length, payload_checksum)``; raises :class:`CorruptBlockError`.
+    """Check a version-1 header's magic, version, header checksum and (when given) key
+    digest. Returns ``(payload_length, payload_checksum)``; raises
+    :class:`CorruptBlockError` (also for a version-2 block: its payload starts later).
     """
+    version, length, csum = parse_any_header(header, digest=digest)
+    if version != VERSION:
+        raise CorruptBlockError(f"unsupported block format version {version}")
+    return length, csum
+
+
+def parse_any_header(header, *, digest: bytes | None = None) -> tuple[int, int, int]:
+    """Check the first ``HEADER_BYTES`` of a block of either version. Returns
+    ``(version, payload_length, payload_checksum)``; the header is ``HEADER_BYTES`` long
+    for version 1 and ``EXT_HEADER_BYTES`` for version 2, whose extension the caller then
+    checks with :func:`parse_extension`."""
     mv = memoryview(header).cast("B")
     if mv.nbytes < HEADER_BYTES:
         raise CorruptBlockError(f"block header truncated: {mv.nbytes} < {HEADER_BYTES} bytes")
-    magic, version, _flags, length, csum, key = _HEAD.unpack_from(mv, 0)
+    magic, version, flags, length, csum, key = _HEAD.unpack_from(mv, 0)
     if magic != MAGIC:
         raise CorruptBlockError(f"bad block magic {magic!r}")
     if _CHECK.unpack_from(mv, 56)[0] != xxhash.xxh3_64_intdigest(mv[:56]):
         raise CorruptBlockError("block header checksum mismatch")
-    if version != VERSION:
-        raise CorruptBlockError(f"unsupported block format version {version}")
+    if version not in (VERSION, EXT_VERSION) or flags:
+        raise CorruptBlockError(f"unsupported block format version {version} (flags {flags:#x})")
     if digest is not None and key != digest:
         raise CorruptBlockError("block belongs to another key (digest mismatch)")
-    return length, csum
+    return version, length, csum
+
+
+def header_size(version: int) -> int:
+    """Bytes of header before the payload in a block of ``version``."""
+    return EXT_HEADER_BYTES if version == EXT_VERSION else HEADER_BYTES
+
+
+def parse_extension(header) -> bytes | None:
+    """Verify the extension of a version-2 block whose first ``HEADER_BYTES`` already
+    passed :func:`parse_any_header`; ``header`` holds its first ``EXT_HEADER_BYTES``.
+    Returns the parent digest, or ``None`` for a first chunk; raises
+    :class:`CorruptBlockError`."""
+    mv = memoryview(header).cast("B")
+    if mv.nbytes < EXT_HEADER_BYTES:
+        raise CorruptBlockError(f"block header extension truncated: {mv.nbytes} < {EXT_HEADER_BYTES} bytes")
+    seed = _CHECK.unpack_from(mv, 56)[0]
+    if _CHECK.unpack_from(mv, 120)[0] != xxhash.xxh3_64_intdigest(mv[HEADER_BYTES:120], seed):
+        raise CorruptBlockError("block header extension checksum mismatch")
+    magic, has_parent, parent = _EXT.unpack_from(mv, HEADER_BYTES)
+    if magic != EXT_MAGIC or has_parent not in (0, 1):
+        raise CorruptBlockError(f"bad block header extension (magic {magic!r}, parent flag {has_parent})")
+    return parent if has_parent else None
 
 
 def verify(digest: bytes, block, *, payload_length: int | None = None) -> memoryview:
@@ -103,5 +177,6 @@ def verify_payload(payload, length: int, csum: int) -> None:
         raise CorruptBlockError("block payload checksum mismatch")
 
 
-__all__ = ["HEADER_BYTES", "MAGIC", "VERSION", "checksum", "encode_header", "header_bytes",
-           "parse_header", "verify", "verify_payload"]
+__all__ = ["EXT_HEADER_BYTES", "EXT_MAGIC", "EXT_VERSION", "HEADER_BYTES", "MAGIC", "VERSION", "checksum",
+           "encode_ext_header", "encode_header", "header_bytes", "header_size", "parse_any_header",
+           "parse_extension", "parse_header", "verify", "verify_payload"]

@@ -123,6 +123,7 @@ class S3TierConfig(_TierBase):
     multipart_threshold: Size = Field(16 << 20, gt=0)
     part_size: Size = Field(8 << 20, ge=5 << 20)
     create_bucket: bool = False     # create the bucket at start-up when it does not exist
+    sign_payload: bool = False      # SHA-256-sign request bodies (the block header already checks them)
 
 
 class RemoteTierConfig(_TierBase):

@@ -53,3 +53,57 @@ def test_verify_payload_apart():
     payload[3] = 0
     with pytest.raises(CorruptBlockError):
         block.verify_payload(payload, length, csum)
+
+
+PARENT = bytes(range(100, 132))
+
+
+def _ext_header(parent, payload=np.arange(100, dtype=np.uint8)) -> bytearray:
+    out = bytearray(block.EXT_HEADER_BYTES)
+    block.encode_ext_header(DIGEST, parent, payload, out)
+    return out
+
+
+@pytest.mark.parametrize("parent", [PARENT, None])
+def test_extended_header_round_trip(parent):
+    payload = np.arange(100, dtype=np.uint8)
+    header = _ext_header(parent, payload)
+    version, length, csum = block.parse_any_header(header, digest=DIGEST)
+    assert (version, length, csum) == (block.EXT_VERSION, 100, block.checksum(payload))
+    assert block.header_size(version) == block.EXT_HEADER_BYTES
+    assert block.parse_extension(header) == parent
+
+
+@pytest.mark.parametrize("where", list(range(64, 128, 7)) + [127])
+def test_any_flipped_extension_byte_is_detected(where):
+    header = _ext_header(PARENT)
+    header[where] ^= 0x10
+    with pytest.raises(CorruptBlockError, match="extension"):
+        block.parse_extension(header)
+
+
+def test_extension_only_verifies_with_its_own_header():
+    mine, other = _ext_header(PARENT), _ext_header(None, np.ones(7, np.uint8))
+    spliced = mine[:64] + other[64:]
+    block.parse_any_header(spliced, digest=DIGEST)  # the first 64 bytes are still fine
+    with pytest.raises(CorruptBlockError, match="extension checksum"):
+        block.parse_extension(spliced)
+    with pytest.raises(CorruptBlockError, match="truncated"):
+        block.parse_extension(mine[:100])
+
+
+def test_version_1_readers_reject_version_2_and_unknown_flags():
+    header = _ext_header(PARENT)
+    with pytest.raises(CorruptBlockError, match="version 2"):
+        block.parse_header(header, digest=DIGEST)
+    v1 = bytearray(block.header_bytes(DIGEST, np.ones(3, np.uint8)))
+    assert block.parse_any_header(v1)[0] == block.VERSION
+    v1[6] = 1  # a flag no version defines, with a matching header checksum
+    v1[56:64] = block.checksum(memoryview(v1)[:56]).to_bytes(8, "little")
+    with pytest.raises(CorruptBlockError, match="flags"):
+        block.parse_any_header(v1)
+
+
+def test_parent_of_wrong_size_is_refused():
+    with pytest.raises(ValueError, match="parent digest"):
+        block.encode_ext_header(DIGEST, b"short", np.ones(3, np.uint8), bytearray(block.EXT_HEADER_BYTES))

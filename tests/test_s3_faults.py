@@ -193,3 +193,37 @@ def test_slowdown_is_an_outage_then_writes_resume(throttled):
             pause = min(2 * pause, 8.0)
         dst = np.zeros_like(srcs[0])
         assert store.load(keys[:1], [dst]).result() == [True] and np.array_equal(dst, srcs[0])
+
+
+def test_recover_with_object_servers_down_is_an_outage_not_a_partial_index(swift, bucket):
+    """The listing answers (container server) but the header GETs get 5xx: recover()
+    raises TierUnavailableError instead of returning blocks without sizes or parents,
+    and succeeds once the object servers are back."""
+    from kvstore.errors import TierUnavailableError
+    from tiers.s3 import S3Tier
+
+    prefix = f"rec5xx-{uuid.uuid4().hex[:8]}"
+    kwargs = dict(name="s3", bucket=bucket, endpoint_url=swift.endpoint_url, region=REGION,
+                  addressing_style="path", prefix=prefix, concurrency=2, max_attempts=1)
+    keys = make_keys(3, salt="rec5xx")
+    writer = S3Tier(1 << 30, **kwargs)
+    try:
+        assert writer.write(keys, [payload(i, BLOCK) for i in range(3)]) == [True] * 3
+    finally:
+        writer.close()
+    reader = S3Tier(1 << 30, **kwargs)
+    try:
+        swift.stop("object")
+        try:
+            with pytest.raises(TierUnavailableError):
+                reader.recover()
+            assert reader.stats()["healthy"] is False and reader.stats()["corrupt_blocks"] == 0
+        finally:
+            swift.start()
+        deadline = time.monotonic() + 30
+        while not reader.stats()["healthy"]:
+            assert time.monotonic() < deadline, "the tier did not come back"
+            time.sleep(0.2)
+        assert {b.key for b in reader.recover()} == set(keys)
+    finally:
+        reader.close()

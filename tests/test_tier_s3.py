@@ -7,7 +7,7 @@ import uuid
 import numpy as np
 import pytest
 
-from kvstore.block import HEADER_BYTES, parse_header
+from kvstore.block import EXT_HEADER_BYTES, HEADER_BYTES, parse_any_header, parse_extension
 from kvstore.errors import BufferSizeError, ConfigError
 from kvstore.keys import Namespace
 from kvstore.store import Store
@@ -64,13 +64,17 @@ def test_object_layout(tier, raw):
     assert listed == sorted(f"{tier.prefix}/{ns}/{k.hex()}" for k in keys)
     obj = raw.get_object(Bucket=BUCKET, Key=f"{tier.prefix}/{ns}/{keys[1].hex()}")
     body = obj["Body"].read()
-    assert len(body) == HEADER_BYTES + len(srcs[1])
-    assert parse_header(body[:HEADER_BYTES], digest=keys[1].digest)[0] == len(srcs[1])
-    assert body[HEADER_BYTES:] == srcs[1].tobytes()
-    assert obj["Metadata"]["kv-parent"] == keys[0].hex()  # keys[1] chains after keys[0]
+    assert len(body) == EXT_HEADER_BYTES + len(srcs[1])
+    assert parse_any_header(body, digest=keys[1].digest)[:2] == (2, len(srcs[1]))
+    assert parse_extension(body[:EXT_HEADER_BYTES]) == keys[0].digest  # keys[1] chains after keys[0]
+    assert body[EXT_HEADER_BYTES:] == srcs[1].tobytes()
+    assert obj["Metadata"] == {}  # the parent travels in the body, not in user metadata
+    first = raw.get_object(Bucket=BUCKET, Key=f"{tier.prefix}/{ns}/{keys[0].hex()}")["Body"].read()
+    assert parse_extension(first[:EXT_HEADER_BYTES]) is None
 
 
-@pytest.mark.parametrize("damage", ["flip_payload", "truncate", "other_key", "garbage"])
+@pytest.mark.parametrize("damage", ["flip_payload", "truncate", "other_key", "garbage", "flip_parent",
+                                    "other_extension"])
 def test_corrupt_object_is_a_miss_deleted_and_counted(tier, raw, damage):
     keys = make_keys(2, salt=damage)
     srcs = [payload(i) for i in range(2)]
@@ -83,6 +87,11 @@ def test_corrupt_object_is_a_miss_deleted_and_counted(tier, raw, damage):
         body = body[:-10]
     elif damage == "other_key":
         body = raw.get_object(Bucket=BUCKET, Key=_object(raw, tier, keys[1]))["Body"].read()
+    elif damage == "flip_parent":  # keys[0] has no parent: claim one, header checksum intact
+        body[HEADER_BYTES + 4] = 1
+    elif damage == "other_extension":  # keys[1]'s extension (a real parent), spliced in
+        other = raw.get_object(Bucket=BUCKET, Key=_object(raw, tier, keys[1]))["Body"].read()
+        body[HEADER_BYTES:EXT_HEADER_BYTES] = other[HEADER_BYTES:EXT_HEADER_BYTES]
     else:
         body = b"not a block at all"
     raw.put_object(Bucket=BUCKET, Key=name, Body=bytes(body))
@@ -150,6 +159,118 @@ def test_recover_rebuilds_full_keys_oldest_first(swift, raw):
         assert second.read_into([keys[1]], [dst]) == [True] and np.array_equal(dst, payload(1, 1001))
     finally:
         second.close()
+
+
+def _chain(n, size=1000):
+    keys = Namespace(model="m", dtype="fp16", chunk_tokens=4).chunk_keys(np.arange(4 * n))
+    return keys, [payload(i, size + i) for i in range(n)]
+
+
+def test_recover_reads_parents_from_headers_and_drops_bad_ones(swift, raw):
+    """recover() takes each block's size and parent from its verified header (a ranged
+    GET, no metadata): a damaged extension is counted, deleted and left out."""
+    prefix = f"hdr-{uuid.uuid4().hex[:8]}"
+    first = make_tier(swift, prefix=prefix)
+    keys, srcs = _chain(4)
+    assert first.write(keys, srcs) == [True] * 4
+    first.close()
+    bad = f"{prefix}/{keys[2].namespace.hex()}/{keys[2].hex()}"
+    body = bytearray(raw.get_object(Bucket=BUCKET, Key=bad)["Body"].read())
+    body[HEADER_BYTES + 8 + 5] ^= 0x01  # one bit of the stored parent digest
+    raw.put_object(Bucket=BUCKET, Key=bad, Body=bytes(body))
+    second = make_tier(swift, prefix=prefix)
+    sent = []
+    second._client.meta.events.register("before-send.s3", lambda request, **_: sent.append(
+        (request.method, request.headers.get("Range"))))
+    try:
+        blocks = second.recover()
+        ranged = [m for m, r in sent if m == "GET" and r in (b"bytes=0-127", "bytes=0-127")]
+        assert len(ranged) == 4 and not any(m == "HEAD" for m, _ in sent)  # one header GET per object
+        assert {b.key for b in blocks} == {keys[0], keys[1], keys[3]}
+        assert {b.key: b.key.parent for b in blocks} == {keys[0]: None, keys[1]: keys[0].digest,
+                                                         keys[3]: keys[2].digest}
+        assert {b.key: b.nbytes for b in blocks} == {k: len(s) for k, s in zip(keys, srcs) if k != keys[2]}
+        stats = second.stats()
+        assert stats["corrupt_blocks"] == 1 and stats["header_gets"] == 3
+        assert second.used_bytes == sum(len(s) for k, s in zip(keys, srcs) if k != keys[2])
+        with pytest.raises(Exception, match="NoSuchKey|Not Found|404"):
+            raw.head_object(Bucket=BUCKET, Key=bad)
+        dst = np.zeros(len(srcs[3]), np.uint8)
+        assert second.read_into([keys[3]], [dst]) == [True] and np.array_equal(dst, srcs[3])
+    finally:
+        second.close()
+
+
+def test_version_1_objects_with_parent_metadata_still_recover_and_read(swift, raw):
+    """Objects written before the parent moved into the body (64-byte header, parent in
+    x-amz-meta-kv-parent) are recovered with their parent and read back verified."""
+    from kvstore.block import encode_header
+
+    prefix = f"v1-{uuid.uuid4().hex[:8]}"
+    keys, srcs = _chain(2)
+    for key, src in zip(keys, srcs):
+        body = bytearray(HEADER_BYTES) + src.tobytes()
+        encode_header(key.digest, src, body)
+        meta = {"kv-parent": key.parent.hex()} if key.parent else {}
+        raw.put_object(Bucket=BUCKET, Key=f"{prefix}/{key.namespace.hex()}/{key.hex()}", Body=bytes(body),
+                       Metadata=meta)
+    t = make_tier(swift, prefix=prefix)
+    try:
+        blocks = t.recover()
+        assert {b.key: (b.key.parent, b.nbytes) for b in blocks} == {
+            keys[0]: (None, len(srcs[0])), keys[1]: (keys[0].digest, len(srcs[1]))}
+        dsts = [np.zeros(len(s), np.uint8) for s in srcs]
+        assert t.read_into(keys, dsts) == [True, True]
+        assert all(np.array_equal(s, d) for s, d in zip(srcs, dsts))
+        assert t.stats()["corrupt_blocks"] == 0
+    finally:
+        t.close()
+
+
+def test_ranged_reads_of_recovered_blocks_use_the_stored_header_size(swift, raw):
+    """A large version-1 object (64-byte header) found by recover() is read in ranges
+    that start where its own payload starts."""
+    from kvstore.block import encode_header
+
+    part = 5 << 20
+    prefix = f"v1big-{uuid.uuid4().hex[:8]}"
+    keys, _ = _chain(1)
+    src = payload(3, part + 4321)
+    body = bytearray(HEADER_BYTES) + src.tobytes()
+    encode_header(keys[0].digest, src, body)
+    raw.put_object(Bucket=BUCKET, Key=f"{prefix}/{keys[0].namespace.hex()}/{keys[0].hex()}", Body=bytes(body))
+    t = make_tier(swift, capacity=4 * part, prefix=prefix, part_size=part)
+    try:
+        assert [b.nbytes for b in t.recover()] == [len(src)]
+        dst = np.zeros(len(src), np.uint8)
+        assert t.read_into(keys, [dst]) == [True] and np.array_equal(dst, src)
+        assert t.stats()["ranged_gets"] == 1
+    finally:
+        t.close()
+
+
+@pytest.mark.parametrize("sign", [False, True])
+def test_payload_signing_setting(swift, raw, sign):
+    """By default PUT bodies go as UNSIGNED-PAYLOAD (the block header checks them end to
+    end); sign_payload=True sends their SHA-256 and Swift verifies it. Both store."""
+    import hashlib
+
+    t = make_tier(swift, sign_payload=sign)
+    sent = []
+    t._client.meta.events.register("before-send.s3.PutObject",
+                                   lambda request, **_: sent.append((request.headers["X-Amz-Content-SHA256"],
+                                                                     bytes(request.body))))
+    try:
+        keys = make_keys(1, salt=f"sign-{sign}")
+        src = payload(5)
+        assert t.write(keys, [src]) == [True]
+        (digest, body), = sent
+        digest = digest.decode() if isinstance(digest, bytes) else digest
+        assert digest == (hashlib.sha256(body).hexdigest() if sign else "UNSIGNED-PAYLOAD")
+        dst = np.zeros_like(src)
+        assert t.read_into(keys, [dst]) == [True] and np.array_equal(dst, src)
+    finally:
+        t.close()
 
 
 def test_reads_blocks_written_by_another_instance_without_recover(swift, raw):

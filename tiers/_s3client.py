@@ -34,6 +34,7 @@ class S3Settings:
     connect_timeout_s: float = 2.0
     read_timeout_s: float = 10.0
     max_attempts: int = 3
+    sign_payload: bool = False
 
     @property
     def where(self) -> str:
@@ -46,7 +47,10 @@ def make_client(s: S3Settings, *, max_attempts: int | None = None, pool_connecti
     shared config/credentials files, ``profile``, instance metadata).
 
     Checksums that botocore would compute on every request are off because every object
-    carries its own XXH3 block header, verified on each read.
+    carries its own XXH3 block header, verified on each read. Unless ``sign_payload``,
+    request bodies are sent as ``UNSIGNED-PAYLOAD``: botocore would otherwise SHA-256
+    every body over plain http, and the server hash it again, for an integrity check
+    the block header already makes end to end (responses are never signed either).
     """
     import boto3
     import botocore.exceptions
@@ -62,7 +66,7 @@ def make_client(s: S3Settings, *, max_attempts: int | None = None, pool_connecti
         read_timeout=timeout_s or s.read_timeout_s,
         retries={"max_attempts": max_attempts or s.max_attempts, "mode": "standard"},
         max_pool_connections=pool_connections or s.concurrency,
-        s3={"addressing_style": s.addressing_style},
+        s3={"addressing_style": s.addressing_style, "payload_signing_enabled": s.sign_payload},
         request_checksum_calculation="when_required",
         response_checksum_validation="when_required",
         tcp_keepalive=True,

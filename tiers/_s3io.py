@@ -1,5 +1,7 @@
-"""Object I/O of the S3 tier: one object per block, ``HEADER_BYTES`` of block header
-followed by the payload.
+"""Object I/O of the S3 tier: one object per block, a version-2 block header
+(``EXT_HEADER_BYTES``: key digest, length, checksum, parent digest) followed by the
+payload, and no user metadata. Objects written before the parent moved into the body
+(version-1 header of ``HEADER_BYTES``, parent in ``x-amz-meta-kv-parent``) still read.
 
 Reads stream straight into caller memory: the urllib3 response botocore wraps sits on an
 ``http.client`` response whose ``readinto`` receives from the socket into the buffer it
@@ -15,12 +17,13 @@ import http.client
 from concurrent.futures import Executor
 from typing import Any
 
-from kvstore.block import HEADER_BYTES, checksum, parse_header
+from kvstore.block import (EXT_HEADER_BYTES, EXT_VERSION, HEADER_BYTES, checksum, header_size, parse_any_header,
+                           parse_extension)
 from kvstore.errors import BufferSizeError, CorruptBlockError
 from kvstore.keys import DIGEST_BYTES, BlockKey
 
 NO_NAMESPACE = "_"   # path segment for keys without a namespace digest
-META_PARENT = "kv-parent"  # object metadata (x-amz-meta-kv-parent): parent digest, hex
+LEGACY_META_PARENT = "kv-parent"  # version-1 objects: parent digest (hex) in x-amz-meta-kv-parent
 _HEX = 2 * DIGEST_BYTES
 _READ_CHUNK = 1 << 20
 
@@ -51,10 +54,6 @@ def _is_hex(text: str) -> bool:
         return True
     except ValueError:
         return False
-
-
-def metadata_for(key: BlockKey) -> dict[str, str]:
-    return {META_PARENT: key.parent.hex()} if key.parent else {}
 
 
 # -- reads ---------------------------------------------------------------------------------
@@ -88,10 +87,33 @@ def _finish(body: Any, complete: bool) -> None:
         body.close()
 
 
+def read_header(body: Any, name: str, key: BlockKey, total: int) -> tuple[int, int, int, bytes | None]:
+    """Read and verify an object's block header from ``body`` (an object of ``total``
+    bytes). Returns ``(header bytes, payload length, payload checksum, parent digest)``;
+    the parent is ``None`` for a first chunk and for version-1 objects (whose parent is
+    in metadata)."""
+    if total < HEADER_BYTES:
+        raise CorruptBlockError(f"object {name} has {total} bytes, shorter than a block header")
+    header = bytearray(EXT_HEADER_BYTES)
+    view = memoryview(header)
+    _read_exact(body, view[:HEADER_BYTES])
+    version, length, csum = parse_any_header(header, digest=key.digest)
+    hb, parent = header_size(version), None
+    if version == EXT_VERSION:
+        if total < hb:
+            raise CorruptBlockError(f"object {name} has {total} bytes, shorter than its block header")
+        _read_exact(body, view[HEADER_BYTES:])
+        parent = parse_extension(header)
+    if total != hb + length:
+        raise CorruptBlockError(f"object {name} has {total - hb} payload bytes, header says {length}")
+    return hb, length, csum, parent
+
+
 def get_into(client: Any, bucket: str, name: str, key: BlockKey, dst: memoryview,
-             known_nbytes: int | None) -> None:
+             known_nbytes: int | None) -> int:
     """GET a whole object: parse and check its header, then stream the payload into
-    ``dst`` and verify it. ``dst`` holds unspecified bytes when this raises.
+    ``dst`` and verify it. Returns the header size (so ranged reads know where the
+    payload starts). ``dst`` holds unspecified bytes when this raises.
 
     Raises :class:`BufferSizeError` (before touching ``dst``) when the block's size is
     learnt only from the header and differs from ``dst``; :class:`CorruptBlockError` when
@@ -101,13 +123,7 @@ def get_into(client: Any, bucket: str, name: str, key: BlockKey, dst: memoryview
     body, total = resp["Body"], int(resp["ContentLength"])
     complete = False
     try:
-        if total < HEADER_BYTES:
-            raise CorruptBlockError(f"object {name} has {total} bytes, shorter than a block header")
-        header = bytearray(HEADER_BYTES)
-        _read_exact(body, memoryview(header))
-        length, csum = parse_header(header, digest=key.digest)
-        if total != HEADER_BYTES + length:
-            raise CorruptBlockError(f"object {name} has {total - HEADER_BYTES} payload bytes, header says {length}")
+        hb, length, csum, _ = read_header(body, name, key, total)
         if length != dst.nbytes:
             if known_nbytes is not None:
                 raise CorruptBlockError(f"object {name} holds {length} bytes, {known_nbytes} were written")
@@ -118,14 +134,44 @@ def get_into(client: Any, bucket: str, name: str, key: BlockKey, dst: memoryview
         _finish(body, complete)
     if checksum(dst) != csum:
         raise CorruptBlockError(f"object {name}: payload checksum mismatch")
+    return hb
+
+
+def get_header(client: Any, bucket: str, name: str, key: BlockKey) -> tuple[int, int, bytes | None]:
+    """One small ranged GET of an object's block header: ``(header bytes, payload
+    length, parent digest)``, all verified; the parent of a version-1 object comes from
+    its metadata (sent with the same response)."""
+    resp = client.get_object(Bucket=bucket, Key=name, Range=f"bytes=0-{EXT_HEADER_BYTES - 1}")
+    body = resp["Body"]
+    complete = False
+    try:
+        size = resp.get("ContentRange", "").rpartition("/")[2]
+        total = int(size) if size.isdigit() else int(resp["ContentLength"])
+        hb, length, _, parent = read_header(body, name, key, total)
+        rest = int(resp["ContentLength"]) - hb  # a version-1 header leaves payload bytes in the range
+        if rest > 0:
+            _read_exact(body, memoryview(bytearray(rest)))
+        complete = True
+    finally:
+        _finish(body, complete)
+    if hb == HEADER_BYTES:
+        legacy = resp.get("Metadata", {}).get(LEGACY_META_PARENT)
+        try:
+            parent = bytes.fromhex(legacy) if legacy else None
+        except ValueError:
+            parent = None
+        if parent is not None and len(parent) != DIGEST_BYTES:
+            parent = None
+    return hb, length, parent
 
 
 def get_ranges_into(client: Any, bucket: str, name: str, key: BlockKey, dst: memoryview,
-                    part_size: int, pool: Executor) -> None:
-    """GET one large object as parallel ranged requests straight into slices of ``dst``
-    (size already known to match), then verify header, length and checksum."""
-    total = HEADER_BYTES + dst.nbytes
-    header = bytearray(HEADER_BYTES)
+                    part_size: int, pool: Executor, hb: int = EXT_HEADER_BYTES) -> None:
+    """GET one large object whose header is ``hb`` bytes as parallel ranged requests
+    straight into slices of ``dst`` (size already known to match), then verify header,
+    length and checksum."""
+    total = hb + dst.nbytes
+    header = bytearray(hb)
     step = -(-total // -(-total // part_size))  # equal ranges, none a runt of a few bytes
     ranges = [(a, min(a + step, total)) for a in range(0, total, step)]
     futures = [pool.submit(_get_range, client, bucket, name, a, b, total, memoryview(header), dst)
@@ -137,7 +183,11 @@ def get_ranges_into(client: Any, bucket: str, name: str, key: BlockKey, dst: mem
             first = exc
     if first is not None:
         raise first
-    length, csum = parse_header(header, digest=key.digest)
+    version, length, csum = parse_any_header(header, digest=key.digest)
+    if header_size(version) != hb:
+        raise CorruptBlockError(f"object {name} has a version-{version} header, expected {hb} header bytes")
+    if version == EXT_VERSION:
+        parse_extension(header)
     if length != dst.nbytes:
         raise CorruptBlockError(f"object {name} holds {length} bytes, {dst.nbytes} were written")
     if checksum(dst) != csum:
@@ -153,11 +203,12 @@ def _get_range(client: Any, bucket: str, name: str, a: int, b: int, total: int,
         size = resp.get("ContentRange", "").rpartition("/")[2]
         if int(resp["ContentLength"]) != b - a or (size.isdigit() and int(size) != total):
             raise CorruptBlockError(f"object {name} has size {size}, expected {total}")
-        if a < HEADER_BYTES:
-            _read_exact(body, header[a:min(b, HEADER_BYTES)])
-        if b > HEADER_BYTES:
-            lo = max(a, HEADER_BYTES) - HEADER_BYTES
-            _read_exact(body, dst[lo:b - HEADER_BYTES])
+        hb = header.nbytes
+        if a < hb:
+            _read_exact(body, header[a:min(b, hb)])
+        if b > hb:
+            lo = max(a, hb) - hb
+            _read_exact(body, dst[lo:b - hb])
         complete = True
     finally:
         _finish(body, complete)
@@ -165,16 +216,15 @@ def _get_range(client: Any, bucket: str, name: str, a: int, b: int, total: int,
 
 # -- writes --------------------------------------------------------------------------------
 
-def put(client: Any, bucket: str, name: str, body: bytearray, metadata: dict[str, str]) -> None:
-    """PUT one object from ``body`` (header + payload)."""
-    client.put_object(Bucket=bucket, Key=name, Body=body, ContentLength=len(body), Metadata=metadata)
+def put(client: Any, bucket: str, name: str, body: bytearray) -> None:
+    """PUT one object from ``body`` (header + payload), without user metadata."""
+    client.put_object(Bucket=bucket, Key=name, Body=body, ContentLength=len(body))
 
 
-def put_multipart(client: Any, bucket: str, name: str, parts: list[bytearray], metadata: dict[str, str],
-                  pool: Executor) -> None:
+def put_multipart(client: Any, bucket: str, name: str, parts: list[bytearray], pool: Executor) -> None:
     """Multipart upload of ``parts`` (header + payload, in order) sent in parallel on
     ``pool``; the upload is aborted when any part fails, so no partial object appears."""
-    upload = client.create_multipart_upload(Bucket=bucket, Key=name, Metadata=metadata)["UploadId"]
+    upload = client.create_multipart_upload(Bucket=bucket, Key=name)["UploadId"]
     try:
         futures = [pool.submit(client.upload_part, Bucket=bucket, Key=name, UploadId=upload,
                                PartNumber=i + 1, Body=part, ContentLength=len(part))

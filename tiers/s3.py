@@ -1,9 +1,9 @@
 """S3-compatible object storage tier (AWS S3, MinIO, Swift s3api, ...) through boto3.
 
 One object per block at ``<prefix>/<namespace digest hex>/<key digest hex>``; its body
-is the 64-byte block header (key digest, length, XXH3 checksum) followed by the payload,
-and its metadata ``x-amz-meta-kv-parent`` holds the parent digest so :meth:`recover` can
-rebuild full keys. Several processes and nodes may share one bucket and prefix: any of
+is the 128-byte version-2 block header (key digest, length, XXH3 checksum, and the parent
+digest so :meth:`recover` can rebuild full keys) followed by the payload; objects carry
+no user metadata. Several processes and nodes may share one bucket and prefix: any of
 them finds the others' blocks through :meth:`recover` (at Store start-up) or by reading a
 key directly. Every read verifies header, key digest, length and checksum; a bad object
 is a miss, is deleted and is counted in ``corrupt_blocks``.
@@ -28,9 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
 
-import numpy as np
-
-from kvstore.block import HEADER_BYTES, encode_header
+from kvstore.block import EXT_HEADER_BYTES, HEADER_BYTES
 from kvstore.buffers import copy_bytes, host_view, is_device, nbytes_of
 from kvstore.errors import (BufferSizeError, CorruptBlockError, InvalidArgumentError, TierIOError,
                             TierUnavailableError)
@@ -38,6 +36,7 @@ from kvstore.keys import BlockKey
 from tiers import _s3io
 from tiers._s3client import S3Settings, check_bucket, is_bad_range, is_missing, is_unavailable, make_client
 from tiers._s3health import Health
+from tiers._s3stage import Staging
 from tiers.base import RecoveredBlock, Tier, TierCapabilities
 
 log = logging.getLogger(__name__)
@@ -49,6 +48,7 @@ class _Entry:
     key: BlockKey
     nbytes: int
     last_access: float = 0.0
+    header: int = EXT_HEADER_BYTES  # header bytes before the payload (64 for version-1 objects)
 
 
 class _Outcome:
@@ -73,11 +73,11 @@ class S3Tier(Tier):
                  prefix: str = "kvstore", region: str | None = None, addressing_style: str = "auto",
                  profile: str | None = None, concurrency: int = 8, connect_timeout_s: float = 2.0,
                  read_timeout_s: float = 10.0, max_attempts: int = 3, multipart_threshold: int = 16 << 20,
-                 part_size: int = 8 << 20, create_bucket: bool = False) -> None:
+                 part_size: int = 8 << 20, create_bucket: bool = False, sign_payload: bool = False) -> None:
         if capacity_bytes <= 0:
             raise InvalidArgumentError(f"S3 tier capacity must be positive, got {capacity_bytes}")
-        if part_size < HEADER_BYTES:
-            raise InvalidArgumentError(f"S3 tier part_size must be at least {HEADER_BYTES}, got {part_size}")
+        if part_size < EXT_HEADER_BYTES:
+            raise InvalidArgumentError(f"S3 tier part_size must be at least {EXT_HEADER_BYTES}, got {part_size}")
         self.name = name
         self.bucket = bucket
         self.prefix = prefix.strip("/")
@@ -87,7 +87,8 @@ class S3Tier(Tier):
         self._settings = S3Settings(name=name, bucket=bucket, endpoint_url=endpoint_url, region=region,
                                     addressing_style=addressing_style, profile=profile,
                                     concurrency=concurrency, connect_timeout_s=connect_timeout_s,
-                                    read_timeout_s=read_timeout_s, max_attempts=max_attempts)
+                                    read_timeout_s=read_timeout_s, max_attempts=max_attempts,
+                                    sign_payload=sign_payload)
         # Per-block requests and the parts of large blocks each get `concurrency` connections.
         self._client = make_client(self._settings, pool_connections=2 * concurrency)
         self._probe_client = make_client(self._settings, max_attempts=1, pool_connections=1,
@@ -101,10 +102,10 @@ class S3Tier(Tier):
         self._used = 0
         self._reserved = 0
         self._lock = threading.Lock()
-        self._local = threading.local()
+        self._staging = Staging(self._part_size, self._multipart_threshold)
         self._closed = False
         self._counters = dict.fromkeys(("gets", "puts", "deletes", "corrupt_blocks", "ranged_gets",
-                                        "multipart_puts", "bytes_read", "bytes_written"), 0)
+                                        "multipart_puts", "header_gets", "bytes_read", "bytes_written"), 0)
         self.capabilities = TierCapabilities(device="s3", persistent=True, max_concurrency=concurrency)
 
     def _probe(self) -> None:
@@ -160,13 +161,15 @@ class S3Tier(Tier):
         name = _s3io.object_name(self.prefix, key)
         n = nbytes_of(dst)
         staged = is_device(dst)
-        target = memoryview(self._staging(n) if staged else host_view(dst, writable=True))
+        target = memoryview(self._staging.host(n) if staged else host_view(dst, writable=True))
+        hb = entry.header if entry is not None else EXT_HEADER_BYTES
         try:
-            if entry is not None and HEADER_BYTES + n > self._part_size:
+            if entry is not None and hb + n > self._part_size:
                 self._count("ranged_gets")
-                _s3io.get_ranges_into(self._client, self.bucket, name, key, target, self._part_size, self._parts)
+                _s3io.get_ranges_into(self._client, self.bucket, name, key, target, self._part_size, self._parts,
+                                      hb)
             else:
-                _s3io.get_into(self._client, self.bucket, name, key, target, entry and entry.nbytes)
+                hb = _s3io.get_into(self._client, self.bucket, name, key, target, entry and entry.nbytes)
             if staged:
                 copy_bytes(dst, target)
         except CorruptBlockError as exc:
@@ -184,7 +187,7 @@ class S3Tier(Tier):
             self._counters["bytes_read"] += n
             if key not in self._index and self._used + self._reserved + n <= self._capacity:
                 # Another node wrote it: now this tier knows (and budgets) it too.
-                self._index[key] = _Entry(key, n)
+                self._index[key] = _Entry(key, n, header=hb)
                 self._used += n
         return _Outcome(ok=True)
 
@@ -228,50 +231,6 @@ class S3Tier(Tier):
             raise errors[0]
         return [o.ok for o in outcomes]
 
-    def _staging(self, nbytes: int) -> np.ndarray:
-        """This thread's reusable staging buffer, at least ``nbytes`` long."""
-        buf = getattr(self._local, "buf", None)
-        if buf is None or buf.nbytes < nbytes:
-            buf = np.empty(max(nbytes, 1 << 20), np.uint8)
-            buf.fill(0)  # touch the pages once now, not on every request
-            self._local.buf = buf
-        return buf[:nbytes]
-
-    def _stage(self, key: BlockKey, src: Any, n: int) -> list[bytearray]:
-        """Header + payload copied once into this thread's reusable upload buffers: one
-        for a single PUT, one per part for a multipart upload. ``bytearray`` because
-        botocore resends those as they are when it retries (a ``memoryview`` would have
-        to be rewound, which botocore cannot do)."""
-        if is_device(src):
-            host = self._staging(n)
-            copy_bytes(host, src)
-        else:
-            host = host_view(src)
-        total = HEADER_BYTES + n
-        piece = self._part_size if total >= self._multipart_threshold else total
-        pieces = self._upload_buffers(total, piece)
-        encode_header(key.digest, host, memoryview(pieces[0])[:HEADER_BYTES])
-        for k, buf in enumerate(pieces):
-            a = k * piece                      # this piece's offset in the object
-            lo = max(a, HEADER_BYTES)
-            dst = np.frombuffer(buf, np.uint8)[lo - a:]
-            np.copyto(dst, host[lo - HEADER_BYTES:lo - HEADER_BYTES + dst.nbytes], casting="no")
-        return pieces
-
-    def _upload_buffers(self, total: int, piece: int) -> list[bytearray]:
-        """Pre-touched buffers covering ``total`` bytes in ``piece``-sized parts, kept per
-        thread and per shape (blocks of one model share a size, so they are reused)."""
-        cache = getattr(self._local, "uploads", None)
-        if cache is None:
-            cache = self._local.uploads = {}
-        bufs = cache.get((total, piece))
-        if bufs is None:
-            if len(cache) >= 4:
-                cache.pop(next(iter(cache)))
-            bufs = [bytearray(min(piece, total - a)) for a in range(0, total, piece)]
-            cache[(total, piece)] = bufs
-        return bufs
-
     # -- writes -----------------------------------------------------------------------------
 
     def write(self, keys: Sequence[BlockKey], srcs: Sequence[Any]) -> list[bool]:
@@ -307,14 +266,13 @@ class S3Tier(Tier):
             self._reserved += n
         stored = False
         try:
-            pieces = self._stage(key, src, n)
+            pieces = self._staging.stage(key, src, n)
             name = _s3io.object_name(self.prefix, key)
-            meta = _s3io.metadata_for(key)
             if len(pieces) > 1:
-                _s3io.put_multipart(self._client, self.bucket, name, pieces, meta, self._parts)
+                _s3io.put_multipart(self._client, self.bucket, name, pieces, self._parts)
                 self._count("multipart_puts")
             else:
-                _s3io.put(self._client, self.bucket, name, pieces[0], meta)
+                _s3io.put(self._client, self.bucket, name, pieces[0])
             stored = True
         except Exception as exc:
             return self._failure(exc)
@@ -355,8 +313,8 @@ class S3Tier(Tier):
         self._count("deletes")
         return _Outcome(ok=True)
 
-    def _listing(self) -> Iterator[tuple[BlockKey, int, float]]:
-        """Every block object under the prefix: ``(key without parent, nbytes, mtime)``."""
+    def _listing(self) -> Iterator[tuple[BlockKey, float]]:
+        """Every block object under the prefix: ``(key without parent, mtime)``."""
         self._health.check()
         paginator = self._client.get_paginator("list_objects_v2")
         root = f"{self.prefix}/" if self.prefix else ""
@@ -367,8 +325,7 @@ class S3Tier(Tier):
                     if parsed is None or obj["Size"] < HEADER_BYTES:
                         continue
                     ns, digest = parsed
-                    key = BlockKey.from_hex(digest, namespace=ns)
-                    yield key, int(obj["Size"]) - HEADER_BYTES, obj["LastModified"].timestamp()
+                    yield BlockKey.from_hex(digest, namespace=ns), obj["LastModified"].timestamp()
         except (TierUnavailableError, TierIOError):
             raise
         except Exception as exc:
@@ -379,31 +336,42 @@ class S3Tier(Tier):
         (keys carry their namespace; parents are in :meth:`recover`'s keys)."""
         with self._lock:
             known = {k: k for k in self._index}
-        return iter([known.get(key, key) for key, _, _ in self._listing()])
+        return iter([known.get(key, key) for key, _ in self._listing()])
 
     def recover(self) -> list[RecoveredBlock]:
-        """Rebuild the index from a bucket listing (parents from each object's metadata),
-        oldest ``LastModified`` first. Blocks beyond the byte budget are still returned so
-        the Store can evict down to it."""
-        listed = sorted(self._listing(), key=lambda t: t[2])
-        keys = self._map(self._with_parent, [k for k, _, _ in listed])
+        """Rebuild the index from a bucket listing, oldest ``LastModified`` first. Each
+        object's block header is read with one small ranged GET (``concurrency`` at a
+        time) and verified; it gives the payload size and the parent digest. An object
+        with a bad header is counted in ``corrupt_blocks``, deleted and left out. Blocks
+        beyond the byte budget are still returned so the Store can evict down to it.
+        Raises :class:`TierUnavailableError` / :class:`TierIOError` when a listing or
+        header request fails."""
+        listed = sorted(self._listing(), key=lambda t: t[1])
+        found = self._map(self._recover_one, *zip(*listed)) if listed else []
+        self._settle([_Outcome(exc=exc) for _, exc in found])
+        entries = [entry for entry, _ in found if entry is not None]
         with self._lock:
-            self._index = {k: _Entry(k, n, t) for k, (_, n, t) in zip(keys, listed)}
+            self._index = {e.key: e for e in entries}
             self._used = sum(e.nbytes for e in self._index.values())
-        return [RecoveredBlock(k, n, t) for k, (_, n, t) in zip(keys, listed)]
+        return [RecoveredBlock(e.key, e.nbytes, e.last_access) for e in entries]
 
-    def _with_parent(self, key: BlockKey) -> BlockKey:
+    def _recover_one(self, key: BlockKey, mtime: float) -> tuple[_Entry | None, BaseException | None]:
+        if not self._health.healthy:  # an earlier header request found the endpoint down
+            return None, TierUnavailableError("endpoint unavailable", tier=self.name)
+        name = _s3io.object_name(self.prefix, key)
         try:
-            head = self._client.head_object(Bucket=self.bucket, Key=_s3io.object_name(self.prefix, key))
+            hb, n, parent = _s3io.get_header(self._client, self.bucket, name, key)
+        except CorruptBlockError as exc:
+            self._corrupt(key, name, exc)
+            return None, None
         except Exception as exc:
-            if is_unavailable(exc):
-                self._health.failed(exc)
-            return key  # gone meanwhile, or unreadable: the digest alone still addresses it
-        parent = head.get("Metadata", {}).get(_s3io.META_PARENT)
-        try:
-            return BlockKey(key.digest, bytes.fromhex(parent), key.namespace) if parent else key
-        except (ValueError, InvalidArgumentError):
-            return key
+            if is_bad_range(exc):
+                self._corrupt(key, name, CorruptBlockError(f"object {name} is shorter than a block header"))
+                return None, None
+            return None, self._failure(exc, missing_ok=True).exc  # missing: deleted meanwhile
+        self._count("header_gets")
+        full = BlockKey(key.digest, parent, key.namespace) if parent else key
+        return _Entry(full, n, mtime, header=hb), None
 
     # -- lifecycle --------------------------------------------------------------------------
 
