@@ -189,7 +189,7 @@ def main() -> int:
                   r["connector_save_step_blocked_gbs"], r["raw_load_gbs"], r["connector_load_gbs"],
                   f"{r['save_overhead']:+.0%}", f"{r['save_step_overhead']:+.0%}", f"{r['load_overhead']:+.0%}"]
                  for r in worker])
-    print("* save_async: the step waits for the gather only; the store copy runs on its threads")
+    print("* save_async: what the step waits for (host caches: the gather straight into store slots)")
     path = write_json(args.name, {"chunk_tokens": CHUNK, "lookup": lookup, "worker": worker,
                                   "torch_threads": torch.get_num_threads(), "quick": args.quick})
     print(f"wrote {path}")
