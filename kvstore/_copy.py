@@ -1,7 +1,8 @@
-"""Batched block copies for the client's same-host path.
+"""Batched block copies between callers' buffers and one region: the DRAM tier's arena
+(``tiers/dram.py``), and the cache client's same-host path (the server's arena mapped
+here, or the client's staging region).
 
-Every block of a batch moves between a caller's buffer and one shared region (the
-server's arena, or the client's staging region) at a known offset. Blocks that sit back
+Every block of a batch moves between a caller's buffer and the region at a known offset. Blocks that sit back
 to back both in the region and in the caller's memory are copied as one range: a
 single large memcpy streams with non-temporal stores, many block-sized ones do not
 (measured here: 64 MiB as one copy ≈ 1.4-1.7x the rate of 256 KiB pieces). Host copies

@@ -390,10 +390,12 @@ class Store(TierMovement):
         return [(i, hot) for i in range(1, len(self._levels))] if hot else []
 
     def _write_below(self, keys: list[BlockKey]) -> None:
-        """Write-through for blocks committed into the first tier by a reservation."""
-        for key in keys:
+        """Write-through for blocks committed into the first tier by a reservation: one
+        batch per lower tier, straight from the first tier's slots (held meanwhile)."""
+        with self._levels[0].tier.views(keys) as views:
+            held = [(k, v) for k, v in zip(keys, views) if v is not None]
             for i in range(1, len(self._levels)):
-                self._copy_between(key, 0, i)
+                self._put(i, [k for k, _ in held], [v for _, v in held])
 
     def _prefetch(self, keys: list[BlockKey], target: int) -> int:
         with self._lock:

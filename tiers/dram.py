@@ -17,8 +17,9 @@ from typing import Any, Iterator, Sequence
 
 import numpy as np
 
+from kvstore._copy import copy_runs, plan
 from kvstore._transfer import copy_device_pairs
-from kvstore.buffers import host_view, is_device, nbytes_of
+from kvstore.buffers import nbytes_of
 from kvstore.errors import BufferSizeError, InvalidArgumentError
 from kvstore.keys import BlockKey
 from tiers._arena import ArenaTier, SlotIndex
@@ -27,10 +28,10 @@ from tiers.base import TierCapabilities
 log = logging.getLogger(__name__)
 PAGE = mmap.PAGESIZE
 SLOT_ALIGN = 4096  # slots stay O_DIRECT-aligned so NVMe I/O can use them in place
-# Large batches copy on two threads (numpy releases the GIL): one thread's memcpy does
+# Large batches copy on two threads (memmove releases the GIL): one thread's memcpy does
 # not reach the memory bandwidth (11-14 GB/s one thread, ~23 GB/s two, on these VMs).
+# The copies are kvstore._copy's, shared with the cache client's same-host path.
 _COPY_THREADS = min(2, os.cpu_count() or 1)
-PARALLEL_BYTES = 8 << 20
 _copy_pool: ThreadPoolExecutor | None = None
 _copy_pool_lock = threading.Lock()
 
@@ -41,30 +42,6 @@ def _pool() -> ThreadPoolExecutor:
         if _copy_pool is None:
             _copy_pool = ThreadPoolExecutor(1, thread_name_prefix="kvstore-copy")
         return _copy_pool
-
-
-def _copy_host_pairs(pairs: list[tuple[np.ndarray, np.ndarray]], total: int) -> None:
-    """Copy ``(dst, src)`` byte arrays; a batch of ``PARALLEL_BYTES`` or more is split
-    by bytes, at block boundaries, over two threads."""
-    if _COPY_THREADS < 2 or len(pairs) < 2 or total < PARALLEL_BYTES:
-        _copy_all(pairs)
-        return
-    half, acc = len(pairs), 0
-    for i, (dst, _) in enumerate(pairs):
-        acc += dst.nbytes
-        if 2 * acc >= total:
-            half = i + 1
-            break
-    other = _pool().submit(_copy_all, pairs[half:])
-    try:
-        _copy_all(pairs[:half])
-    finally:
-        other.result()
-
-
-def _copy_all(pairs: list[tuple[np.ndarray, np.ndarray]]) -> None:
-    for dst, src in pairs:
-        np.copyto(dst, src, casting="no")
 
 
 class DramTier(ArenaTier):
@@ -125,22 +102,9 @@ class DramTier(ArenaTier):
                 if slot is not None and nbytes_of(dst) != slot.nbytes:
                     raise BufferSizeError(
                         f"[{self.name}] buffer has {nbytes_of(dst)} bytes, block has {slot.nbytes}")
-            arena = self.arena
-            host: list[tuple[Any, np.ndarray]] = []
-            device: list[tuple[Any, np.ndarray]] = []
-            total = 0
-            for slot, dst in zip(slots, dsts):
-                if slot is None:
-                    continue
-                src = arena[slot.offset:slot.offset + slot.nbytes]
-                if is_device(dst):
-                    device.append((dst, src))
-                else:
-                    host.append((host_view(dst, writable=True), src))
-                    total += slot.nbytes
-            _copy_host_pairs(host, total)
-            # One batch per device on its copy stream; the arena is pinned where CUDA is.
-            copy_device_pairs(device, pinned=self.pinned)
+            held = [(slot, dst) for slot, dst in zip(slots, dsts) if slot is not None]
+            self._copy([d for _, d in held], [s.offset for s, _ in held], [s.nbytes for s, _ in held],
+                       to_arena=False)
         finally:
             self._index.release_many(slots)
         return [slot is not None for slot in slots]
@@ -154,26 +118,23 @@ class DramTier(ArenaTier):
             raise InvalidArgumentError(f"{len(keys)} keys but {len(srcs)} buffers")
         sizes = [nbytes_of(src) for src in srcs]
         reserved = self._index.reserve_many(keys, sizes)
-        host: list[tuple[np.ndarray, Any]] = []
-        device: list[tuple[np.ndarray, Any]] = []
-        total = 0
+        held = [(entry, src) for entry, src in zip(reserved, srcs) if isinstance(entry, tuple)]
         try:
-            for entry, src in zip(reserved, srcs):
-                if not isinstance(entry, tuple):
-                    continue
-                offset, n = entry
-                dst = self.arena[offset:offset + n]
-                if is_device(src):
-                    device.append((dst, src))
-                else:
-                    host.append((dst, host_view(src)))
-                    total += n
-            _copy_host_pairs(host, total)
-            copy_device_pairs(device, pinned=self.pinned)
+            self._copy([src for _, src in held], [e[0] for e, _ in held], [e[1] for e, _ in held], to_arena=True)
         except BaseException:
             self._index.abort_many(reserved)
             raise
         return self._index.commit_many(keys, reserved)
+
+    def _copy(self, bufs: list[Any], offsets: list[int], sizes: list[int], *, to_arena: bool) -> None:
+        """Host buffers as merged runs of memmoves (two threads for a large batch);
+        device buffers as one batch per device on its copy stream (the arena is pinned
+        where CUDA is)."""
+        runs, device = plan(bufs, sizes, self.arena.ctypes.data, offsets, writable=not to_arena)
+        copy_runs(runs, to_arena, _pool(), _COPY_THREADS)
+        arena = self.arena
+        pairs = [((arena[off:off + n], buf) if to_arena else (buf, arena[off:off + n])) for buf, off, n in device]
+        copy_device_pairs(pairs, pinned=self.pinned)
 
     @contextmanager
     def view(self, key: BlockKey) -> Iterator[np.ndarray | None]:
