@@ -161,6 +161,25 @@ def test_recover_rebuilds_full_keys_oldest_first(swift, raw):
         second.close()
 
 
+def record_requests(tier):
+    """Every HTTP request ``tier`` sends from now on (its boto3 client and its direct
+    object requests share one connection pool), as botocore prepared requests."""
+    session = tier._client._endpoint.http_session
+    sent, send = [], session.send
+
+    def recording(request):
+        sent.append(request)
+        return send(request)
+
+    session.send = recording
+    return sent
+
+
+def _header(request, name):
+    value = request.headers.get(name)
+    return value.decode() if isinstance(value, bytes) else value
+
+
 def _chain(n, size=1000):
     keys = Namespace(model="m", dtype="fp16", chunk_tokens=4).chunk_keys(np.arange(4 * n))
     return keys, [payload(i, size + i) for i in range(n)]
@@ -179,13 +198,11 @@ def test_recover_reads_parents_from_headers_and_drops_bad_ones(swift, raw):
     body[HEADER_BYTES + 8 + 5] ^= 0x01  # one bit of the stored parent digest
     raw.put_object(Bucket=BUCKET, Key=bad, Body=bytes(body))
     second = make_tier(swift, prefix=prefix)
-    sent = []
-    second._client.meta.events.register("before-send.s3", lambda request, **_: sent.append(
-        (request.method, request.headers.get("Range"))))
+    sent = record_requests(second)
     try:
         blocks = second.recover()
-        ranged = [m for m, r in sent if m == "GET" and r in (b"bytes=0-127", "bytes=0-127")]
-        assert len(ranged) == 4 and not any(m == "HEAD" for m, _ in sent)  # one header GET per object
+        ranged = [r for r in sent if r.method == "GET" and _header(r, "Range") == "bytes=0-127"]
+        assert len(ranged) == 4 and not any(r.method == "HEAD" for r in sent)  # one header GET per object
         assert {b.key for b in blocks} == {keys[0], keys[1], keys[3]}
         assert {b.key: b.key.parent for b in blocks} == {keys[0]: None, keys[1]: keys[0].digest,
                                                          keys[3]: keys[2].digest}
@@ -256,17 +273,14 @@ def test_payload_signing_setting(swift, raw, sign):
     import hashlib
 
     t = make_tier(swift, sign_payload=sign)
-    sent = []
-    t._client.meta.events.register("before-send.s3.PutObject",
-                                   lambda request, **_: sent.append((request.headers["X-Amz-Content-SHA256"],
-                                                                     bytes(request.body))))
+    sent = record_requests(t)
     try:
         keys = make_keys(1, salt=f"sign-{sign}")
         src = payload(5)
         assert t.write(keys, [src]) == [True]
-        (digest, body), = sent
-        digest = digest.decode() if isinstance(digest, bytes) else digest
-        assert digest == (hashlib.sha256(body).hexdigest() if sign else "UNSIGNED-PAYLOAD")
+        put, = [r for r in sent if r.method == "PUT"]
+        assert _header(put, "X-Amz-Content-SHA256") == (hashlib.sha256(bytes(put.body)).hexdigest() if sign
+                                                        else "UNSIGNED-PAYLOAD")
         dst = np.zeros_like(src)
         assert t.read_into(keys, [dst]) == [True] and np.array_equal(dst, src)
     finally:
@@ -366,3 +380,82 @@ def test_unreachable_endpoint_is_a_config_error(swift, raw):
     dead = f"http://127.0.0.1:{free_port()}"
     with pytest.raises(ConfigError, match=r"tiers\.shared\.endpoint_url: cannot reach http://127\.0\.0\.1"):
         Store.from_config(_store_config(swift, endpoint_url=dead, connect_timeout_s=0.5, max_attempts=1))
+
+
+def test_wrong_region_is_a_config_error(swift, raw):
+    """Object requests are signed for the configured region and never follow a region
+    redirect, so a region the server refuses must fail at start-up, naming the setting."""
+    with pytest.raises(ConfigError, match=r"tiers\.shared\.region: .* signed for region 'eu-west-1'"):
+        Store.from_config(_store_config(swift, region="eu-west-1"))
+
+
+def test_direct_object_requests_fail_like_the_client(tier, raw):
+    """The tier's single-object requests (tiers._s3http) skip botocore's per-call
+    pipeline but must sign, address and fail exactly as the boto3 client does: same
+    object, same S3 error codes and statuses, retries counted against max_attempts."""
+    import botocore.exceptions
+
+    from tiers._s3client import error_code, is_missing, status_of
+
+    requests = tier._requests
+    name = f"{tier.prefix}/direct"
+    requests.put(name, bytearray(b"abc" * 1000))
+    assert raw.get_object(Bucket=BUCKET, Key=name)["Body"].read() == b"abc" * 1000
+    reply = requests.get(name, first=3, last=5)
+    assert reply.status_code == 206 and reply.raw.read() == b"abc"
+    reply.raw.release_conn()
+    requests.delete(name)
+    with pytest.raises(botocore.exceptions.ClientError) as direct:
+        requests.get(name)
+    with pytest.raises(botocore.exceptions.ClientError) as boto:
+        raw.get_object(Bucket=BUCKET, Key=name)
+    assert error_code(direct.value) == error_code(boto.value) == "NoSuchKey"
+    assert status_of(direct.value) == status_of(boto.value) == 404 and is_missing(direct.value)
+    requests.put(name, bytearray(b"abc"))
+    sent = record_requests(tier)
+    with pytest.raises(botocore.exceptions.ClientError) as beyond:
+        requests.get(name, first=10, last=20)
+    assert error_code(beyond.value) == "InvalidRange" and status_of(beyond.value) == 416
+    assert len(sent) == 1  # a 4xx is an answer, not a failure: never retried
+    requests.delete(name)
+
+
+def test_direct_object_requests_retry_transport_failures(swift, raw):
+    """A refused connection is retried up to max_attempts in all, then raised as the
+    transport error the client would raise."""
+    import botocore.exceptions
+
+    from tiers._s3http import ObjectRequests
+
+    t = make_tier(swift, max_attempts=2)
+    try:
+        requests = ObjectRequests(t._client, None, BUCKET, max_attempts=2)
+        with pytest.raises(botocore.exceptions.NoCredentialsError):
+            requests.get("anything")
+        dead = f"http://127.0.0.1:{free_port()}"
+        requests._base = requests._base.replace(swift.endpoint_url, dead)
+        requests._credentials = t._requests._credentials
+        sent = record_requests(t)
+        with pytest.raises(botocore.exceptions.EndpointConnectionError):
+            requests.get("anything")
+        assert len(sent) == 2
+    finally:
+        t.close()
+
+
+def test_bucket_in_another_region_is_a_config_error(swift):
+    """AWS names a bucket's region in its HeadBucket reply (and botocore follows the
+    redirect there): a reply naming another region than the one requests are signed
+    for is refused at start-up, naming the setting."""
+    from tiers._s3client import S3Settings, _check_region, make_client
+
+    s = S3Settings(name="shared", bucket=BUCKET, endpoint_url=swift.endpoint_url, region=REGION)
+    client = make_client(s)
+    try:
+        _check_region(client, s, {"ResponseMetadata": {"HTTPHeaders": {"x-amz-bucket-region": REGION}}})
+        _check_region(client, s, {"ResponseMetadata": {"HTTPHeaders": {}}})  # Swift says nothing
+        with pytest.raises(ConfigError, match=r"tiers\.shared\.region: bucket 'kvstore-test' is in region "
+                                              r"'eu-west-1', not 'us-east-1'"):
+            _check_region(client, s, {"ResponseMetadata": {"HTTPHeaders": {"x-amz-bucket-region": "eu-west-1"}}})
+    finally:
+        client.close()

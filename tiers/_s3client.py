@@ -41,10 +41,21 @@ class S3Settings:
         return self.endpoint_url or f"AWS S3 ({self.region or 'default region'})"
 
 
-def make_client(s: S3Settings, *, max_attempts: int | None = None, pool_connections: int | None = None,
-                timeout_s: float | None = None) -> Any:
-    """A boto3 S3 client; credentials come from the standard AWS chain (environment,
-    shared config/credentials files, ``profile``, instance metadata).
+def make_session(s: S3Settings) -> Any:
+    """The boto3 session whose credential chain (environment, shared config/credentials
+    files, ``profile``, instance metadata) signs every request of the tier."""
+    import boto3
+    import botocore.exceptions
+
+    try:
+        return boto3.session.Session(profile_name=s.profile)
+    except botocore.exceptions.ProfileNotFound as exc:
+        raise ConfigError(f"tiers.{s.name}.profile: AWS profile {s.profile!r} not found ({exc})") from exc
+
+
+def make_client(s: S3Settings, *, session: Any = None, max_attempts: int | None = None,
+                pool_connections: int | None = None, timeout_s: float | None = None) -> Any:
+    """A boto3 S3 client of ``session`` (a new :func:`make_session` when not given).
 
     Checksums that botocore would compute on every request are off because every object
     carries its own XXH3 block header, verified on each read. Unless ``sign_payload``,
@@ -52,14 +63,9 @@ def make_client(s: S3Settings, *, max_attempts: int | None = None, pool_connecti
     every body over plain http, and the server hash it again, for an integrity check
     the block header already makes end to end (responses are never signed either).
     """
-    import boto3
-    import botocore.exceptions
     from botocore.config import Config
 
-    try:
-        session = boto3.session.Session(profile_name=s.profile)
-    except botocore.exceptions.ProfileNotFound as exc:
-        raise ConfigError(f"tiers.{s.name}.profile: AWS profile {s.profile!r} not found ({exc})") from exc
+    session = session or make_session(s)
     cfg = Config(
         region_name=s.region,
         connect_timeout=timeout_s or s.connect_timeout_s,
@@ -83,7 +89,8 @@ def check_bucket(client: Any, s: S3Settings, *, create: bool) -> None:
     import botocore.exceptions
 
     try:
-        client.head_bucket(Bucket=s.bucket)
+        reply = client.head_bucket(Bucket=s.bucket)
+        _check_region(client, s, reply)
         return
     except botocore.exceptions.NoCredentialsError as exc:
         raise ConfigError(f"tiers.{s.name}: no AWS credentials found (set AWS_ACCESS_KEY_ID/"
@@ -100,12 +107,27 @@ def check_bucket(client: Any, s: S3Settings, *, create: bool) -> None:
             raise ConfigError(f"tiers.{s.name}: credentials were refused by {s.where} for bucket "
                               f"{s.bucket!r} (HTTP {status}); check AWS_ACCESS_KEY_ID/"
                               f"AWS_SECRET_ACCESS_KEY or tiers.{s.name}.profile") from exc
+        if status == 400 or error_code(exc) == "AuthorizationHeaderMalformed":  # signed for the wrong region
+            raise ConfigError(f"tiers.{s.name}.region: {s.where} refused a request for bucket {s.bucket!r} "
+                              f"signed for region {client.meta.region_name!r}; set tiers.{s.name}.region to "
+                              f"the bucket's region ({exc})") from exc
         raise ConfigError(f"tiers.{s.name}.bucket: checking bucket {s.bucket!r} at {s.where} failed: "
                           f"{exc}") from exc
     except Exception as exc:
         if is_unavailable(exc):
             raise ConfigError(f"tiers.{s.name}.endpoint_url: cannot reach {s.where}: {exc}") from exc
         raise
+
+
+def _check_region(client: Any, s: S3Settings, reply: dict) -> None:
+    """AWS names the bucket's region in every HeadBucket reply; botocore follows a
+    region redirect there, but the tier's direct object requests (``tiers._s3http``)
+    sign for the client's region and would all be refused."""
+    headers = reply.get("ResponseMetadata", {}).get("HTTPHeaders", {})
+    actual, signing = headers.get("x-amz-bucket-region"), client.meta.region_name
+    if actual and signing and actual != signing:
+        raise ConfigError(f"tiers.{s.name}.region: bucket {s.bucket!r} is in region {actual!r}, "
+                          f"not {signing!r}; set tiers.{s.name}.region: {actual}")
 
 
 def _create_bucket(client: Any, s: S3Settings) -> None:

@@ -3,7 +3,9 @@
 payload, and no user metadata. Objects written before the parent moved into the body
 (version-1 header of ``HEADER_BYTES``, parent in ``x-amz-meta-kv-parent``) still read.
 
-Reads stream straight into caller memory: the urllib3 response botocore wraps sits on an
+Single-object requests go through :class:`tiers._s3http.ObjectRequests` (the boto3
+client's signer and pool without botocore's per-call pipeline); multipart uploads through
+the client. Reads stream straight into caller memory: the urllib3 response sits on an
 ``http.client`` response whose ``readinto`` receives from the socket into the buffer it
 is given, so a block crosses from the kernel into the destination once, with no ``bytes``
 of the whole block in between. Writes send reusable ``bytearray`` buffers that hold
@@ -21,11 +23,11 @@ from kvstore.block import (EXT_HEADER_BYTES, EXT_VERSION, HEADER_BYTES, checksum
                            parse_extension)
 from kvstore.errors import BufferSizeError, CorruptBlockError
 from kvstore.keys import DIGEST_BYTES, BlockKey
+from tiers._s3http import ObjectRequests
 
 NO_NAMESPACE = "_"   # path segment for keys without a namespace digest
 LEGACY_META_PARENT = "kv-parent"  # version-1 objects: parent digest (hex) in x-amz-meta-kv-parent
 _HEX = 2 * DIGEST_BYTES
-_READ_CHUNK = 1 << 20
 
 
 def object_name(prefix: str, key: BlockKey) -> str:
@@ -59,32 +61,33 @@ def _is_hex(text: str) -> bool:
 # -- reads ---------------------------------------------------------------------------------
 
 def _read_exact(body: Any, dst: memoryview) -> None:
-    """Fill ``dst`` from a botocore StreamingBody, straight from the socket when possible."""
+    """Fill ``dst`` from a urllib3 response, straight from the socket."""
     n, got = dst.nbytes, 0
-    fp = getattr(getattr(body, "_raw_stream", None), "_fp", None)
-    if isinstance(fp, http.client.HTTPResponse):
-        while got < n:
-            k = fp.readinto(dst[got:])
-            if not k:
-                raise http.client.IncompleteRead(b"", n - got)
-            got += k
-        return
-    while got < n:  # a wrapped body (e.g. a checksum validator): chunked copies
-        chunk = body.read(min(n - got, _READ_CHUNK))
-        if not chunk:
+    fp = getattr(body, "_fp", None)
+    readinto = fp.readinto if isinstance(fp, http.client.HTTPResponse) else body.readinto
+    while got < n:
+        k = readinto(dst[got:])
+        if not k:
             raise http.client.IncompleteRead(b"", n - got)
-        dst[got:got + len(chunk)] = chunk
-        got += len(chunk)
+        got += k
 
 
 def _finish(body: Any, complete: bool) -> None:
     """Return the connection to the pool after a fully read body; drop it otherwise."""
-    raw = getattr(body, "_raw_stream", None)
-    fp = getattr(raw, "_fp", None)
-    if complete and raw is not None and (fp is None or fp.isclosed()):
-        raw.release_conn()
-    else:
+    fp = getattr(body, "_fp", None)
+    if not (complete and (fp is None or fp.isclosed())):
         body.close()
+    body.release_conn()
+
+
+def _length(resp: Any) -> int:
+    return int(resp.headers.get("Content-Length", -1))
+
+
+def _size_of(resp: Any) -> int:
+    """The whole object's size from a ranged reply (its Content-Range), else its length."""
+    size = resp.headers.get("Content-Range", "").rpartition("/")[2]
+    return int(size) if size.isdigit() else _length(resp)
 
 
 def read_header(body: Any, name: str, key: BlockKey, total: int) -> tuple[int, int, int, bytes | None]:
@@ -109,8 +112,7 @@ def read_header(body: Any, name: str, key: BlockKey, total: int) -> tuple[int, i
     return hb, length, csum, parent
 
 
-def get_into(client: Any, bucket: str, name: str, key: BlockKey, dst: memoryview,
-             known_nbytes: int | None) -> int:
+def get_into(requests: ObjectRequests, name: str, key: BlockKey, dst: memoryview, known_nbytes: int | None) -> int:
     """GET a whole object: parse and check its header, then stream the payload into
     ``dst`` and verify it. Returns the header size (so ranged reads know where the
     payload starts). ``dst`` holds unspecified bytes when this raises.
@@ -119,8 +121,8 @@ def get_into(client: Any, bucket: str, name: str, key: BlockKey, dst: memoryview
     learnt only from the header and differs from ``dst``; :class:`CorruptBlockError` when
     the object is not the block it claims to be.
     """
-    resp = client.get_object(Bucket=bucket, Key=name)
-    body, total = resp["Body"], int(resp["ContentLength"])
+    resp = requests.get(name)
+    body, total = resp.raw, _length(resp)
     complete = False
     try:
         hb, length, csum, _ = read_header(body, name, key, total)
@@ -137,25 +139,23 @@ def get_into(client: Any, bucket: str, name: str, key: BlockKey, dst: memoryview
     return hb
 
 
-def get_header(client: Any, bucket: str, name: str, key: BlockKey) -> tuple[int, int, bytes | None]:
+def get_header(requests: ObjectRequests, name: str, key: BlockKey) -> tuple[int, int, bytes | None]:
     """One small ranged GET of an object's block header: ``(header bytes, payload
     length, parent digest)``, all verified; the parent of a version-1 object comes from
     its metadata (sent with the same response)."""
-    resp = client.get_object(Bucket=bucket, Key=name, Range=f"bytes=0-{EXT_HEADER_BYTES - 1}")
-    body = resp["Body"]
+    resp = requests.get(name, first=0, last=EXT_HEADER_BYTES - 1)
+    body = resp.raw
     complete = False
     try:
-        size = resp.get("ContentRange", "").rpartition("/")[2]
-        total = int(size) if size.isdigit() else int(resp["ContentLength"])
-        hb, length, _, parent = read_header(body, name, key, total)
-        rest = int(resp["ContentLength"]) - hb  # a version-1 header leaves payload bytes in the range
+        hb, length, _, parent = read_header(body, name, key, _size_of(resp))
+        rest = _length(resp) - hb  # a version-1 header leaves payload bytes in the range
         if rest > 0:
             _read_exact(body, memoryview(bytearray(rest)))
         complete = True
     finally:
         _finish(body, complete)
     if hb == HEADER_BYTES:
-        legacy = resp.get("Metadata", {}).get(LEGACY_META_PARENT)
+        legacy = resp.headers.get(f"x-amz-meta-{LEGACY_META_PARENT}")
         try:
             parent = bytes.fromhex(legacy) if legacy else None
         except ValueError:
@@ -165,8 +165,8 @@ def get_header(client: Any, bucket: str, name: str, key: BlockKey) -> tuple[int,
     return hb, length, parent
 
 
-def get_ranges_into(client: Any, bucket: str, name: str, key: BlockKey, dst: memoryview,
-                    part_size: int, pool: Executor, hb: int = EXT_HEADER_BYTES) -> None:
+def get_ranges_into(requests: ObjectRequests, name: str, key: BlockKey, dst: memoryview, part_size: int,
+                    pool: Executor, hb: int = EXT_HEADER_BYTES) -> None:
     """GET one large object whose header is ``hb`` bytes as parallel ranged requests
     straight into slices of ``dst`` (size already known to match), then verify header,
     length and checksum."""
@@ -174,7 +174,7 @@ def get_ranges_into(client: Any, bucket: str, name: str, key: BlockKey, dst: mem
     header = bytearray(hb)
     step = -(-total // -(-total // part_size))  # equal ranges, none a runt of a few bytes
     ranges = [(a, min(a + step, total)) for a in range(0, total, step)]
-    futures = [pool.submit(_get_range, client, bucket, name, a, b, total, memoryview(header), dst)
+    futures = [pool.submit(_get_range, requests, name, a, b, total, memoryview(header), dst)
                for a, b in ranges]
     first: BaseException | None = None
     for fut in futures:  # wait for every part: none may still write into dst afterwards
@@ -194,14 +194,14 @@ def get_ranges_into(client: Any, bucket: str, name: str, key: BlockKey, dst: mem
         raise CorruptBlockError(f"object {name}: payload checksum mismatch")
 
 
-def _get_range(client: Any, bucket: str, name: str, a: int, b: int, total: int,
-               header: memoryview, dst: memoryview) -> None:
-    resp = client.get_object(Bucket=bucket, Key=name, Range=f"bytes={a}-{b - 1}")
-    body = resp["Body"]
+def _get_range(requests: ObjectRequests, name: str, a: int, b: int, total: int, header: memoryview,
+               dst: memoryview) -> None:
+    resp = requests.get(name, first=a, last=b - 1)
+    body = resp.raw
     complete = False
     try:
-        size = resp.get("ContentRange", "").rpartition("/")[2]
-        if int(resp["ContentLength"]) != b - a or (size.isdigit() and int(size) != total):
+        size = _size_of(resp)
+        if _length(resp) != b - a or size != total:
             raise CorruptBlockError(f"object {name} has size {size}, expected {total}")
         hb = header.nbytes
         if a < hb:
@@ -216,9 +216,9 @@ def _get_range(client: Any, bucket: str, name: str, a: int, b: int, total: int,
 
 # -- writes --------------------------------------------------------------------------------
 
-def put(client: Any, bucket: str, name: str, body: bytearray) -> None:
+def put(requests: ObjectRequests, name: str, body: bytearray) -> None:
     """PUT one object from ``body`` (header + payload), without user metadata."""
-    client.put_object(Bucket=bucket, Key=name, Body=body, ContentLength=len(body))
+    requests.put(name, body)
 
 
 def put_multipart(client: Any, bucket: str, name: str, parts: list[bytearray], pool: Executor) -> None:

@@ -13,6 +13,10 @@ its own: the Store picks victims and calls :meth:`delete`. While the endpoint is
 tier fails fast with :class:`TierUnavailableError` and probes it in the background with
 backoff and jitter (:mod:`tiers._s3health`); the Store turns those errors into misses.
 
+Single-object GETs, PUTs and DELETEs are signed and sent with the boto3 client's own
+credentials, signer and connection pool but without botocore's per-call pipeline
+(:mod:`tiers._s3http`); bucket checks, listings and multipart uploads use the client.
+
 Thread-safe. Batches run on a pool of ``concurrency`` threads; ranged GETs and multipart
 parts of large blocks on a second pool of the same size (the HTTP connection pool holds
 both). Buffers: ``read_into`` fills caller buffers in place; ``write`` copies each
@@ -34,7 +38,9 @@ from kvstore.errors import (BufferSizeError, CorruptBlockError, InvalidArgumentE
                             TierUnavailableError)
 from kvstore.keys import BlockKey
 from tiers import _s3io
-from tiers._s3client import S3Settings, check_bucket, is_bad_range, is_missing, is_unavailable, make_client
+from tiers._s3client import (S3Settings, check_bucket, is_bad_range, is_missing, is_unavailable, make_client,
+                              make_session)
+from tiers._s3http import ObjectRequests
 from tiers._s3health import Health
 from tiers._s3stage import Staging
 from tiers.base import RecoveredBlock, Tier, TierCapabilities
@@ -90,10 +96,14 @@ class S3Tier(Tier):
                                     read_timeout_s=read_timeout_s, max_attempts=max_attempts,
                                     sign_payload=sign_payload)
         # Per-block requests and the parts of large blocks each get `concurrency` connections.
-        self._client = make_client(self._settings, pool_connections=2 * concurrency)
+        session = make_session(self._settings)
+        self._client = make_client(self._settings, session=session, pool_connections=2 * concurrency)
         self._probe_client = make_client(self._settings, max_attempts=1, pool_connections=1,
                                          timeout_s=min(_PROBE_TIMEOUT_S, connect_timeout_s))
         check_bucket(self._client, self._settings, create=create_bucket)
+        # Single-object GET/PUT/DELETE: the client's signer and pool, without botocore's
+        # per-call pipeline (tiers._s3http says what that saves).
+        self._requests = ObjectRequests(self._client, session.get_credentials(), bucket, max_attempts=max_attempts)
         self._health = Health(name, self._probe)
         self._concurrency = concurrency
         self._pool = ThreadPoolExecutor(concurrency, thread_name_prefix=f"kvstore-{name}")
@@ -166,10 +176,9 @@ class S3Tier(Tier):
         try:
             if entry is not None and hb + n > self._part_size:
                 self._count("ranged_gets")
-                _s3io.get_ranges_into(self._client, self.bucket, name, key, target, self._part_size, self._parts,
-                                      hb)
+                _s3io.get_ranges_into(self._requests, name, key, target, self._part_size, self._parts, hb)
             else:
-                hb = _s3io.get_into(self._client, self.bucket, name, key, target, entry and entry.nbytes)
+                hb = _s3io.get_into(self._requests, name, key, target, entry and entry.nbytes)
             if staged:
                 copy_bytes(dst, target)
         except CorruptBlockError as exc:
@@ -200,7 +209,7 @@ class S3Tier(Tier):
             if entry is not None:
                 self._used -= entry.nbytes
         try:
-            self._client.delete_object(Bucket=self.bucket, Key=name)
+            self._requests.delete(name)
         except Exception as del_exc:
             if is_unavailable(del_exc):
                 self._health.failed(del_exc)
@@ -272,7 +281,7 @@ class S3Tier(Tier):
                 _s3io.put_multipart(self._client, self.bucket, name, pieces, self._parts)
                 self._count("multipart_puts")
             else:
-                _s3io.put(self._client, self.bucket, name, pieces[0])
+                _s3io.put(self._requests, name, pieces[0])
             stored = True
         except Exception as exc:
             return self._failure(exc)
@@ -307,7 +316,7 @@ class S3Tier(Tier):
 
     def _delete_one(self, key: BlockKey) -> _Outcome:
         try:
-            self._client.delete_object(Bucket=self.bucket, Key=_s3io.object_name(self.prefix, key))
+            self._requests.delete(_s3io.object_name(self.prefix, key))
         except Exception as exc:
             return self._failure(exc, missing_ok=True)
         self._count("deletes")
@@ -360,7 +369,7 @@ class S3Tier(Tier):
             return None, TierUnavailableError("endpoint unavailable", tier=self.name)
         name = _s3io.object_name(self.prefix, key)
         try:
-            hb, n, parent = _s3io.get_header(self._client, self.bucket, name, key)
+            hb, n, parent = _s3io.get_header(self._requests, name, key)
         except CorruptBlockError as exc:
             self._corrupt(key, name, exc)
             return None, None
