@@ -227,7 +227,9 @@ def rep_ratios(by_rep: list[dict[str, tuple[float, float]]], skipped: dict[str, 
     """kvstore / each other contender, write and read, per repetition (both measured in
     the same repetition, moments apart) and their medians: on a disk whose speed drifts
     by tens of percent between repetitions, these are steadier than ratios of medians."""
-    out = {}
+    out: dict = {}
+    if "kvstore" in skipped:
+        return out
     names = {n for rep in by_rep for n in rep} - {"kvstore"} - set(skipped)
     for name in sorted(names):
         pairs = [(rep["kvstore"], rep[name]) for rep in by_rep if "kvstore" in rep and name in rep]
