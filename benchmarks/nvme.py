@@ -19,6 +19,11 @@ Also measured: opening a tier whose index holds ``--index-entries`` entries (res
 time) and ``fsck`` throughput. Writes ``benchmarks/results/nvme.json`` and ``nvme.png``.
 
     python benchmarks/nvme.py [--dir DIR] [--reps 3] [--lmcache-python PATH]
+
+Each repetition starts one contender later than the last (rotated order), and the table
+is followed by kvstore's per-repetition ratios to every other contender and their
+medians. A quick focused run: ``--sizes 4MiB --contenders kvstore,lmcache-fs-native
+--skip-extras --out /tmp/nvme-quick.json``.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -106,6 +112,7 @@ class KvstoreRunner:
 
     def close(self) -> None:
         self.tier.close()
+        shutil.rmtree(self.dir, ignore_errors=True)
 
 
 class FioRunner:
@@ -165,15 +172,24 @@ def bench_sizes(args, base: str) -> list[dict]:
     for size_text in args.sizes.split(","):
         block = parse_size(size_text)
         nblocks = max(args.batch, args.bytes // block // args.batch * args.batch)
-        runners = [KvstoreRunner(os.path.join(base, "kv"), block, nblocks, args.batch),
+        # a fresh tier directory per size: a directory left by a smaller size holds data
+        # files sized for that run's budget, which would cap (or fragment) this one
+        runners = [KvstoreRunner(os.path.join(base, f"kv-{block}"), block, nblocks, args.batch),
                    FioRunner(os.path.join(base, "fio"), block, nblocks, args.batch)]
         if not args.skip_lmcache:
             runners += [LmcacheRunner(m, args.lmcache_python, os.path.join(base, f"lmc-{m}"), block,
                                       nblocks, args.batch) for m in ("disk", "fs-native")]
+        if args.contenders:
+            runners = [r for r in runners if r.name in args.contenders]
         got: dict[str, list[tuple[float, float]]] = {r.name: [] for r in runners}
+        by_rep: list[dict[str, tuple[float, float]]] = []
         skipped: dict[str, str] = {}
         for rep in range(args.reps):
-            for r in runners:
+            # each repetition starts one contender later, so none always runs in the same
+            # slot (right after the same neighbour's deletes, or first after a size change)
+            order = runners[rep % len(runners):] + runners[:rep % len(runners)]
+            by_rep.append({})
+            for r in order:
                 if r.name in skipped or getattr(r, "available", True) is False:
                     skipped.setdefault(r.name, "fio is not installed")
                     continue
@@ -186,8 +202,11 @@ def bench_sizes(args, base: str) -> list[dict]:
                 os.sync()
                 try:
                     got[r.name].append(r.run())
+                    by_rep[-1][r.name] = got[r.name][-1]
                 except Exception as exc:  # a contender that fails is reported, not estimated
-                    skipped[r.name] = getattr(r, "reason", None) or str(exc)[:200]
+                    skipped[r.name] = getattr(r, "reason", None) or repr(exc)[:200]
+                    print(f"  {r.name} failed: {exc!r}", file=sys.stderr)
+                    traceback.print_exc()
             print(f"  {size_text} rep {rep + 1}/{args.reps} done", file=sys.stderr)
         for r in runners:
             r.close()
@@ -199,8 +218,28 @@ def bench_sizes(args, base: str) -> list[dict]:
                              "samples": [[w / 1e9, r / 1e9] for w, r in vals]}
             else:
                 row[name] = {"skipped": skipped.get(name, "no result")}
+        row["kvstore_ratios"] = rep_ratios(by_rep, skipped)
         rows.append(row)
     return rows
+
+
+def rep_ratios(by_rep: list[dict[str, tuple[float, float]]], skipped: dict[str, str]) -> dict:
+    """kvstore / each other contender, write and read, per repetition (both measured in
+    the same repetition, moments apart) and their medians: on a disk whose speed drifts
+    by tens of percent between repetitions, these are steadier than ratios of medians."""
+    out: dict = {}
+    if "kvstore" in skipped:
+        return out
+    names = {n for rep in by_rep for n in rep} - {"kvstore"} - set(skipped)
+    for name in sorted(names):
+        pairs = [(rep["kvstore"], rep[name]) for rep in by_rep if "kvstore" in rep and name in rep]
+        if not pairs:
+            continue
+        w = [kv[0] / other[0] for kv, other in pairs]
+        r = [kv[1] / other[1] for kv, other in pairs]
+        out[name] = {"write_median": statistics.median(w), "read_median": statistics.median(r),
+                     "write": w, "read": r}
+    return out
 
 
 def bench_restart(base: str, entries: int) -> dict:
@@ -254,8 +293,12 @@ def bench_fsck(base: str, block: int, nblocks: int) -> dict:
             "verified_GBps": report.verified_bytes / elapsed / 1e9}
 
 
+def contender_names(row: dict) -> list[str]:
+    return [k for k in row if isinstance(row[k], dict) and k != "kvstore_ratios"]
+
+
 def print_table(rows: list[dict]) -> None:
-    names = [k for k in rows[0] if isinstance(rows[0][k], dict)]
+    names = contender_names(rows[0])
     print(f"{'block':>8} | " + " | ".join(f"{n:>22}" for n in names) + " | kvstore/fio (w, r)")
     print(f"{'':>8} | " + " | ".join(f"{'write / read GB/s':>22}" for _ in names) + " |")
     for row in rows:
@@ -268,6 +311,12 @@ def print_table(rows: list[dict]) -> None:
         ratio = (f"{kv['write_GBps'] / fio['write_GBps']:.2f}, {kv['read_GBps'] / fio['read_GBps']:.2f}"
                  if "write_GBps" in kv and "write_GBps" in fio else "n/a")
         print(f"{row['block_bytes'] >> 10:>6}Ki | " + " | ".join(cells) + f" | {ratio}")
+    print("kvstore / contender, medians of per-repetition ratios (write, read) and the read ratios:")
+    for row in rows:
+        for n, v in row.get("kvstore_ratios", {}).items():
+            reads = " ".join(f"{x:.2f}" for x in v["read"])
+            print(f"{row['block_bytes'] >> 10:>6}Ki | {n:>18}: {v['write_median']:.2f}, {v['read_median']:.2f}"
+                  f"  (reads: {reads})")
     for row in rows:
         for n in names:
             if "skipped" in row[n]:
@@ -280,7 +329,7 @@ def plot(rows: list[dict], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    names = [k for k in rows[0] if isinstance(rows[0][k], dict)]
+    names = contender_names(rows[0])
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for ax, op in zip(axes, ("write", "read")):
         width = 0.8 / len(names)
@@ -307,22 +356,32 @@ def main() -> int:
                         help="a Python with lmcache==0.5.6 installed")
     parser.add_argument("--skip-lmcache", action="store_true")
     parser.add_argument("--index-entries", type=int, default=1_000_000)
+    parser.add_argument("--contenders", type=lambda t: t.split(","),
+                        help="comma list of columns to run (default all), e.g. kvstore,lmcache-fs-native")
+    parser.add_argument("--skip-extras", action="store_true", help="skip the restart and fsck timings")
+    parser.add_argument("--out", default=os.path.join(RESULTS, "nvme.json"),
+                        help="JSON result path (the PNG goes beside it)")
     args = parser.parse_args()
+    known = {"kvstore", "fio", "lmcache-disk", "lmcache-fs-native"}
+    if args.contenders and not set(args.contenders) <= known:
+        parser.error(f"--contenders: unknown {sorted(set(args.contenders) - known)}; known: {sorted(known)}")
     base = tempfile.mkdtemp(prefix="kvstore-nvme-bench-", dir=args.dir or "/var/tmp")
     try:
         rows = bench_sizes(args, base)
-        restart = bench_restart(base, args.index_entries)
-        check = bench_fsck(base, 1 << 20, 512)
+        restart = None if args.skip_extras else bench_restart(base, args.index_entries)
+        check = None if args.skip_extras else bench_fsck(base, 1 << 20, 512)
     finally:
         shutil.rmtree(base, ignore_errors=True)
     print_table(rows)
-    print(f"restart: open + recover of {restart['entries']:,} index entries: {restart['open_and_recover_s']:.2f} s")
-    print(f"fsck: {check['blocks']} x {check['block_bytes'] >> 20} MiB verified at {check['verified_GBps']:.2f} GB/s")
-    os.makedirs(RESULTS, exist_ok=True)
+    if restart:
+        print(f"restart: open + recover of {restart['entries']:,} index entries: {restart['open_and_recover_s']:.2f} s")
+    if check:
+        print(f"fsck: {check['blocks']} x {check['block_bytes'] >> 20} MiB verified at {check['verified_GBps']:.2f} GB/s")
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     out = {"throughput": rows, "restart": restart, "fsck": check, "argv": sys.argv[1:]}
-    with open(os.path.join(RESULTS, "nvme.json"), "w") as f:
+    with open(args.out, "w") as f:
         json.dump(out, f, indent=2)
-    plot(rows, os.path.join(RESULTS, "nvme.png"))
+    plot(rows, os.path.splitext(args.out)[0] + ".png")
     return 0
 
 
