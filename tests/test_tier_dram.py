@@ -91,3 +91,39 @@ def test_reserve_respects_capacity(tier):
     assert tier.used_bytes <= tier.capacity_bytes
     stored = res.commit()
     assert sum(stored) == CAPACITY // n
+
+
+def _vm_flags(address: int) -> list[str]:
+    """The kernel's VmFlags of the mapping holding ``address`` (from /proc/self/smaps)."""
+    inside = False
+    with open("/proc/self/smaps") as fh:
+        for line in fh:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= address < hi
+            elif inside and head == "VmFlags:":
+                return line.split()[1:]
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+def test_arena_asks_for_huge_pages_and_is_faulted_in():
+    """The arena is advised MADV_HUGEPAGE before its first touch (O_DIRECT reads into
+    small pages are split by the disk driver), and every page is resident at start-up."""
+    thp = open("/sys/kernel/mm/transparent_hugepage/enabled").read() if __import__("os").path.exists(
+        "/sys/kernel/mm/transparent_hugepage/enabled") else "[never]"
+    if "[never]" in thp:
+        pytest.skip("transparent huge pages are disabled on this kernel")
+    t = DramTier(8 << 20, name="dram-thp")
+    try:
+        assert "hg" in _vm_flags(t.arena.ctypes.data)
+        import ctypes
+        import mmap
+
+        pages = t.arena.nbytes // mmap.PAGESIZE
+        vec = (ctypes.c_ubyte * pages)()
+        libc = ctypes.CDLL(None, use_errno=True)
+        assert libc.mincore(ctypes.c_void_p(t.arena.ctypes.data), ctypes.c_size_t(t.arena.nbytes), vec) == 0
+        assert all(b & 1 for b in vec)  # resident: no first-touch fault on the data path
+    finally:
+        t.close()
