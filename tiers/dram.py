@@ -45,8 +45,8 @@ def _map_arena(size: int, shm_path: str | None) -> mmap.mmap:
     until khugepaged gets to it). They matter for NVMe I/O, not only for TLB misses: an
     O_DIRECT read of a 4 MiB block into 4 KiB pages hands the disk driver 1024 separate
     pages, which it splits into several requests; into 2 MiB pages it is one or two. On
-    these VMs that alone moved cold NVMe reads of 4 MiB blocks from 1.6-2.2 GB/s to
-    about 2.45 GB/s (see docs/nvme.md). Shared files get them only where
+    these VMs that alone took cold NVMe reads of 4 MiB blocks into the arena from 1.1 to
+    2.2 GB/s (``benchmarks/nvme_dram.py``). Shared files get them only where
     ``/sys/kernel/mm/transparent_hugepage/shmem_enabled`` allows.
     """
     if shm_path:
