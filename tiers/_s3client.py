@@ -122,7 +122,11 @@ def check_bucket(client: Any, s: S3Settings, *, create: bool) -> None:
 def _check_region(client: Any, s: S3Settings, reply: dict) -> None:
     """AWS names the bucket's region in every HeadBucket reply; botocore follows a
     region redirect there, but the tier's direct object requests (``tiers._s3http``)
-    sign for the client's region and would all be refused."""
+    sign for the client's region and would all be refused. Only for AWS itself: other
+    S3 implementations may name a zone group here and accept any signing region (those
+    that do not refuse the HeadBucket already)."""
+    if s.endpoint_url:
+        return
     headers = reply.get("ResponseMetadata", {}).get("HTTPHeaders", {})
     actual, signing = headers.get("x-amz-bucket-region"), client.meta.region_name
     if actual and signing and actual != signing:
