@@ -48,9 +48,6 @@ class ObjectRequests:
             raise RuntimeError(f"cannot derive object URLs of bucket {bucket!r} from {base!r}")
         self._base = base[:-len(_PROBE_NAME)]
 
-    def url(self, name: str) -> str:
-        return self._base + name
-
     def get(self, name: str, *, first: int | None = None, last: int | None = None) -> Any:
         """GET an object (bytes ``first..last`` inclusive when given) and return the
         response before its body is read: ``.raw`` is the urllib3 response to stream from,
