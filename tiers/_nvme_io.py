@@ -98,14 +98,19 @@ def write_block(fd: int, offset: int, digest: bytes, payload: np.ndarray) -> int
         bounce[:n] = payload
         bounce[n:] = 0
         iov = [header, bounce]
-    total = extent_bytes(n)
+    _write_all(fd, iov, offset, extent_bytes(n))
+    return csum
+
+
+def _write_all(fd: int, iov: list, offset: int, total: int) -> None:
+    """One ``pwritev`` of ``total`` bytes at ``offset``; :class:`TierIOError` when the
+    medium fails it or takes less."""
     try:
         done = os.pwritev(fd, iov, offset)
     except OSError as exc:
-        raise io_error(f"write of {n} bytes at offset {offset} failed", exc) from exc
+        raise io_error(f"write of {total} bytes at offset {offset} failed", exc) from exc
     if done != total:
         raise TierIOError(f"short write: {done} of {total} bytes at offset {offset}")
-    return csum
 
 
 def read_block(fd: int, offset: int, digest: bytes, length: int, csum: int, dst: np.ndarray) -> None:
@@ -202,12 +207,7 @@ def write_run(fd: int, offset: int, digests: list[bytes], payloads: list[np.ndar
         sums.append(encode_header(digest, payload, page[:HEADER_BYTES], payload_checksum=checksum(payload)))
         iov += (page, payload)
         total += PAGE + payload.nbytes
-    try:
-        done = os.pwritev(fd, iov, offset)
-    except OSError as exc:
-        raise io_error(f"write of {total} bytes at offset {offset} failed", exc) from exc
-    if done != total:
-        raise TierIOError(f"short write: {done} of {total} bytes at offset {offset}")
+    _write_all(fd, iov, offset, total)
     return sums
 
 
