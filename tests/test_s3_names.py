@@ -1,4 +1,4 @@
-"""Object names of the S3 tier (no server needed)."""
+"""Pure functions of the S3 tier: object names and reply sizes (no server needed)."""
 
 import pytest
 
@@ -24,3 +24,19 @@ def test_names_round_trip(prefix):
                                   "kvstore/_/" + "1" * 64 + "/extra"])
 def test_foreign_objects_are_ignored(name):
     assert parse_name("kvstore", name) is None
+
+
+def test_a_reply_without_content_length_is_an_io_failure_not_corruption():
+    """Without a Content-Length nothing is known about the object: reading on would
+    call a good object corrupt (and delete it), so it is a plain failure instead."""
+    from types import SimpleNamespace
+
+    from kvstore.errors import CorruptBlockError
+    from tiers._s3io import _length, _size_of
+
+    assert _length(SimpleNamespace(headers={"Content-Length": "1234"})) == 1234
+    assert _size_of(SimpleNamespace(headers={"Content-Length": "128", "Content-Range": "bytes 0-127/4096"})) == 4096
+    for headers in ({}, {"Content-Length": ""}, {"Content-Length": "-1"}):
+        with pytest.raises(ValueError, match="Content-Length") as err:
+            _length(SimpleNamespace(headers=headers))
+        assert not isinstance(err.value, CorruptBlockError)

@@ -81,7 +81,12 @@ def _finish(body: Any, complete: bool) -> None:
 
 
 def _length(resp: Any) -> int:
-    return int(resp.headers.get("Content-Length", -1))
+    """The reply's Content-Length. A reply without one says nothing about the object, so
+    it is an I/O failure (counted, retried later), never a corrupt object to delete."""
+    value = resp.headers.get("Content-Length", "")
+    if not value.isdigit():
+        raise ValueError(f"S3 reply without a valid Content-Length ({value!r})")
+    return int(value)
 
 
 def _size_of(resp: Any) -> int:
@@ -122,10 +127,10 @@ def get_into(requests: ObjectRequests, name: str, key: BlockKey, dst: memoryview
     the object is not the block it claims to be.
     """
     resp = requests.get(name)
-    body, total = resp.raw, _length(resp)
+    body = resp.raw
     complete = False
     try:
-        hb, length, csum, _ = read_header(body, name, key, total)
+        hb, length, csum, _ = read_header(body, name, key, _length(resp))
         if length != dst.nbytes:
             if known_nbytes is not None:
                 raise CorruptBlockError(f"object {name} holds {length} bytes, {known_nbytes} were written")
