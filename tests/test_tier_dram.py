@@ -1,3 +1,7 @@
+import ctypes
+import mmap
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -110,16 +114,12 @@ def _vm_flags(address: int) -> list[str]:
 def test_arena_asks_for_huge_pages_and_is_faulted_in():
     """The arena is advised MADV_HUGEPAGE before its first touch (O_DIRECT reads into
     small pages are split by the disk driver), and every page is resident at start-up."""
-    thp = open("/sys/kernel/mm/transparent_hugepage/enabled").read() if __import__("os").path.exists(
-        "/sys/kernel/mm/transparent_hugepage/enabled") else "[never]"
-    if "[never]" in thp:
+    thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    if not thp.exists() or "[never]" in thp.read_text():
         pytest.skip("transparent huge pages are disabled on this kernel")
     t = DramTier(8 << 20, name="dram-thp")
     try:
         assert "hg" in _vm_flags(t.arena.ctypes.data)
-        import ctypes
-        import mmap
-
         pages = t.arena.nbytes // mmap.PAGESIZE
         vec = (ctypes.c_ubyte * pages)()
         libc = ctypes.CDLL(None, use_errno=True)

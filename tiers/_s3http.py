@@ -28,7 +28,6 @@ _MAX_BACKOFF_S = 20.0
 _ERROR_CODE = re.compile(rb"<Code>([^<]{1,128})</Code>")
 _ERROR_MESSAGE = re.compile(rb"<Message>([^<]{0,1024})</Message>")
 _PROBE_NAME = "kvstore-url-probe"
-_RETRY_STATUS = frozenset({429, 500, 502, 503, 504})
 
 
 class ObjectRequests:
@@ -116,7 +115,8 @@ def _client_error(response: Any, operation: str) -> Exception:
 
 
 def _retryable_reply(status: int, error: Exception) -> bool:
-    return status in _RETRY_STATUS or is_unavailable(error)
+    """5xx and throttling codes (``is_unavailable``), and 429 Too Many Requests."""
+    return status == 429 or is_unavailable(error)
 
 
 def _backoff(attempt: int) -> None:

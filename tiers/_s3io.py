@@ -221,11 +221,6 @@ def _get_range(requests: ObjectRequests, name: str, a: int, b: int, total: int, 
 
 # -- writes --------------------------------------------------------------------------------
 
-def put(requests: ObjectRequests, name: str, body: bytearray) -> None:
-    """PUT one object from ``body`` (header + payload), without user metadata."""
-    requests.put(name, body)
-
-
 def put_multipart(client: Any, bucket: str, name: str, parts: list[bytearray], pool: Executor) -> None:
     """Multipart upload of ``parts`` (header + payload, in order) sent in parallel on
     ``pool``; the upload is aborted when any part fails, so no partial object appears."""

@@ -281,7 +281,7 @@ class S3Tier(Tier):
                 _s3io.put_multipart(self._client, self.bucket, name, pieces, self._parts)
                 self._count("multipart_puts")
             else:
-                _s3io.put(self._requests, name, pieces[0])
+                self._requests.put(name, pieces[0])
             stored = True
         except Exception as exc:
             return self._failure(exc)
