@@ -36,6 +36,15 @@ def _reserve(conn: Conn, keys, sizes) -> tuple[int, np.ndarray]:
     return P.decode_placed(body, len(keys))
 
 
+def _saves_and_loads_back(client: Client, keys) -> None:
+    """Every key saves through ``client`` and loads back byte-exact."""
+    srcs = [payload(i, BLOCK) for i in range(len(keys))]
+    assert client.save(keys, srcs).result() == [True] * len(keys)
+    dsts = [np.zeros(BLOCK, np.uint8) for _ in keys]
+    assert client.load(keys, dsts).result() == [True] * len(keys)
+    assert all(np.array_equal(a, b) for a, b in zip(srcs, dsts))
+
+
 def _wait(cond, timeout_s: float = 10.0) -> bool:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -92,11 +101,7 @@ def test_abort_and_a_dead_client_free_the_slots(server):
     assert server.store.contains(keys) == [False] * 4
     assert server.store.stats()["tiers"][0]["used_bytes"] == used0
     with Client(server.address, transport="shm") as c:  # the room is usable again
-        srcs = [payload(i, BLOCK) for i in range(4)]
-        assert c.save(keys, srcs).result() == [True] * 4
-        dsts = [np.zeros(BLOCK, np.uint8) for _ in keys]
-        assert c.load(keys, dsts).result() == [True] * 4
-        assert all(np.array_equal(a, b) for a, b in zip(srcs, dsts))
+        _saves_and_loads_back(c, keys)
 
 
 def test_bad_commits_and_limits_are_refused(server):
@@ -118,18 +123,10 @@ def test_client_without_arena_write_access_puts_through_staging(server):
     with Client(server.address, transport="shm") as c:
         c._arena.writable = False  # as for a process of another user: read-only map
         keys = make_keys(6, salt="staged")
-        srcs = [payload(i, BLOCK) for i in range(6)]
-        assert c.save(keys, srcs).result() == [True] * 6
-        dsts = [np.zeros(BLOCK, np.uint8) for _ in keys]
-        assert c.load(keys, dsts).result() == [True] * 6
-        assert all(np.array_equal(a, b) for a, b in zip(srcs, dsts))
+        _saves_and_loads_back(c, keys)
 
 
 def test_client_put_larger_than_the_limit_is_split_and_stored(server):
     with Client(server.address, transport="shm", staging_bytes=2 << 20) as c:
         keys = make_keys(24, salt="split")  # 6 MiB: more than one 4 MiB reservation
-        srcs = [payload(i, BLOCK) for i in range(24)]
-        assert c.save(keys, srcs).result() == [True] * 24
-        dsts = [np.zeros(BLOCK, np.uint8) for _ in keys]
-        assert c.load(keys, dsts).result() == [True] * 24
-        assert all(np.array_equal(a, b) for a, b in zip(srcs, dsts))
+        _saves_and_loads_back(c, keys)
