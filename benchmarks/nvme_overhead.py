@@ -1,0 +1,137 @@
+"""What the NVMe tier adds to a cold read, beside bare readers of the same extents.
+
+The tier writes the blocks once per repetition; then each contender reads them all
+cold (O_DIRECT), in batches of 64, interleaved (the order rotates every repetition):
+
+- ``kvstore``: ``NvmeTier.read_into``: index lookups, runs of adjacent blocks, one
+  ``preadv`` per run on the tier's I/O threads, header and XXH3 check of every block,
+  access bookkeeping;
+- ``bare reader``: the same extents, one ``preadv`` (header page + payload) per block on
+  a 16-thread pool, the same header and XXH3 check (``tiers._nvme_io.read_block``) and
+  nothing else: what a minimal Python reader with the same verification does;
+- ``bare, unverified``: the same ``preadv`` per block, no check at all.
+
+If ``kvstore`` reads about as fast as ``bare reader``, the tier's own work is not what
+bounds its reads; ``bare, unverified`` shows what verification costs.
+
+    python benchmarks/nvme_overhead.py [--dir DIR] [--sizes 256KiB,1MiB,4MiB] [--bytes 512MiB] [--reps 7]
+
+Prints medians and kvstore's per-repetition ratios; writes
+benchmarks/results/nvme_overhead.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import numpy as np  # noqa: E402
+
+from benchmarks._common import write_json  # noqa: E402
+from kvstore.config import parse_size  # noqa: E402
+from kvstore.keys import Namespace  # noqa: E402
+from tiers._nvme_io import PAGE, aligned_empty, extent_bytes, read_block  # noqa: E402
+from tiers.nvme import NvmeTier  # noqa: E402
+
+BATCH = 64
+THREADS = 16
+CONTENDERS = ("kvstore", "bare reader", "bare, unverified")
+
+
+def read_all(name: str, tier: NvmeTier, pool: ThreadPoolExecutor, keys: list, dsts: list) -> float:
+    """Seconds to read every block cold with contender ``name``."""
+    extents = [tier._entries[k] for k in keys]
+    header = aligned_empty(PAGE * THREADS * 4).reshape(-1, PAGE)   # the unverified reader's header pages
+
+    def verified(i: int) -> None:
+        e = extents[i]
+        read_block(e.shard.data.fd(e.file_no), e.offset, keys[i].digest, e.length, e.checksum, dsts[i])
+
+    def unverified(i: int) -> None:
+        e = extents[i]
+        got = os.preadv(e.shard.data.fd(e.file_no), [header[i % len(header)], dsts[i]], e.offset)
+        assert got == extent_bytes(e.length)
+
+    one = verified if name == "bare reader" else unverified
+    t0 = time.perf_counter()
+    for s in range(0, len(keys), BATCH):
+        if name == "kvstore":
+            assert all(tier.read_into(keys[s:s + BATCH], dsts[s:s + BATCH]))
+        else:
+            list(pool.map(one, range(s, min(s + BATCH, len(keys)))))
+    return time.perf_counter() - t0
+
+
+def bench_size(base: str, block: int, total: int, reps: int) -> dict:
+    n = max(BATCH, total // block // BATCH * BATCH)
+    src = aligned_empty(block * n)
+    src[:] = np.random.default_rng(0).integers(0, 256, src.nbytes, dtype=np.uint8)
+    dst = aligned_empty(block * n)
+    dst[:] = 0   # fault the pages in outside the timed reads
+    srcs = [src[i * block:(i + 1) * block] for i in range(n)]
+    dsts = [dst[i * block:(i + 1) * block] for i in range(n)]
+    path = os.path.join(base, f"kv-{block}")
+    tier = NvmeTier(path, int(extent_bytes(block) * n * 1.1), name="bench", file_bytes=1 << 30,
+                    io_threads=THREADS)
+    got: dict[str, list[float]] = {c: [] for c in CONTENDERS}
+    try:
+        with ThreadPoolExecutor(THREADS) as pool:
+            for rep in range(reps):
+                keys = Namespace(model="bench", dtype="u8", chunk_tokens=1,
+                                 salt=f"{block}-{rep}").chunk_keys(np.arange(n))
+                for s in range(0, n, BATCH):
+                    assert all(tier.write(keys[s:s + BATCH], srcs[s:s + BATCH]))
+                order = CONTENDERS[rep % 3:] + CONTENDERS[:rep % 3]
+                for name in order:
+                    os.sync()
+                    dst[:] = 0
+                    got[name].append(block * n / read_all(name, tier, pool, keys, dsts))
+                    assert np.array_equal(dst, src), f"{name} read different bytes"
+                tier.delete(keys)
+                print(f"  {block >> 10} KiB rep {rep + 1}/{reps} done", file=sys.stderr)
+    finally:
+        tier.close()
+        shutil.rmtree(path, ignore_errors=True)
+    row = {"block_bytes": block, "blocks": n, "batch": BATCH, "reps": reps,
+           "read_GBps": {c: statistics.median(v) / 1e9 for c, v in got.items()},
+           "samples_GBps": {c: [x / 1e9 for x in v] for c, v in got.items()}}
+    row["kvstore_ratio"] = {c: statistics.median(k / o for k, o in zip(got["kvstore"], got[c]))
+                            for c in CONTENDERS[1:]}
+    return row
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dir", help="directory on the drive under test (default: a temp dir in /var/tmp)")
+    parser.add_argument("--sizes", default="256KiB,1MiB,4MiB")
+    parser.add_argument("--bytes", type=parse_size, default="512MiB", help="bytes per measurement")
+    parser.add_argument("--reps", type=int, default=7)
+    args = parser.parse_args()
+    base = tempfile.mkdtemp(prefix="kvstore-nvme-overhead-", dir=args.dir or "/var/tmp")
+    try:
+        rows = [bench_size(base, parse_size(s), args.bytes, args.reps) for s in args.sizes.split(",")]
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+    print(f"{'block':>8} | " + " | ".join(f"{c:>17}" for c in CONTENDERS)
+          + " | kvstore / bare reader, / unverified")
+    for row in rows:
+        print(f"{row['block_bytes'] >> 10:>5} Ki | "
+              + " | ".join(f"{row['read_GBps'][c]:>12.2f} GB/s" for c in CONTENDERS)
+              + f" | {row['kvstore_ratio']['bare reader']:.2f}, {row['kvstore_ratio']['bare, unverified']:.2f}")
+    print("(cold reads, medians; ratios are medians of per-repetition ratios)")
+    path = write_json("nvme_overhead", {"rows": rows, "argv": sys.argv[1:]})
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
