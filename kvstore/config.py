@@ -94,6 +94,7 @@ class NvmeTierConfig(_TierBase):
     io_threads: int = Field(8, ge=1)
     index_sync: bool = True         # fsync each index commit (survives power loss)
     access_flush_s: float = Field(5.0, ge=0)  # how often last-access times reach the index
+    readahead_bytes: Size = Field(32 << 20, ge=0)  # a sequential stream's read-ahead window; 0: off
 
     @field_validator("path")
     @classmethod

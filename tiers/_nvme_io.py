@@ -153,6 +153,22 @@ def read_block(fd: int, offset: int, digest: bytes, length: int, csum: int, dst:
         raise CorruptBlockError("block payload checksum mismatch")
 
 
+def copy_block(raw: np.ndarray, digest: bytes, length: int, csum: int, dst: np.ndarray) -> None:
+    """Copy a block read earlier (``raw``: its header page and payload, as on disk) into
+    ``dst`` (a writable flat ``uint8`` host view of ``length`` bytes) and verify it as
+    :func:`read_block` does: the header names ``digest`` and agrees with the indexed
+    ``length``/``csum``, and the copy in ``dst`` hashes to ``csum``. Raises
+    :class:`CorruptBlockError` otherwise (``dst`` then holds unspecified bytes)."""
+    if dst.nbytes != length or raw.nbytes < PAGE + length:
+        raise CorruptBlockError(f"payload length {dst.nbytes} differs from the index's {length}")
+    hlen, hsum = parse_header(raw[:HEADER_BYTES], digest=digest)
+    if hlen != length or hsum != csum:
+        raise CorruptBlockError(f"block header (length {hlen}) disagrees with the index (length {length})")
+    dst[:] = raw[PAGE:PAGE + length]
+    if checksum(dst) != csum:
+        raise CorruptBlockError("block payload checksum mismatch")
+
+
 # A run is one system call; the kernel cuts it into device requests of at most
 # max_sectors_kb, so an 8 MiB run already keeps several requests in flight. Larger runs
 # measured no faster; 256 blocks keeps two iovecs a block under IOV_MAX (1024).

@@ -38,8 +38,9 @@ from tiers._nvme_files import Shard, data_file_name
 from tiers._nvme_gpu import DeviceIO
 from tiers._nvme_index import Record
 from tiers._nvme_batch import in_runs
-from tiers._nvme_io import PAGE, read_block, read_run, write_block, write_run
+from tiers._nvme_io import PAGE, copy_block, extent_bytes, read_block, read_run, write_block, write_run
 from tiers._nvme_open import Entry, open_shard, paused_gc
+from tiers._nvme_readahead import ReadAhead, Window
 from tiers.base import RecoveredBlock, Tier, TierCapabilities
 
 log = logging.getLogger(__name__)
@@ -53,12 +54,14 @@ class NvmeTier(Tier):
     ``file_bytes``: size of each data file, created on demand. ``io_threads``: requests
     in flight per batch. ``index_sync``: fsync each index commit (durable across power
     loss; a process crash is survived either way). ``access_flush_s``: how often
-    last-access times reach the index.
+    last-access times reach the index. ``readahead_bytes``: the most a sequential stream
+    of batches reads ahead (see :mod:`tiers._nvme_readahead`; 0 turns it off).
     """
 
     def __init__(self, paths: str | Sequence[str], capacity_bytes: int, *, name: str = "nvme",
                  direct_io: bool = True, file_bytes: int = 1 << 30, io_threads: int = 8,
-                 index_sync: bool = True, access_flush_s: float = 5.0) -> None:
+                 index_sync: bool = True, access_flush_s: float = 5.0,
+                 readahead_bytes: int = 32 << 20) -> None:
         paths = [paths] if isinstance(paths, (str, os.PathLike)) else list(paths)
         if not paths:
             raise InvalidArgumentError("NVMe tier needs at least one directory")
@@ -78,7 +81,7 @@ class NvmeTier(Tier):
         self._flush_s = access_flush_s
         self._last_flush = time.monotonic()
         self.counters = dict.fromkeys(("corrupt_blocks", "io_errors", "enospc", "recovered_blocks",
-                                       "dropped_at_open"), 0)
+                                       "dropped_at_open", "readahead_hits"), 0)
         self._shards: list[Shard] = []
         per, extra = divmod(self._capacity, len(paths))
         try:
@@ -99,6 +102,9 @@ class NvmeTier(Tier):
         self._device = DeviceIO()
         self._io_threads = io_threads
         self._pool = ThreadPoolExecutor(io_threads, thread_name_prefix=f"kvstore-{name}")
+        # buffered I/O has the kernel's own read-ahead
+        self._readahead = (ReadAhead(self._pool, readahead_bytes)
+                           if readahead_bytes >= PAGE and self.io_mode == "direct" else None)
         self._closed = False
         self.capabilities = TierCapabilities(device="disk", persistent=True, alignment=PAGE,
                                              max_concurrency=io_threads)
@@ -202,9 +208,7 @@ class NvmeTier(Tier):
                 e.readers += 1
                 jobs.append((j, key, e, dst))
         try:
-            results = in_runs(self._pool, self._io_threads, self._read_run, jobs, [job[3] for job in jobs],
-                              [(e.shard.no, e.file_no, e.offset) for _, _, e, _ in jobs],
-                              [e.length for _, _, e, _ in jobs], writable=True)
+            results = self._read_jobs(jobs)
         finally:
             with self._lock:
                 for _, _, e, _ in jobs:
@@ -309,6 +313,84 @@ class NvmeTier(Tier):
         sums = write_run(shard.data.fd(file_no), offset, [p[1].digest for p in run], views)
         return [(True, csum) for csum in sums]
 
+    def _read_jobs(self, jobs: list[tuple]) -> list[tuple[bool, Any]]:
+        """Read ``jobs`` (``(j, key, entry, dst)``); ``(ok, error)`` per job, in order.
+        Blocks found in the read-ahead window are copied from it, the rest read directly."""
+        ra = self._readahead
+        if ra is None or not jobs or not ra.lock.acquire(blocking=False):
+            return self._read_direct(jobs)
+        try:
+            return self._read_streaming(ra, jobs)
+        finally:
+            ra.lock.release()
+
+    def _read_direct(self, jobs: list[tuple]) -> list[tuple[bool, Any]]:
+        return in_runs(self._pool, self._io_threads, self._read_run, jobs, [job[3] for job in jobs],
+                       [(e.shard.no, e.file_no, e.offset) for _, _, e, _ in jobs],
+                       [e.length for _, _, e, _ in jobs], writable=True)
+
+    def _read_streaming(self, ra: ReadAhead, jobs: list[tuple]) -> list[tuple[bool, Any]]:
+        """:meth:`_read_direct` with read-ahead: hits are copied on a pool thread while the
+        misses are read; when this call continues a stream, the span after it is read
+        ahead (before the misses when there are none, else after them, so that the disk
+        has work while this batch is handed back and the next one planned)."""
+        window = ra.window
+        hits: list[int] = []
+        if window is not None:
+            hits = [i for i, (_, _, e, dst) in enumerate(jobs)
+                    if not is_device(dst) and window.holds((e.shard.no, e.file_no), e.offset, extent_bytes(e.length))]
+        hit_set = set(hits)
+        misses = [i for i in range(len(jobs)) if i not in hit_set]
+        copying = None
+        if hits:
+            window.wait()   # here, not on the pool: a pool thread must never wait for the pool
+            copying = self._pool.submit(self._copy_hits, window, [jobs[i] for i in hits])
+        span = _span(jobs)
+        ahead = span is not None and (bool(hits) or ra.continues(span[0], span[1]))
+
+        def read_ahead() -> None:
+            if span is not None:
+                (shard_no, file_no), start, end = span
+                data = self._shards[shard_no].data
+                ra.advance(span[0], start, end, data.fd(file_no), data.files[file_no].size, read=ahead)
+
+        if not misses:
+            read_ahead()
+        out: list[tuple[bool, Any]] = [None] * len(jobs)  # type: ignore[list-item]
+        for i, res in zip(misses, self._read_direct([jobs[i] for i in misses]) if misses else []):
+            out[i] = res
+        if misses:
+            read_ahead()
+        if copying is not None:
+            again = []
+            for i, ok in zip(hits, copying.result()):
+                if ok:
+                    out[i] = (True, None)
+                else:
+                    again.append(i)
+            # a copy that failed its check: the extent changed after it was read ahead,
+            # or the block is corrupt; a direct read tells which
+            for i, res in zip(again, self._read_direct([jobs[i] for i in again]) if again else []):
+                out[i] = res
+        return out
+
+    def _copy_hits(self, window: Window, jobs: list[tuple]) -> list[bool]:
+        """Copy blocks from the read-ahead window into their buffers, each checked; True
+        per block that arrived intact."""
+        ok = []
+        for _, key, e, dst in jobs:
+            raw = window.view((e.shard.no, e.file_no), e.offset, extent_bytes(e.length))
+            try:
+                if raw is None:
+                    raise CorruptBlockError("not read ahead")
+                copy_block(raw, key.digest, e.length, e.checksum, host_view(dst, writable=True))
+                ok.append(True)
+            except (CorruptBlockError, InvalidArgumentError):
+                ok.append(False)
+        with self._lock:
+            self.counters["readahead_hits"] += sum(ok)
+        return ok
+
     def _read_run(self, run: list[tuple], views: list) -> list[tuple[bool, Any]]:
         if len(run) == 1:
             _, key, e, dst = run[0]
@@ -390,3 +472,15 @@ class NvmeTier(Tier):
     def _check_open(self) -> None:
         if self._closed:
             raise StoreClosedError(f"NVMe tier {self.name} is closed")
+
+
+def _span(jobs: list[tuple]) -> tuple[tuple[int, int], int, int] | None:
+    """``(file, start, end)`` when the jobs' extents lie one after another in one data
+    file (a stream's batch), else ``None``."""
+    first = jobs[0][2]
+    file = (first.shard.no, first.file_no)
+    extents = sorted((e.offset, e.offset + extent_bytes(e.length)) for _, _, e, _ in jobs
+                     if e.shard is first.shard and e.file_no == first.file_no)
+    if len(extents) != len(jobs) or any(b[0] != a[1] for a, b in zip(extents, extents[1:])):
+        return None
+    return file, extents[0][0], extents[-1][1]

@@ -1,0 +1,113 @@
+"""Sequential read-ahead for the NVMe tier: while one batch is checked and handed back,
+the disk already reads the start of the next.
+
+A long prefix read back in batches is a stream of extents laid out one after another
+on disk. Read batch by batch, the disk idles between calls: a batch's transfers land
+together, then its blocks are checked and the next call is planned with nothing in
+flight. When a ``read_into`` call reads the extents that directly follow the previous
+call's, the tier reads the next span of the same file (as long as that call's, at most
+``max_bytes``) into a staging buffer in the background. The next call copies the
+blocks it finds there into its buffers on one pool thread while its other blocks are
+read directly, and checks each copy exactly as a direct read would
+(:func:`tiers._nvme_io.copy_block`). A copy that fails the check (the extent was
+rewritten after it was read ahead) is read again directly, and that read alone decides
+whether the block is corrupt.
+
+Two staging buffers, allocated on the first stream: one being filled, one being copied
+from. One stream at a time: the caller holds :attr:`ReadAhead.lock` (taken without
+waiting; a call that finds it held reads directly) from choosing its hits until its
+copies are done, so a buffer is never refilled while it is read.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from tiers._nvme_io import PAGE, aligned_empty
+
+FileId = tuple[int, int]   # (shard number, file number)
+PIECES = 8                 # reads a window is cut into, so several are in flight
+MIN_PIECE = 1 << 20
+
+
+@dataclass
+class Window:
+    """Bytes ``[start, start + len(buf))`` of one data file, being read into ``buf``."""
+
+    file: FileId
+    start: int
+    buf: np.ndarray
+    pieces: list[tuple[int, Future]] = field(default_factory=list)   # (offset in buf, read)
+    valid: int | None = None   # bytes read, from start; known after wait()
+
+    def wait(self) -> int:
+        """Block until the reads are done; the bytes read without a gap from ``start``."""
+        if self.valid is None:
+            valid = 0
+            for at, task in self.pieces:
+                try:
+                    got = task.result()
+                except OSError:   # a failed read-ahead is only a missed chance
+                    got = 0
+                if at != valid:
+                    continue
+                valid = at + got
+            self.valid = valid
+        return self.valid
+
+    def view(self, file: FileId, offset: int, size: int) -> np.ndarray | None:
+        """The ``size`` bytes at ``offset`` of ``file`` when this window read them."""
+        at = offset - self.start
+        if file != self.file or at < 0 or at + size > self.wait():
+            return None
+        return self.buf[at:at + size]
+
+    def holds(self, file: FileId, offset: int, size: int) -> bool:
+        """Whether ``[offset, offset + size)`` lies in the span this window reads."""
+        return file == self.file and self.start <= offset and offset + size <= self.start + len(self.buf)
+
+
+class ReadAhead:
+    """One sequential stream's read-ahead state for a tier (see the module doc)."""
+
+    def __init__(self, pool: ThreadPoolExecutor, max_bytes: int) -> None:
+        self.max_bytes = max_bytes - max_bytes % PAGE
+        self.lock = threading.Lock()
+        self._pool = pool
+        self._bufs: list[np.ndarray] = []
+        self._filling: list[Window | None] = [None, None]   # the last window read into each buffer
+        self._spare = 0                          # the buffer the next window fills
+        self.window: Window | None = None
+        self._follows: tuple[FileId, int] | None = None   # where the next call continues the stream
+
+    def continues(self, file: FileId, start: int) -> bool:
+        """Whether a call reading from ``start`` of ``file`` continues the stream."""
+        return self._follows == (file, start)
+
+    def advance(self, file: FileId, start: int, end: int, fd: int, file_bytes: int, *, read: bool) -> None:
+        """Record that this call read ``[start, end)`` of ``file``; with ``read``, start
+        reading the span after it, as long as this one (within the file), when that is at
+        most ``max_bytes``. A longer batch keeps the disk busy long enough on its own, and
+        copying it out of a staging buffer measured slower than reading it directly."""
+        self._follows = (file, end)
+        size = min(end - start, file_bytes - end)
+        size -= size % PAGE
+        if not read or size <= 0 or end - start > self.max_bytes:
+            return
+        if not self._bufs:
+            self._bufs = [aligned_empty(self.max_bytes) for _ in range(2)]
+        spare = self._spare
+        if self._filling[spare] is not None:
+            self._filling[spare].wait()   # never two reads into one buffer at once
+        window = Window(file, end, self._bufs[spare][:size])
+        piece = max(MIN_PIECE, -(-size // PIECES // PAGE) * PAGE)
+        for at in range(0, size, piece):
+            part = window.buf[at:at + piece]
+            window.pieces.append((at, self._pool.submit(os.preadv, fd, [part], end + at)))
+        self._filling[spare] = self.window = window
+        self._spare ^= 1
