@@ -28,7 +28,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from tiers._nvme_io import PAGE, aligned_empty
+from kvstore.buffers import host_view
+from kvstore.errors import CorruptBlockError, InvalidArgumentError
+from tiers._nvme_io import PAGE, aligned_empty, copy_block, extent_bytes
 
 FileId = tuple[int, int]   # (shard number, file number)
 PIECES = 8                 # reads a window is cut into, so several are in flight
@@ -111,3 +113,31 @@ class ReadAhead:
             window.pieces.append((at, self._pool.submit(os.preadv, fd, [part], end + at)))
         self._filling[spare] = self.window = window
         self._spare ^= 1
+
+
+def span_of(jobs: list[tuple]) -> tuple[FileId, int, int] | None:
+    """``(file, start, end)`` when the extents of ``jobs`` (``(j, key, entry, dst)``) lie
+    one after another in one data file, as a stream's batch does; else ``None``."""
+    first = jobs[0][2]
+    extents = sorted((e.offset, e.offset + extent_bytes(e.length)) for _, _, e, _ in jobs
+                     if e.shard is first.shard and e.file_no == first.file_no)
+    if len(extents) != len(jobs) or any(b[0] != a[1] for a, b in zip(extents, extents[1:])):
+        return None
+    return (first.shard.no, first.file_no), extents[0][0], extents[-1][1]
+
+
+def copy_hits(window: Window, jobs: list[tuple]) -> list[bool]:
+    """Copy the blocks of ``jobs`` (``(j, key, entry, dst)``) from ``window`` into their
+    buffers, each checked as a direct read is; True per block that arrived intact.
+    ``window`` is done reading (the caller waited)."""
+    ok = []
+    for _, key, e, dst in jobs:
+        raw = window.view((e.shard.no, e.file_no), e.offset, extent_bytes(e.length))
+        try:
+            if raw is None:
+                raise CorruptBlockError("not read ahead")
+            copy_block(raw, key.digest, e.length, e.checksum, host_view(dst, writable=True))
+            ok.append(True)
+        except (CorruptBlockError, InvalidArgumentError):
+            ok.append(False)
+    return ok

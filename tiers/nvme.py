@@ -38,9 +38,9 @@ from tiers._nvme_files import Shard, data_file_name
 from tiers._nvme_gpu import DeviceIO
 from tiers._nvme_index import Record
 from tiers._nvme_batch import in_runs
-from tiers._nvme_io import PAGE, copy_block, extent_bytes, read_block, read_run, write_block, write_run
+from tiers._nvme_io import PAGE, extent_bytes, read_block, read_run, write_block, write_run
 from tiers._nvme_open import Entry, open_shard, paused_gc
-from tiers._nvme_readahead import ReadAhead, Window
+from tiers._nvme_readahead import ReadAhead, copy_hits, span_of
 from tiers.base import RecoveredBlock, Tier, TierCapabilities
 
 log = logging.getLogger(__name__)
@@ -344,8 +344,8 @@ class NvmeTier(Tier):
         copying = None
         if hits:
             window.wait()   # here, not on the pool: a pool thread must never wait for the pool
-            copying = self._pool.submit(self._copy_hits, window, [jobs[i] for i in hits])
-        span = _span(jobs)
+            copying = self._pool.submit(copy_hits, window, [jobs[i] for i in hits])
+        span = span_of(jobs)
         ahead = span is not None and (bool(hits) or ra.continues(span[0], span[1]))
 
         def read_ahead() -> None:
@@ -362,8 +362,11 @@ class NvmeTier(Tier):
         if misses:
             read_ahead()
         if copying is not None:
+            copied = copying.result()
+            with self._lock:
+                self.counters["readahead_hits"] += sum(copied)
             again = []
-            for i, ok in zip(hits, copying.result()):
+            for i, ok in zip(hits, copied):
                 if ok:
                     out[i] = (True, None)
                 else:
@@ -373,23 +376,6 @@ class NvmeTier(Tier):
             for i, res in zip(again, self._read_direct([jobs[i] for i in again]) if again else []):
                 out[i] = res
         return out
-
-    def _copy_hits(self, window: Window, jobs: list[tuple]) -> list[bool]:
-        """Copy blocks from the read-ahead window into their buffers, each checked; True
-        per block that arrived intact."""
-        ok = []
-        for _, key, e, dst in jobs:
-            raw = window.view((e.shard.no, e.file_no), e.offset, extent_bytes(e.length))
-            try:
-                if raw is None:
-                    raise CorruptBlockError("not read ahead")
-                copy_block(raw, key.digest, e.length, e.checksum, host_view(dst, writable=True))
-                ok.append(True)
-            except (CorruptBlockError, InvalidArgumentError):
-                ok.append(False)
-        with self._lock:
-            self.counters["readahead_hits"] += sum(ok)
-        return ok
 
     def _read_run(self, run: list[tuple], views: list) -> list[tuple[bool, Any]]:
         if len(run) == 1:
@@ -473,14 +459,3 @@ class NvmeTier(Tier):
         if self._closed:
             raise StoreClosedError(f"NVMe tier {self.name} is closed")
 
-
-def _span(jobs: list[tuple]) -> tuple[tuple[int, int], int, int] | None:
-    """``(file, start, end)`` when the jobs' extents lie one after another in one data
-    file (a stream's batch), else ``None``."""
-    first = jobs[0][2]
-    file = (first.shard.no, first.file_no)
-    extents = sorted((e.offset, e.offset + extent_bytes(e.length)) for _, _, e, _ in jobs
-                     if e.shard is first.shard and e.file_no == first.file_no)
-    if len(extents) != len(jobs) or any(b[0] != a[1] for a, b in zip(extents, extents[1:])):
-        return None
-    return file, extents[0][0], extents[-1][1]
