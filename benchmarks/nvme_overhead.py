@@ -5,14 +5,14 @@ cold (O_DIRECT), in batches of 64, interleaved (the order rotates every repetiti
 
 - ``kvstore``: ``NvmeTier.read_into``: index lookups, runs of adjacent blocks, one
   ``preadv`` per run on the tier's I/O threads, header and XXH3 check of every block,
-  access bookkeeping;
+  access bookkeeping, and the read-ahead of a sequential stream (these batches are one);
 - ``bare reader``: the same extents, one ``preadv`` (header page + payload) per block on
   a 16-thread pool, the same header and XXH3 check (``tiers._nvme_io.read_block``) and
   nothing else: what a minimal Python reader with the same verification does;
 - ``bare, unverified``: the same ``preadv`` per block, no check at all.
 
-If ``kvstore`` reads about as fast as ``bare reader``, the tier's own work is not what
-bounds its reads; ``bare, unverified`` shows what verification costs.
+``kvstore`` against ``bare reader`` is what the tier's own work costs or gains;
+``bare reader`` against ``bare, unverified`` is what verification costs.
 
     python benchmarks/nvme_overhead.py [--dir DIR] [--sizes 256KiB,1MiB,4MiB] [--bytes 512MiB] [--reps 7]
 
