@@ -8,6 +8,7 @@ call (the caller owns them).
 
 from __future__ import annotations
 
+import queue
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
@@ -17,16 +18,19 @@ from kvstore.buffers import host_view
 from tiers._nvme_io import joinable, plan_runs
 
 
-def in_runs(pool: ThreadPoolExecutor, threads: int, fn: Callable[[list, list], list], items: list,
+def in_runs(pool: ThreadPoolExecutor, threads: int, fn: Callable[[list, list], Any], items: list,
             bufs: list, where: list[tuple[int, int, int]], sizes: list[int], *,
-            writable: bool) -> list[tuple[bool, Any]]:
+            writable: bool, check: Callable[[list, list, Any], list] | None = None) -> list[tuple[bool, Any]]:
     """Move ``items`` in runs of blocks adjacent on disk, the runs in parallel.
 
     ``bufs[i]`` is item i's caller buffer, ``where[i]`` its ``(directory, file,
     offset)`` and ``sizes[i]`` its payload bytes. ``fn(run_items, views)`` gets one
     run's items with their host views (``None`` for a block moved on its own) and
     returns per block ``(ok, value)``; a run whose call raises fails every block in it
-    with that error. Returns ``(ok, value)`` per item, in ``items`` order."""
+    with that error. With ``check``, ``fn`` only moves the bytes and
+    ``check(run_items, views, fn's result)`` returns the per-block results, run on the
+    calling thread as each run lands (see :func:`parallel`). Returns ``(ok, value)``
+    per item, in ``items`` order."""
     views: list[np.ndarray | None] = [None] * len(items)
     if len(items) > 1:
         for i, buf in enumerate(bufs):
@@ -41,7 +45,8 @@ def in_runs(pool: ThreadPoolExecutor, threads: int, fn: Callable[[list, list], l
     cap = max(1, -(-len(items) // max(1, threads // 2)))
     runs = plan_runs([((w[0], w[1]), w[2], n, views[i] is not None)
                       for i, (w, n) in enumerate(zip(where, sizes))], cap)
-    got = parallel(pool, threads, fn, [([items[i] for i in run], [views[i] for i in run]) for run in runs])
+    got = parallel(pool, threads, fn, [([items[i] for i in run], [views[i] for i in run]) for run in runs],
+                   check=check)
     out: list[tuple[bool, Any]] = [None] * len(items)  # type: ignore[list-item]
     for run, (ok, value) in zip(runs, got):
         for i, res in zip(run, value if ok else [(False, value)] * len(run)):
@@ -50,28 +55,51 @@ def in_runs(pool: ThreadPoolExecutor, threads: int, fn: Callable[[list, list], l
 
 
 def parallel(pool: ThreadPoolExecutor, threads: int, fn: Callable[..., Any],
-             jobs: list[tuple]) -> list[tuple[bool, Any]]:
+             jobs: list[tuple], *, check: Callable[..., Any] | None = None) -> list[tuple[bool, Any]]:
     """Run ``fn(*job)`` for every job, in parallel on ``pool`` when there are several;
-    each result is ``(True, value)`` or ``(False, exception)``."""
+    each result is ``(True, value)`` or ``(False, exception)``.
+
+    With ``check``, each job's value becomes ``check(*job, value)``, computed on the
+    calling thread as the jobs finish, while the pool threads go on with the next jobs:
+    for reads, the disk keeps transfers in flight while landed ones are verified,
+    instead of idling while every thread verifies the burst that just landed."""
     def call(job: tuple) -> tuple[bool, Any]:
         try:
             return True, fn(*job)
         except Exception as exc:  # sorted out by the caller: miss, count or re-raise
             return False, exc
 
+    def finish(job: tuple, res: tuple[bool, Any]) -> tuple[bool, Any]:
+        if check is None or not res[0]:
+            return res
+        try:
+            return True, check(*job, res[1])
+        except Exception as exc:
+            return False, exc
+
     if len(jobs) <= 1:
-        return [call(job) for job in jobs]
+        return [finish(job, call(job)) for job in jobs]
     # A few tasks (one per I/O thread) each take the next job until none is left: the
     # device sees that many transfers in flight, the executor's per-task cost is paid
     # once per thread instead of once per job, and a thread the scheduler delays holds
     # up only its current job, not a fixed share of the batch.
     out: list[tuple[bool, Any]] = [None] * len(jobs)  # type: ignore[list-item]
     todo = iter(enumerate(jobs))   # next() on it is atomic under the GIL
+    landed: queue.SimpleQueue = queue.SimpleQueue()
 
     def lane() -> None:
         for i, job in todo:
-            out[i] = call(job)
+            res = call(job)
+            if check is None:
+                out[i] = res
+            else:
+                landed.put((i, res))
 
-    for task in [pool.submit(lane) for _ in range(min(len(jobs), threads))]:
+    tasks = [pool.submit(lane) for _ in range(min(len(jobs), threads))]
+    if check is not None:
+        for _ in jobs:
+            i, res = landed.get()
+            out[i] = finish(jobs[i], res)
+    for task in tasks:
         task.result()
     return out

@@ -234,6 +234,14 @@ def read_run(fd: int, offset: int, blocks: list[tuple[bytes, int, int]], dsts: l
     and verify each as :func:`read_block` does. ``blocks`` are ``(digest, length,
     checksum)``. Returns per block ``None`` (verified) or the :class:`CorruptBlockError`
     that rejects it; raises :class:`TierIOError` when the medium fails the whole read."""
+    return check_run(offset, blocks, dsts, land_run(fd, offset, dsts))
+
+
+def land_run(fd: int, offset: int, dsts: list[np.ndarray]) -> tuple[int, list[bytes]]:
+    """The transfer half of :func:`read_run`: one ``preadv`` of the run into ``dsts``;
+    returns the bytes read and each block's header (copied out of this thread's scratch
+    pages, so another thread can check them while this one reads on). Nothing is
+    verified yet: pass the result to :func:`check_run` before trusting ``dsts``."""
     pages = _scratch.pages_of("in_pages", len(dsts))
     iov: list[np.ndarray] = []
     for page, dst in zip(pages, dsts):
@@ -242,16 +250,23 @@ def read_run(fd: int, offset: int, blocks: list[tuple[bytes, int, int]], dsts: l
         got = os.preadv(fd, iov, offset)
     except OSError as exc:
         raise io_error(f"read of {len(dsts)} blocks at offset {offset} failed", exc) from exc
+    return got, [bytes(page[:HEADER_BYTES]) for page in pages[:len(dsts)]]
+
+
+def check_run(offset: int, blocks: list[tuple[bytes, int, int]], dsts: list[np.ndarray],
+              landed: tuple[int, list[bytes]]) -> list[CorruptBlockError | None]:
+    """The verification half of :func:`read_run`, on what :func:`land_run` returned."""
+    got, headers = landed
     out: list[CorruptBlockError | None] = []
     pos = 0
-    for page, dst, (digest, length, csum) in zip(pages, dsts, blocks):
+    for header, dst, (digest, length, csum) in zip(headers, dsts, blocks):
         pos += PAGE + length
         try:
             if dst.nbytes != length:
                 raise CorruptBlockError(f"payload length {dst.nbytes} differs from header's {length}")
             if pos > got:
                 raise CorruptBlockError(f"short read at offset {offset} (file truncated?)")
-            hlen, hsum = parse_header(page[:HEADER_BYTES], digest=digest)
+            hlen, hsum = parse_header(header, digest=digest)
             if hlen != length or hsum != csum:
                 raise CorruptBlockError(f"block header (length {hlen}) disagrees with the index (length {length})")
             if checksum(dst) != csum:

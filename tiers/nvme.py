@@ -38,7 +38,7 @@ from tiers._nvme_files import Shard, data_file_name
 from tiers._nvme_gpu import DeviceIO
 from tiers._nvme_index import Record
 from tiers._nvme_batch import in_runs
-from tiers._nvme_io import PAGE, extent_bytes, read_block, read_run, write_block, write_run
+from tiers._nvme_io import PAGE, check_run, extent_bytes, land_run, read_block, write_block, write_run
 from tiers._nvme_open import Entry, open_shard, paused_gc
 from tiers._nvme_readahead import ReadAhead, copy_hits, span_of
 from tiers.base import RecoveredBlock, Tier, TierCapabilities
@@ -325,9 +325,9 @@ class NvmeTier(Tier):
             ra.lock.release()
 
     def _read_direct(self, jobs: list[tuple]) -> list[tuple[bool, Any]]:
-        return in_runs(self._pool, self._io_threads, self._read_run, jobs, [job[3] for job in jobs],
+        return in_runs(self._pool, self._io_threads, self._land_run, jobs, [job[3] for job in jobs],
                        [(e.shard.no, e.file_no, e.offset) for _, _, e, _ in jobs],
-                       [e.length for _, _, e, _ in jobs], writable=True)
+                       [e.length for _, _, e, _ in jobs], writable=True, check=self._check_run)
 
     def _read_streaming(self, ra: ReadAhead, jobs: list[tuple]) -> list[tuple[bool, Any]]:
         """:meth:`_read_direct` with read-ahead: hits are copied on a pool thread while the
@@ -377,14 +377,23 @@ class NvmeTier(Tier):
                 out[i] = res
         return out
 
-    def _read_run(self, run: list[tuple], views: list) -> list[tuple[bool, Any]]:
-        if len(run) == 1:
+    def _land_run(self, run: list[tuple], views: list) -> Any:
+        """A pool thread's half of a read: the transfer. A run of host views is verified
+        by :meth:`_check_run` on the calling thread; any other buffer (device memory, an
+        unaligned or odd-sized one) moves on its own and is verified here, so this
+        returns its per-block result."""
+        if views[0] is None:
             _, key, e, dst = run[0]
             self._read_one(key, e, dst)
             return [(True, None)]
         e = run[0][2]
-        errors = read_run(e.shard.data.fd(e.file_no), e.offset,
-                          [(key.digest, e.length, e.checksum) for _, key, e, _ in run], views)
+        return land_run(e.shard.data.fd(e.file_no), e.offset, views)
+
+    def _check_run(self, run: list[tuple], views: list, landed: Any) -> list[tuple[bool, Any]]:
+        if views[0] is None:
+            return landed
+        errors = check_run(run[0][2].offset, [(key.digest, e.length, e.checksum) for _, key, e, _ in run],
+                           views, landed)
         return [(True, None) if err is None else (False, err) for err in errors]
 
     def _write_one(self, key: BlockKey, src: Any, shard: Shard, file_no: int, offset: int) -> int:
