@@ -6,13 +6,15 @@ cold (O_DIRECT), in batches of 64, interleaved (the order rotates every repetiti
 - ``kvstore``: ``NvmeTier.read_into``: index lookups, runs of adjacent blocks, one
   ``preadv`` per run on the tier's I/O threads, header and XXH3 check of every block,
   access bookkeeping, and the read-ahead of a sequential stream (these batches are one);
+- ``kvstore, no read-ahead``: the same tier with its read-ahead switched off;
 - ``bare reader``: the same extents, one ``preadv`` (header page + payload) per block on
   a 16-thread pool, the same header and XXH3 check (``tiers._nvme_io.read_block``) and
   nothing else: what a minimal Python reader with the same verification does;
 - ``bare, unverified``: the same ``preadv`` per block, no check at all.
 
-``kvstore`` against ``bare reader`` is what the tier's own work costs or gains;
-``bare reader`` against ``bare, unverified`` is what verification costs.
+``kvstore`` against ``kvstore, no read-ahead`` is what the read-ahead gains; against
+``bare reader``, what the tier's own work costs or gains; ``bare reader`` against
+``bare, unverified`` is what verification costs.
 
     python benchmarks/nvme_overhead.py [--dir DIR] [--sizes 256KiB,1MiB,4MiB] [--bytes 512MiB] [--reps 7]
 
@@ -44,7 +46,7 @@ from tiers.nvme import NvmeTier  # noqa: E402
 
 BATCH = 64
 THREADS = 16
-CONTENDERS = ("kvstore", "bare reader", "bare, unverified")
+CONTENDERS = ("kvstore", "kvstore, no read-ahead", "bare reader", "bare, unverified")
 
 
 def read_all(name: str, tier: NvmeTier, pool: ThreadPoolExecutor, keys: list, dsts: list) -> float:
@@ -62,13 +64,19 @@ def read_all(name: str, tier: NvmeTier, pool: ThreadPoolExecutor, keys: list, ds
         assert got == extent_bytes(e.length)
 
     one = verified if name == "bare reader" else unverified
-    t0 = time.perf_counter()
-    for s in range(0, len(keys), BATCH):
-        if name == "kvstore":
-            assert all(tier.read_into(keys[s:s + BATCH], dsts[s:s + BATCH]))
-        else:
-            list(pool.map(one, range(s, min(s + BATCH, len(keys)))))
-    return time.perf_counter() - t0
+    readahead = tier._readahead
+    if name == "kvstore, no read-ahead":
+        tier._readahead = None
+    try:
+        t0 = time.perf_counter()
+        for s in range(0, len(keys), BATCH):
+            if name.startswith("kvstore"):
+                assert all(tier.read_into(keys[s:s + BATCH], dsts[s:s + BATCH]))
+            else:
+                list(pool.map(one, range(s, min(s + BATCH, len(keys)))))
+        return time.perf_counter() - t0
+    finally:
+        tier._readahead = readahead
 
 
 def bench_size(base: str, block: int, total: int, reps: int) -> dict:
@@ -90,7 +98,7 @@ def bench_size(base: str, block: int, total: int, reps: int) -> dict:
                                  salt=f"{block}-{rep}").chunk_keys(np.arange(n))
                 for s in range(0, n, BATCH):
                     assert all(tier.write(keys[s:s + BATCH], srcs[s:s + BATCH]))
-                order = CONTENDERS[rep % 3:] + CONTENDERS[:rep % 3]
+                order = CONTENDERS[rep % len(CONTENDERS):] + CONTENDERS[:rep % len(CONTENDERS)]
                 for name in order:
                     os.sync()
                     dst[:] = 0
@@ -121,12 +129,12 @@ def main() -> int:
         rows = [bench_size(base, parse_size(s), args.bytes, args.reps) for s in args.sizes.split(",")]
     finally:
         shutil.rmtree(base, ignore_errors=True)
-    print(f"{'block':>8} | " + " | ".join(f"{c:>17}" for c in CONTENDERS)
-          + " | kvstore / bare reader, / unverified")
+    print(f"{'block':>8} | " + " | ".join(f"{c:>22}" for c in CONTENDERS)
+          + " | kvstore / each other column")
     for row in rows:
         print(f"{row['block_bytes'] >> 10:>5} Ki | "
-              + " | ".join(f"{row['read_GBps'][c]:>12.2f} GB/s" for c in CONTENDERS)
-              + f" | {row['kvstore_ratio']['bare reader']:.2f}, {row['kvstore_ratio']['bare, unverified']:.2f}")
+              + " | ".join(f"{row['read_GBps'][c]:>17.2f} GB/s" for c in CONTENDERS)
+              + " | " + ", ".join(f"{row['kvstore_ratio'][c]:.2f}" for c in CONTENDERS[1:]))
     print("(cold reads, medians; ratios are medians of per-repetition ratios)")
     path = write_json("nvme_overhead", {"rows": rows, "argv": sys.argv[1:]})
     print(f"wrote {path}")
