@@ -67,19 +67,9 @@ def test_torch_buffers_are_served_from_the_read_ahead(tier):
     assert tier.stats()["readahead_hits"] == (BATCHES - 2) * BATCH
 
 
-def test_zero_turns_it_off(tmp_path):
-    t = open_tier(str(tmp_path / "d"), readahead_bytes=0)
-    try:
-        keys = fill(t)
-        for s in range(0, len(keys), BATCH):
-            assert read_batch(t, keys[s:s + BATCH], s) == [True] * BATCH
-        assert t.stats()["readahead_hits"] == 0
-    finally:
-        t.close()
-
-
-def test_batches_longer_than_the_window_are_read_directly(tmp_path):
-    t = open_tier(str(tmp_path / "d"), readahead_bytes=2 * BLOCK)
+@pytest.mark.parametrize("window", [0, 2 * BLOCK], ids=["off", "batch-longer-than-window"])
+def test_no_read_ahead_when_off_or_batches_exceed_the_window(tmp_path, window):
+    t = open_tier(str(tmp_path / "d"), readahead_bytes=window)
     try:
         keys = fill(t)
         for s in range(0, len(keys), BATCH):
