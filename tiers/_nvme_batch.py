@@ -89,17 +89,12 @@ def parallel(pool: ThreadPoolExecutor, threads: int, fn: Callable[..., Any],
 
     def lane() -> None:
         for i, job in todo:
-            res = call(job)
-            if check is None:
-                out[i] = res
-            else:
-                landed.put((i, res))
+            landed.put((i, call(job)))
 
     tasks = [pool.submit(lane) for _ in range(min(len(jobs), threads))]
-    if check is not None:
-        for _ in jobs:
-            i, res = landed.get()
-            out[i] = finish(jobs[i], res)
+    for _ in jobs:
+        i, res = landed.get()
+        out[i] = finish(jobs[i], res)
     for task in tasks:
         task.result()
     return out

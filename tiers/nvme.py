@@ -352,7 +352,8 @@ class NvmeTier(Tier):
             if span is not None:
                 (shard_no, file_no), start, end = span
                 data = self._shards[shard_no].data
-                ra.advance(span[0], start, end, data.fd(file_no), data.files[file_no].size, read=ahead)
+                ra.advance((shard_no, file_no), start, end, data.fd(file_no), data.files[file_no].size,
+                           read=ahead)
 
         if not misses:
             read_ahead()
