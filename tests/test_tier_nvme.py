@@ -9,7 +9,7 @@ import pytest
 
 from kvstore.errors import InvalidArgumentError, TierUnavailableError
 from kvstore.testing import CAPACITY, TierConformance, make_keys, payload
-from tiers._nvme_io import aligned_empty, extent_bytes
+from tiers._nvme_io import READ_RUN_BYTES, aligned_empty, extent_bytes, plan_runs
 from tiers.nvme import NvmeTier
 
 FILE_BYTES = 512 * 1024
@@ -244,3 +244,19 @@ def test_adjacent_blocks_move_in_runs(tier, monkeypatch):
     assert calls["preadv"] < 12
     for i, (src, dst) in enumerate(zip(srcs, dsts)):
         assert np.array_equal(dst, src), i
+
+
+def test_runs_carry_at_most_their_byte_cap():
+    """Adjacent blocks are cut into runs of at most ``max_bytes`` of payload (reads use
+    smaller runs than writes); a block larger than the cap is a run of its own, a block
+    that cannot join a run is always alone."""
+    mib = 1 << 20
+    items = [(("a", 0), i * extent_bytes(mib), mib, True) for i in range(8)]
+    assert plan_runs(items, 64, max_bytes=2 * mib) == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert plan_runs(items, 64) == [list(range(8))]
+    assert plan_runs(items, 3) == [[0, 1, 2], [3, 4, 5], [6, 7]]
+    big = [(("a", 0), i * extent_bytes(4 * mib), 4 * mib, True) for i in range(3)]
+    assert plan_runs(big, 64, max_bytes=READ_RUN_BYTES) == [[0], [1], [2]]
+    mixed = items[:3] + [(("a", 0), 3 * extent_bytes(mib), mib, False)]
+    assert plan_runs(mixed, 64, max_bytes=2 * mib) == [[0, 1], [2], [3]]
+

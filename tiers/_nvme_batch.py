@@ -15,16 +15,18 @@ from typing import Any, Callable
 import numpy as np
 
 from kvstore.buffers import host_view
-from tiers._nvme_io import joinable, plan_runs
+from tiers._nvme_io import MAX_RUN_BYTES, joinable, plan_runs
 
 
 def in_runs(pool: ThreadPoolExecutor, threads: int, fn: Callable[[list, list], Any], items: list,
             bufs: list, where: list[tuple[int, int, int]], sizes: list[int], *,
-            writable: bool, check: Callable[[list, list, Any], list] | None = None) -> list[tuple[bool, Any]]:
+            writable: bool, run_bytes: int = MAX_RUN_BYTES,
+            check: Callable[[list, list, Any], list] | None = None) -> list[tuple[bool, Any]]:
     """Move ``items`` in runs of blocks adjacent on disk, the runs in parallel.
 
     ``bufs[i]`` is item i's caller buffer, ``where[i]`` its ``(directory, file,
-    offset)`` and ``sizes[i]`` its payload bytes. ``fn(run_items, views)`` gets one
+    offset)`` and ``sizes[i]`` its payload bytes; a run carries at most ``run_bytes``
+    of payload (or one block). ``fn(run_items, views)`` gets one
     run's items with their host views (``None`` for a block moved on its own) and
     returns per block ``(ok, value)``; a run whose call raises fails every block in it
     with that error. With ``check``, ``fn`` only moves the bytes and
@@ -44,7 +46,7 @@ def in_runs(pool: ThreadPoolExecutor, threads: int, fn: Callable[[list, list], A
     # at least threads/2 runs per batch, so several transfers are in flight
     cap = max(1, -(-len(items) // max(1, threads // 2)))
     runs = plan_runs([((w[0], w[1]), w[2], n, views[i] is not None)
-                      for i, (w, n) in enumerate(zip(where, sizes))], cap)
+                      for i, (w, n) in enumerate(zip(where, sizes))], cap, run_bytes)
     got = parallel(pool, threads, fn, [([items[i] for i in run], [views[i] for i in run]) for run in runs],
                    check=check)
     out: list[tuple[bool, Any]] = [None] * len(items)  # type: ignore[list-item]

@@ -174,6 +174,11 @@ def copy_block(raw: np.ndarray, digest: bytes, length: int, csum: int, dst: np.n
 # measured no faster; 256 blocks keeps two iovecs a block under IOV_MAX (1024).
 MAX_RUN_BLOCKS = 256
 MAX_RUN_BYTES = 8 << 20
+# A read batch is cut into smaller runs: the calling thread checks each run as it lands
+# while the I/O threads go on with the next ones, and with smaller runs less is left to
+# check once the last transfer is done (1 MiB blocks: 1.06x with 2 MiB runs in per-batch
+# interleaved A/Bs, level at 256 KiB and 4 MiB). Writes keep 8 MiB runs (2 MiB: 0.96x).
+READ_RUN_BYTES = 2 << 20
 
 
 def joinable(buf: np.ndarray) -> bool:
@@ -183,14 +188,16 @@ def joinable(buf: np.ndarray) -> bool:
     return n > 0 and n % PAGE == 0 and is_aligned(buf)
 
 
-def plan_runs(items: list[tuple[object, int, int, bool]], max_blocks: int) -> list[list[int]]:
+def plan_runs(items: list[tuple[object, int, int, bool]], max_blocks: int,
+              max_bytes: int = MAX_RUN_BYTES) -> list[list[int]]:
     """Group blocks whose extents follow each other in one file into runs, so that one
     ``preadv``/``pwritev`` moves several blocks (fewer system calls and Python steps
     per block; the kernel splits a large transfer into several device requests).
 
     ``items[i]`` is ``(file, offset, payload nbytes, joinable)``; returns lists of
-    indices into ``items``, each run in file order, at most ``max_blocks`` long.
-    A block that is not joinable is a run of its own."""
+    indices into ``items``, each run in file order, at most ``max_blocks`` long and,
+    unless it is one block, at most ``max_bytes`` of payload. A block that is not
+    joinable is a run of its own."""
     runs: list[list[int]] = []
     order = sorted((i for i, it in enumerate(items) if it[3]), key=lambda i: (items[i][0], items[i][1]))
     run: list[int] = []
@@ -198,7 +205,7 @@ def plan_runs(items: list[tuple[object, int, int, bool]], max_blocks: int) -> li
     for i in order:
         file, offset, n, _ = items[i]
         if run and (items[run[-1]][0] != file or offset != end or len(run) >= min(max_blocks, MAX_RUN_BLOCKS)
-                    or nbytes + n > MAX_RUN_BYTES):
+                    or nbytes + n > max_bytes):
             runs.append(run)
             run, nbytes = [], 0
         run.append(i)

@@ -38,7 +38,8 @@ from tiers._nvme_files import Shard, data_file_name
 from tiers._nvme_gpu import DeviceIO
 from tiers._nvme_index import Record
 from tiers._nvme_batch import in_runs
-from tiers._nvme_io import PAGE, check_run, extent_bytes, land_run, read_block, write_block, write_run
+from tiers._nvme_io import (PAGE, READ_RUN_BYTES, check_run, extent_bytes, land_run, read_block, write_block,
+                            write_run)
 from tiers._nvme_open import Entry, open_shard, paused_gc
 from tiers._nvme_readahead import ReadAhead, copy_hits, span_of
 from tiers.base import RecoveredBlock, Tier, TierCapabilities
@@ -327,7 +328,8 @@ class NvmeTier(Tier):
     def _read_direct(self, jobs: list[tuple]) -> list[tuple[bool, Any]]:
         return in_runs(self._pool, self._io_threads, self._land_run, jobs, [job[3] for job in jobs],
                        [(e.shard.no, e.file_no, e.offset) for _, _, e, _ in jobs],
-                       [e.length for _, _, e, _ in jobs], writable=True, check=self._check_run)
+                       [e.length for _, _, e, _ in jobs], writable=True, run_bytes=READ_RUN_BYTES,
+                       check=self._check_run)
 
     def _read_streaming(self, ra: ReadAhead, jobs: list[tuple]) -> list[tuple[bool, Any]]:
         """:meth:`_read_direct` with read-ahead: hits are copied on a pool thread while the
