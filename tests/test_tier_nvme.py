@@ -7,7 +7,7 @@ import subprocess
 import numpy as np
 import pytest
 
-from kvstore.errors import InvalidArgumentError, TierUnavailableError
+from kvstore.errors import InvalidArgumentError, TierIOError, TierUnavailableError
 from kvstore.testing import CAPACITY, TierConformance, make_keys, payload
 from tiers._nvme_io import READ_RUN_BYTES, aligned_empty, extent_bytes, plan_runs
 from tiers.nvme import NvmeTier
@@ -260,3 +260,53 @@ def test_runs_carry_at_most_their_byte_cap():
     mixed = items[:3] + [(("a", 0), 3 * extent_bytes(mib), mib, False)]
     assert plan_runs(mixed, 64, max_bytes=2 * mib) == [[0, 1], [2], [3]]
 
+
+def test_failed_index_commit_drops_its_blocks(tmp_path, monkeypatch):
+    """A batch's index records are committed behind the write; when that commit fails
+    (here: the index refuses it), the blocks it carried are dropped as if evicted, their
+    space is reused, and nothing that was committed is lost."""
+    path = str(tmp_path / "nvme")
+    tier = open_tier(path)
+    keys = make_keys(4, salt="commit")
+    assert all(tier.write(keys[:2], [payload(i) for i in range(2)]))
+    tier.flush_access()
+    used = tier.used_bytes
+    index = tier._shards[0].index
+
+    def refused(items):
+        list(items)
+        raise TierIOError("index refused the commit")
+    monkeypatch.setattr(index, "put", refused)
+    assert all(tier.write(keys[2:], [payload(i) for i in range(2, 4)]))   # the data is on disk
+    tier.flush_access()   # waits for the commit, which failed
+    assert tier.contains(keys) == [True, True, False, False]
+    assert tier.used_bytes == used and tier.stats()["io_errors"] == 1
+    monkeypatch.undo()
+    assert all(tier.write(keys[2:], [payload(i) for i in range(2, 4)]))
+    tier.close()
+    tier = open_tier(path)
+    try:
+        for i, key in enumerate(keys):
+            dst = np.empty(len(payload(i)), np.uint8)
+            assert tier.read_into([key], [dst]) == [True] and np.array_equal(dst, payload(i)), i
+        assert tier.stats()["allocated_bytes"] == sum(extent_bytes(len(payload(i))) for i in range(4))
+    finally:
+        tier.close()
+
+
+def test_delete_right_after_write_stays_deleted(tmp_path):
+    """A delete issued while the write's index commit may still be in flight is applied
+    after it: after a restart the key is gone and its space is free."""
+    path = str(tmp_path / "nvme")
+    tier = open_tier(path)
+    keys = make_keys(20, salt="wd")
+    for i, key in enumerate(keys):
+        assert tier.write([key], [payload(i)]) == [True]
+        assert tier.delete([key]) == 1
+    tier.close()
+    tier = open_tier(path)
+    try:
+        assert tier.contains(keys) == [False] * len(keys)
+        assert tier.used_bytes == 0 and tier.stats()["allocated_bytes"] == 0
+    finally:
+        tier.close()

@@ -25,7 +25,7 @@ import logging
 import os
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Iterator, Sequence
 
 import numpy as np
@@ -54,7 +54,9 @@ class NvmeTier(Tier):
     ``direct_io``: use ``O_DIRECT`` where the file system allows (else buffered, logged).
     ``file_bytes``: size of each data file, created on demand. ``io_threads``: requests
     in flight per batch. ``index_sync``: fsync each index commit (durable across power
-    loss; a process crash is survived either way). ``access_flush_s``: how often
+    loss). A batch's records are committed behind its write, on the tier's index thread,
+    so a crash can lose the last batch written (never serve wrong bytes; see
+    docs/nvme.md, *Recovery*). ``access_flush_s``: how often
     last-access times reach the index. ``readahead_bytes``: the most a sequential stream
     of batches reads ahead (see :mod:`tiers._nvme_readahead`; 0 turns it off).
     """
@@ -103,6 +105,10 @@ class NvmeTier(Tier):
         self._device = DeviceIO()
         self._io_threads = io_threads
         self._pool = ThreadPoolExecutor(io_threads, thread_name_prefix=f"kvstore-{name}")
+        # a write batch's index records are committed here while the caller goes on (the
+        # next batch's data moves during the commit's fsync); one commit in flight at a time
+        self._committer = ThreadPoolExecutor(1, thread_name_prefix=f"kvstore-{name}-index")
+        self._committing: Future | None = None
         # buffered I/O has the kernel's own read-ahead
         self._readahead = (ReadAhead(self._pool, readahead_bytes)
                            if readahead_bytes >= PAGE and self.io_mode == "direct" else None)
@@ -171,26 +177,24 @@ class NvmeTier(Tier):
                 failed.append(p)
                 first_error = first_error or self._count_failure(value, "write")
         with self._commit:
-            committed = []
-            for shard, items in done.items():
-                records = list(zip((p for p, _ in items), (c for _, c in items), self._stamps(len(items))))
-                try:
-                    shard.index.put((p[1].digest, Record(p[4], p[5], p[6], csum, p[1].to_bytes()), last)
-                                    for p, csum, last in records)
-                    committed.extend(records)
-                except TierError as exc:
-                    self._count_failure(exc, "index commit")
-                    failed.extend(p for p, _ in items)
+            self._settle()   # the previous batch's records first: commits stay in order
+            records: dict[Shard, list[tuple[BlockKey, Entry]]] = {}
             with self._lock:
-                for (j, key, _, shard, file_no, offset, n), csum, last in committed:
-                    self._entries[key] = Entry(shard, file_no, offset, n, csum, last)
-                    self._pending.discard(key)
-                    out[j] = True
+                for shard, items in done.items():
+                    stamps = self._stamps_locked(len(items))
+                    for (p, csum), last in zip(items, stamps):
+                        j, key, _, _, file_no, offset, n = p
+                        e = self._entries[key] = Entry(shard, file_no, offset, n, csum, last)
+                        records.setdefault(shard, []).append((key, e))
+                        self._pending.discard(key)
+                        out[j] = True
                 for j, key, _, shard, file_no, offset, n in failed:
                     shard.data.free(file_no, offset, n)
                     shard.used -= n
                     self._used -= n
                     self._pending.discard(key)
+            if records:
+                self._committing = self._committer.submit(self._commit_records, records)
         if first_error is not None:
             raise first_error
         return out
@@ -254,6 +258,7 @@ class NvmeTier(Tier):
     def flush_access(self) -> None:
         """Write pending last-access times to the index (one transaction per directory)."""
         with self._commit:
+            self._settle()
             touched, self._touched = self._touched, {}
             self._last_flush = time.monotonic()
             by_shard: dict[Shard, dict[bytes, float]] = {}
@@ -272,7 +277,8 @@ class NvmeTier(Tier):
                 return
             self._closed = True
         self._pool.shutdown(wait=True)
-        self.flush_access()
+        self.flush_access()   # also waits for the last index commit
+        self._committer.shutdown(wait=True)
         self._device.close()
         for shard in self._shards:
             try:
@@ -429,6 +435,7 @@ class NvmeTier(Tier):
         """Drop entries (still the same objects) from memory, then the index; extents are
         freed once the index no longer names them and no reader holds them."""
         with self._commit:
+            self._settle()   # a record still being committed must not outlive its delete
             with self._lock:
                 gone = []
                 for key, e in found:
@@ -452,6 +459,35 @@ class NvmeTier(Tier):
                         e.shard.data.free(e.file_no, e.offset, e.length)
         return len(gone)
 
+    def _commit_records(self, records: dict[Shard, list[tuple[BlockKey, Entry]]]) -> list[tuple[BlockKey, Entry]]:
+        """The committer thread's half of a write: one index transaction per directory.
+        Returns the blocks whose commit failed (:meth:`_settle` drops them)."""
+        lost = []
+        for shard, items in records.items():
+            try:
+                shard.index.put((key.digest, Record(e.file_no, e.offset, e.length, e.checksum, key.to_bytes()),
+                                 e.last) for key, e in items)
+            except TierError as exc:
+                self._count_failure(exc, "index commit")
+                lost.extend(items)
+        return lost
+
+    def _settle(self) -> None:
+        """Wait for the index commit in flight, if any; blocks it could not commit are
+        dropped, as if evicted. Caller holds ``_commit``."""
+        task, self._committing = self._committing, None
+        lost = task.result() if task is not None else []
+        if lost:
+            with self._lock:
+                for key, e in lost:
+                    if self._entries.get(key) is e:
+                        del self._entries[key]
+                        e.shard.used -= e.length
+                        self._used -= e.length
+                        e.dead = True
+                        if e.readers == 0:
+                            e.shard.data.free(e.file_no, e.offset, e.length)
+
     def _unread(self, e: Entry) -> None:
         e.readers -= 1
         if e.dead and e.readers == 0:
@@ -461,11 +497,14 @@ class NvmeTier(Tier):
         """``n`` wall-clock times, strictly increasing across calls, so recovery
         reproduces access order (one lock and one clock read per batch)."""
         with self._lock:
-            first = max(time.time(), self._clock_last + 1e-6)
-            out = [first + i * 1e-6 for i in range(n)]
-            if out:
-                self._clock_last = out[-1]
-            return out
+            return self._stamps_locked(n)
+
+    def _stamps_locked(self, n: int) -> list[float]:
+        first = max(time.time(), self._clock_last + 1e-6)
+        out = [first + i * 1e-6 for i in range(n)]
+        if out:
+            self._clock_last = out[-1]
+        return out
 
     def _check_open(self) -> None:
         if self._closed:
