@@ -1,6 +1,9 @@
 """LMCache 0.5.6's disk paths, measured for ``benchmarks/nvme.py`` (run by a Python that
 has LMCache installed; prints one JSON line with ``write_Bps`` and ``read_Bps``).
 
+Both modes end the timed write phase with ``sync`` (the data on the disk), as
+``benchmarks/nvme.py`` does for every contender.
+
 ``--mode disk``: the in-process ``LocalDiskBackend`` (one file per chunk), writes
 through ``batched_submit_put_task`` (waiting for every completion callback), cold reads
 (files dropped from the page cache first) through ``batched_get_blocking``. Its
@@ -70,6 +73,7 @@ def run_disk(args: argparse.Namespace) -> dict:
         for _ in keys[s:s + args.batch]:
             if not done.acquire(timeout=60):
                 raise RuntimeError("LocalDiskBackend never completed a write")
+    os.sync()   # its writes land in the page cache: the write-back is part of writing to disk
     t_write = time.perf_counter() - t0
     for obj in objs:
         obj.ref_count_down()
@@ -140,6 +144,7 @@ def run_fs_native(args: argparse.Namespace) -> dict:
     t0 = time.perf_counter()
     for s in range(0, args.blocks, args.batch):
         wait_store(adapter.submit_store_task(keys[s:s + args.batch], src[s:s + args.batch]))
+    os.sync()   # as every contender's write phase ends
     t_write = time.perf_counter() - t0
     drop_cache(args.dir)
     t0 = time.perf_counter()

@@ -12,8 +12,13 @@ runs each contender once in turn (interleaved), then the table shows medians:
   under the Python named by ``--lmcache-python`` (a venv holding LMCache; see
   MACHINE.md). A contender that cannot run is reported as skipped, never estimated.
 
-Reads are cold: direct I/O bypasses the page cache, and files read through the page
-cache are dropped first (``drop_caches`` when root, else ``posix_fadvise``).
+Every contender is timed the same way. A write phase ends when the data is on the
+disk: its last step, inside the timing, is a ``sync`` (kvstore first waits for its last
+index commit), so a path that writes through the page cache pays for the write-back
+instead of reporting the speed of a memory copy. A read phase starts cold, after that
+sync: direct I/O bypasses the page cache, and files read through the page cache are
+dropped first (``drop_caches`` when root, else ``posix_fadvise``). fio's writes are
+direct and unsynced (its job ends before the harness can sync); it reads after a sync.
 
 Also measured: opening a tier whose index holds ``--index-entries`` entries (restart
 time) and ``fsck`` throughput. Writes ``benchmarks/results/nvme.json`` and ``nvme.png``.
@@ -98,6 +103,8 @@ class KvstoreRunner:
         t0 = time.perf_counter()
         for i in range(0, self.n, self.batch):
             assert all(self.tier.write(keys[i:i + self.batch], srcs[i:i + self.batch]))
+        self.tier.flush_access()   # waits for the last batch's index commit
+        os.sync()
         t_write = time.perf_counter() - t0
         if self.tier.io_mode != "direct":
             drop_page_cache([self.dir])
@@ -132,7 +139,9 @@ class FioRunner:
         return float(job["write" if rw == "write" else "read"]["bw_bytes"])
 
     def run(self) -> tuple[float, float]:
-        return self._fio("write"), self._fio("read")
+        write = self._fio("write")
+        os.sync()
+        return write, self._fio("read")
 
     def close(self) -> None:
         shutil.rmtree(self.dir, ignore_errors=True)
