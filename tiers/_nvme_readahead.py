@@ -25,10 +25,11 @@ import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any, Callable
 
 import numpy as np
 
-from kvstore.buffers import host_view
+from kvstore.buffers import host_view, is_device
 from kvstore.errors import CorruptBlockError, InvalidArgumentError
 from tiers._nvme_io import PAGE, aligned_empty, copy_block, extent_bytes
 
@@ -113,6 +114,58 @@ class ReadAhead:
             window.pieces.append((at, self._pool.submit(os.preadv, fd, [part], end + at)))
         self._filling[spare] = self.window = window
         self._spare ^= 1
+
+    def read(self, jobs: list[tuple], read_direct: Callable[[list[tuple]], list[tuple[bool, Any]]],
+             file_of: Callable[[FileId], tuple[int, int]]) -> tuple[list[tuple[bool, Any]], int]:
+        """Read ``jobs`` (``(j, key, entry, dst)``): the blocks the window holds are copied
+        on a pool thread while ``read_direct`` reads the others; when this call continues
+        the stream, the span after it is read ahead (before the direct reads when there
+        are none, else after them, so that the disk has work while this batch is handed
+        back and the next one planned). ``file_of(file)`` is ``(fd, size)`` of a data file.
+        Returns ``(ok, error)`` per job, in order, and how many came from the window.
+        The caller holds :attr:`lock`."""
+        window = self.window
+        hits: list[int] = []
+        if window is not None:
+            hits = [i for i, (_, _, e, dst) in enumerate(jobs)
+                    if not is_device(dst) and window.holds((e.shard.no, e.file_no), e.offset, extent_bytes(e.length))]
+        hit_set = set(hits)
+        misses = [i for i in range(len(jobs)) if i not in hit_set]
+        copying = None
+        if hits:
+            window.wait()   # here, not on the pool: a pool thread must never wait for the pool
+            copying = self._pool.submit(copy_hits, window, [jobs[i] for i in hits])
+        span = span_of(jobs)
+        ahead = span is not None and (bool(hits) or self.continues(span[0], span[1]))
+
+        def read_ahead() -> None:
+            if span is not None:
+                file, start, end = span
+                fd, size = file_of(file)
+                self.advance(file, start, end, fd, size, read=ahead)
+
+        if not misses:
+            read_ahead()
+        out: list[tuple[bool, Any]] = [None] * len(jobs)  # type: ignore[list-item]
+        for i, res in zip(misses, read_direct([jobs[i] for i in misses]) if misses else []):
+            out[i] = res
+        if misses:
+            read_ahead()
+        served = 0
+        if copying is not None:
+            copied = copying.result()
+            served = sum(copied)
+            again = []
+            for i, ok in zip(hits, copied):
+                if ok:
+                    out[i] = (True, None)
+                else:
+                    again.append(i)
+            # a copy that failed its check: the extent changed after it was read ahead,
+            # or the block is corrupt; a direct read tells which
+            for i, res in zip(again, read_direct([jobs[i] for i in again]) if again else []):
+                out[i] = res
+        return out, served
 
 
 def span_of(jobs: list[tuple]) -> tuple[FileId, int, int] | None:

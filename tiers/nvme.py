@@ -38,10 +38,9 @@ from tiers._nvme_files import Shard, data_file_name
 from tiers._nvme_gpu import DeviceIO
 from tiers._nvme_index import Record
 from tiers._nvme_batch import in_runs
-from tiers._nvme_io import (PAGE, READ_RUN_BYTES, check_run, extent_bytes, land_run, read_block, write_block,
-                            write_run)
+from tiers._nvme_io import PAGE, READ_RUN_BYTES, check_run, land_run, read_block, write_block, write_run
 from tiers._nvme_open import Entry, open_shard, paused_gc
-from tiers._nvme_readahead import ReadAhead, copy_hits, span_of
+from tiers._nvme_readahead import ReadAhead
 from tiers.base import RecoveredBlock, Tier, TierCapabilities
 
 log = logging.getLogger(__name__)
@@ -327,9 +326,13 @@ class NvmeTier(Tier):
         if ra is None or not jobs or not ra.lock.acquire(blocking=False):
             return self._read_direct(jobs)
         try:
-            return self._read_streaming(ra, jobs)
+            out, hits = ra.read(jobs, self._read_direct, self._file_of)
         finally:
             ra.lock.release()
+        if hits:
+            with self._lock:
+                self.counters["readahead_hits"] += hits
+        return out
 
     def _read_direct(self, jobs: list[tuple]) -> list[tuple[bool, Any]]:
         return in_runs(self._pool, self._io_threads, self._land_run, jobs, [job[3] for job in jobs],
@@ -337,54 +340,10 @@ class NvmeTier(Tier):
                        [e.length for _, _, e, _ in jobs], writable=True, run_bytes=READ_RUN_BYTES,
                        check=self._check_run)
 
-    def _read_streaming(self, ra: ReadAhead, jobs: list[tuple]) -> list[tuple[bool, Any]]:
-        """:meth:`_read_direct` with read-ahead: hits are copied on a pool thread while the
-        misses are read; when this call continues a stream, the span after it is read
-        ahead (before the misses when there are none, else after them, so that the disk
-        has work while this batch is handed back and the next one planned)."""
-        window = ra.window
-        hits: list[int] = []
-        if window is not None:
-            hits = [i for i, (_, _, e, dst) in enumerate(jobs)
-                    if not is_device(dst) and window.holds((e.shard.no, e.file_no), e.offset, extent_bytes(e.length))]
-        hit_set = set(hits)
-        misses = [i for i in range(len(jobs)) if i not in hit_set]
-        copying = None
-        if hits:
-            window.wait()   # here, not on the pool: a pool thread must never wait for the pool
-            copying = self._pool.submit(copy_hits, window, [jobs[i] for i in hits])
-        span = span_of(jobs)
-        ahead = span is not None and (bool(hits) or ra.continues(span[0], span[1]))
-
-        def read_ahead() -> None:
-            if span is not None:
-                (shard_no, file_no), start, end = span
-                data = self._shards[shard_no].data
-                ra.advance((shard_no, file_no), start, end, data.fd(file_no), data.files[file_no].size,
-                           read=ahead)
-
-        if not misses:
-            read_ahead()
-        out: list[tuple[bool, Any]] = [None] * len(jobs)  # type: ignore[list-item]
-        for i, res in zip(misses, self._read_direct([jobs[i] for i in misses]) if misses else []):
-            out[i] = res
-        if misses:
-            read_ahead()
-        if copying is not None:
-            copied = copying.result()
-            with self._lock:
-                self.counters["readahead_hits"] += sum(copied)
-            again = []
-            for i, ok in zip(hits, copied):
-                if ok:
-                    out[i] = (True, None)
-                else:
-                    again.append(i)
-            # a copy that failed its check: the extent changed after it was read ahead,
-            # or the block is corrupt; a direct read tells which
-            for i, res in zip(again, self._read_direct([jobs[i] for i in again]) if again else []):
-                out[i] = res
-        return out
+    def _file_of(self, file: tuple[int, int]) -> tuple[int, int]:
+        """``(fd, size)`` of data file ``(directory number, file number)``."""
+        data = self._shards[file[0]].data
+        return data.fd(file[1]), data.files[file[1]].size
 
     def _land_run(self, run: list[tuple], views: list) -> Any:
         """A pool thread's half of a read: the transfer. A run of host views is verified
@@ -437,13 +396,7 @@ class NvmeTier(Tier):
         with self._commit:
             self._settle()   # a record still being committed must not outlive its delete
             with self._lock:
-                gone = []
-                for key, e in found:
-                    if self._entries.get(key) is e:
-                        del self._entries[key]
-                        e.shard.used -= e.length
-                        self._used -= e.length
-                        gone.append((key, e))
+                gone = self._forget(found)
             by_shard: dict[Shard, list[bytes]] = {}
             for key, e in gone:
                 by_shard.setdefault(e.shard, []).append(key.digest)
@@ -453,10 +406,7 @@ class NvmeTier(Tier):
                 except TierError as exc:
                     self._count_failure(exc, "index delete")
             with self._lock:
-                for _, e in gone:
-                    e.dead = True   # only now: the extent must outlive its index record
-                    if e.readers == 0:
-                        e.shard.data.free(e.file_no, e.offset, e.length)
+                self._release(gone)   # only now: an extent must outlive its index record
         return len(gone)
 
     def _commit_records(self, records: dict[Shard, list[tuple[BlockKey, Entry]]]) -> list[tuple[BlockKey, Entry]]:
@@ -479,14 +429,27 @@ class NvmeTier(Tier):
         lost = task.result() if task is not None else []
         if lost:
             with self._lock:
-                for key, e in lost:
-                    if self._entries.get(key) is e:
-                        del self._entries[key]
-                        e.shard.used -= e.length
-                        self._used -= e.length
-                        e.dead = True
-                        if e.readers == 0:
-                            e.shard.data.free(e.file_no, e.offset, e.length)
+                self._release(self._forget(lost))
+
+    def _forget(self, found: list[tuple[BlockKey, Entry]]) -> list[tuple[BlockKey, Entry]]:
+        """Take the entries that are still these objects out of memory and out of the
+        accounting; returns them. Caller holds the lock."""
+        gone = []
+        for key, e in found:
+            if self._entries.get(key) is e:
+                del self._entries[key]
+                e.shard.used -= e.length
+                self._used -= e.length
+                gone.append((key, e))
+        return gone
+
+    def _release(self, gone: list[tuple[BlockKey, Entry]]) -> None:
+        """Free the extents of forgotten entries that the index no longer names, now or,
+        for one being read, when its last reader is done. Caller holds the lock."""
+        for _, e in gone:
+            e.dead = True
+            if e.readers == 0:
+                e.shard.data.free(e.file_no, e.offset, e.length)
 
     def _unread(self, e: Entry) -> None:
         e.readers -= 1
