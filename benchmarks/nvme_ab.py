@@ -35,7 +35,7 @@ sys.path.insert(0, ROOT)
 import numpy as np  # noqa: E402
 
 import tiers.nvme as nvme  # noqa: E402
-from benchmarks._common import write_json  # noqa: E402
+from benchmarks._common import print_table, write_json  # noqa: E402
 from kvstore.config import parse_size  # noqa: E402
 from kvstore.keys import Namespace  # noqa: E402
 from tiers._nvme_io import MAX_RUN_BYTES, aligned_empty, extent_bytes  # noqa: E402
@@ -114,12 +114,9 @@ def main() -> int:
         rows = [bench_size(base, parse_size(s), args.bytes, args.reps) for s in args.sizes.split(",")]
     finally:
         shutil.rmtree(base, ignore_errors=True)
-    names = [*READS, *WRITES]
-    print(f"{'block':>8} | " + " | ".join(f"{c:>20}" for c in names) + " | reads new/old | writes new/old")
-    for row in rows:
-        vals = [row["read_GBps"][v] for v in READS] + [row["write_GBps"][v] for v in WRITES]
-        print(f"{row['block_bytes'] >> 10:>5} Ki | " + " | ".join(f"{x:>15.2f} GB/s" for x in vals)
-              + f" | {row['read_ratio']:>13.3f} | {row['write_ratio']:>14.3f}")
+    print_table(["block", *(f"{v} GB/s" for v in (*READS, *WRITES)), "reads new/old", "writes new/old"],
+                [[f"{row['block_bytes'] >> 10} KiB", *(row["read_GBps"][v] for v in READS),
+                  *(row["write_GBps"][v] for v in WRITES), row["read_ratio"], row["write_ratio"]] for row in rows])
     print("(cold reads and writes, medians; ratios are medians of paired per-repetition ratios)")
     path = write_json("nvme_ab", {"rows": rows, "argv": sys.argv[1:]})
     print(f"wrote {path}")
