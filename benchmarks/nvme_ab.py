@@ -21,12 +21,10 @@ the old one); writes benchmarks/results/nvme_ab.json.
 
 from __future__ import annotations
 
-import argparse
 import os
 import shutil
 import statistics
 import sys
-import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -36,9 +34,9 @@ import numpy as np  # noqa: E402
 
 import tiers.nvme as nvme  # noqa: E402
 from benchmarks._common import print_table, write_json  # noqa: E402
-from kvstore.config import parse_size  # noqa: E402
+from benchmarks._nvme_setup import block_buffers, per_size, size_options  # noqa: E402
 from kvstore.keys import Namespace  # noqa: E402
-from tiers._nvme_io import MAX_RUN_BYTES, aligned_empty, extent_bytes  # noqa: E402
+from tiers._nvme_io import MAX_RUN_BYTES, extent_bytes  # noqa: E402
 
 BATCH = 64
 READS = {"2 MiB read runs": nvme.READ_RUN_BYTES, "8 MiB read runs": MAX_RUN_BYTES}
@@ -47,12 +45,7 @@ WRITES = ("commit behind write", "commit in the call")
 
 def bench_size(base: str, block: int, total: int, reps: int) -> dict:
     n = max(2 * BATCH, total // block // BATCH * BATCH)
-    src = aligned_empty(block * n)
-    src[:] = np.random.default_rng(0).integers(0, 256, src.nbytes, dtype=np.uint8)
-    dst = aligned_empty(block * n)
-    dst[:] = 0
-    srcs = [src[i * block:(i + 1) * block] for i in range(n)]
-    dsts = [dst[i * block:(i + 1) * block] for i in range(n)]
+    src, dst, srcs, dsts = block_buffers(block, n)
     path = os.path.join(base, f"kv-{block}")
     tier = nvme.NvmeTier(path, int(extent_bytes(block) * n * 1.1), name="bench", file_bytes=2 << 30,
                          io_threads=16, readahead_bytes=0)
@@ -101,19 +94,11 @@ def bench_size(base: str, block: int, total: int, reps: int) -> dict:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--dir", help="directory on the drive under test (default: a temp dir in /var/tmp)")
-    parser.add_argument("--sizes", default="256KiB,1MiB,4MiB")
-    parser.add_argument("--bytes", type=parse_size, default="1GiB", help="bytes per repetition")
-    parser.add_argument("--reps", type=int, default=8)
+    parser = size_options(__doc__, bytes_default="1GiB", reps_default=8)
     args = parser.parse_args()
     if args.reps < 2:
         parser.error("--reps must be at least 2 (the write variants alternate by repetition)")
-    base = tempfile.mkdtemp(prefix="kvstore-nvme-ab-", dir=args.dir or "/var/tmp")
-    try:
-        rows = [bench_size(base, parse_size(s), args.bytes, args.reps) for s in args.sizes.split(",")]
-    finally:
-        shutil.rmtree(base, ignore_errors=True)
+    rows = per_size(args, "nvme-ab", bench_size)
     print_table(["block", *(f"{v} GB/s" for v in (*READS, *WRITES)), "reads new/old", "writes new/old"],
                 [[f"{row['block_bytes'] >> 10} KiB", *(row["read_GBps"][v] for v in READS),
                   *(row["write_GBps"][v] for v in WRITES), row["read_ratio"], row["write_ratio"]] for row in rows])

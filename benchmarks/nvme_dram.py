@@ -17,7 +17,6 @@ Prints medians and per-repetition ratios; writes benchmarks/results/nvme_dram.js
 
 from __future__ import annotations
 
-import argparse
 import mmap
 import os
 import shutil
@@ -32,6 +31,7 @@ sys.path.insert(0, ROOT)
 import numpy as np  # noqa: E402
 
 from benchmarks._common import write_json  # noqa: E402
+from benchmarks._nvme_setup import size_options  # noqa: E402
 from kvstore.config import parse_size  # noqa: E402
 from kvstore.keys import Namespace  # noqa: E402
 from tiers._nvme_io import aligned_empty, extent_bytes  # noqa: E402
@@ -81,11 +81,7 @@ def run_size(directory: str, block: int, total: int, reps: int) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--dir", help="directory on the drive under test (default: a temp dir in /var/tmp)")
-    ap.add_argument("--sizes", default="256KiB,1MiB,4MiB")
-    ap.add_argument("--bytes", type=parse_size, default="512MiB", help="bytes per measurement")
-    ap.add_argument("--reps", type=int, default=7)
+    ap = size_options(__doc__, bytes_default="512MiB", reps_default=7)
     args = ap.parse_args()
     thp = open("/sys/kernel/mm/transparent_hugepage/enabled").read().strip() \
         if os.path.exists("/sys/kernel/mm/transparent_hugepage/enabled") else "absent"

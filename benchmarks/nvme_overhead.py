@@ -24,12 +24,10 @@ benchmarks/results/nvme_overhead.json.
 
 from __future__ import annotations
 
-import argparse
 import os
 import shutil
 import statistics
 import sys
-import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -39,7 +37,7 @@ sys.path.insert(0, ROOT)
 import numpy as np  # noqa: E402
 
 from benchmarks._common import write_json  # noqa: E402
-from kvstore.config import parse_size  # noqa: E402
+from benchmarks._nvme_setup import block_buffers, per_size, size_options  # noqa: E402
 from kvstore.keys import Namespace  # noqa: E402
 from tiers._nvme_io import PAGE, aligned_empty, extent_bytes, read_block  # noqa: E402
 from tiers.nvme import NvmeTier  # noqa: E402
@@ -81,12 +79,7 @@ def read_all(name: str, tier: NvmeTier, pool: ThreadPoolExecutor, keys: list, ds
 
 def bench_size(base: str, block: int, total: int, reps: int) -> dict:
     n = max(BATCH, total // block // BATCH * BATCH)
-    src = aligned_empty(block * n)
-    src[:] = np.random.default_rng(0).integers(0, 256, src.nbytes, dtype=np.uint8)
-    dst = aligned_empty(block * n)
-    dst[:] = 0   # fault the pages in outside the timed reads
-    srcs = [src[i * block:(i + 1) * block] for i in range(n)]
-    dsts = [dst[i * block:(i + 1) * block] for i in range(n)]
+    src, dst, srcs, dsts = block_buffers(block, n)
     path = os.path.join(base, f"kv-{block}")
     tier = NvmeTier(path, int(extent_bytes(block) * n * 1.1), name="bench", file_bytes=1 << 30,
                     io_threads=THREADS)
@@ -118,17 +111,9 @@ def bench_size(base: str, block: int, total: int, reps: int) -> dict:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--dir", help="directory on the drive under test (default: a temp dir in /var/tmp)")
-    parser.add_argument("--sizes", default="256KiB,1MiB,4MiB")
-    parser.add_argument("--bytes", type=parse_size, default="512MiB", help="bytes per measurement")
-    parser.add_argument("--reps", type=int, default=7)
+    parser = size_options(__doc__, bytes_default="512MiB", reps_default=7)
     args = parser.parse_args()
-    base = tempfile.mkdtemp(prefix="kvstore-nvme-overhead-", dir=args.dir or "/var/tmp")
-    try:
-        rows = [bench_size(base, parse_size(s), args.bytes, args.reps) for s in args.sizes.split(",")]
-    finally:
-        shutil.rmtree(base, ignore_errors=True)
+    rows = per_size(args, "nvme-overhead", bench_size)
     print(f"{'block':>8} | " + " | ".join(f"{c:>22}" for c in CONTENDERS)
           + " | kvstore / each other column")
     for row in rows:
