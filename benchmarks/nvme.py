@@ -23,7 +23,7 @@ direct and unsynced (its job ends before the harness can sync); it reads after a
 Also measured: opening a tier whose index holds ``--index-entries`` entries (restart
 time) and ``fsck`` throughput. Writes ``benchmarks/results/nvme.json`` and ``nvme.png``.
 
-    python benchmarks/nvme.py [--dir DIR] [--reps 3] [--lmcache-python PATH]
+    python benchmarks/nvme.py [--dir DIR] [--reps 9] [--lmcache-python PATH]
 
 Each repetition starts one contender later than the last (rotated order), and the table
 is followed by kvstore's per-repetition ratios to every other contender and their
@@ -360,7 +360,8 @@ def main() -> int:
     parser.add_argument("--sizes", default="256KiB,1MiB,4MiB")
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--bytes", type=parse_size, default="512MiB", help="bytes per measurement")
-    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--reps", type=int, default=9,
+                        help="repetitions per size (the disk here varies by ±15%% between them)")
     parser.add_argument("--lmcache-python", default=os.environ.get("LMCACHE_PYTHON"),
                         help="a Python with lmcache==0.5.6 installed")
     parser.add_argument("--skip-lmcache", action="store_true")
