@@ -23,6 +23,7 @@ import argparse
 import asyncio
 import json
 import os
+import shutil
 import sys
 import threading
 import time
@@ -93,35 +94,52 @@ def run_disk(args: argparse.Namespace) -> dict:
     return {"write_Bps": total / t_write, "read_Bps": total / t_read}
 
 
-def run_fs_native(args: argparse.Namespace) -> dict:
-    import numpy as np
-    import torch
-    from lmcache.v1.distributed.api import ObjectKey
-    from lmcache.v1.distributed.l2_adapters.fs_native_l2_adapter import (
-        FSNativeL2AdapterConfig, _create_fs_native_l2_adapter)
-    from lmcache.v1.memory_allocators.tensor_memory_allocator import TensorMemoryAllocator
-    from lmcache.v1.memory_management import MemoryFormat
+class FsNative:
+    """LMCache's ``fs_native`` L2 adapter with O_DIRECT on ``directory``, driven through
+    its L2 adapter interface, with page-aligned source and destination objects for
+    ``n`` blocks of ``block`` bytes from LMCache's own tensor allocator."""
 
-    total = args.block * args.blocks
-    raw = np.zeros(2 * total + (8 << 20), np.uint8)
-    start = (-raw.ctypes.data) % 4096
-    arena = torch.from_numpy(raw[start:start + 2 * total + (4 << 20)])
-    allocator = TensorMemoryAllocator(arena)
-    adapter = _create_fs_native_l2_adapter(FSNativeL2AdapterConfig.from_dict(
-        {"base_path": args.dir, "use_odirect": True}))
-    shape = torch.Size([args.block])
-    keys = [ObjectKey(i.to_bytes(32, "little"), "bench", 0) for i in range(args.blocks)]
-    src = [allocator.allocate(shape, torch.uint8, MemoryFormat.BINARY) for _ in keys]
-    dst = [allocator.allocate(shape, torch.uint8, MemoryFormat.BINARY) for _ in keys]
-    for i, obj in enumerate(src):
-        obj.tensor.fill_(i % 251)
-    for obj in dst:
-        obj.tensor.zero_()
+    def __init__(self, directory: str, block: int, n: int) -> None:
+        import numpy as np
+        import torch
+        from lmcache.v1.memory_allocators.tensor_memory_allocator import TensorMemoryAllocator
+        from lmcache.v1.memory_management import MemoryFormat
 
-    def wait_store(task) -> None:
+        total = block * n
+        raw = np.zeros(2 * total + (8 << 20), np.uint8)
+        start = (-raw.ctypes.data) % 4096
+        allocator = TensorMemoryAllocator(torch.from_numpy(raw[start:start + 2 * total + (4 << 20)]))
+        self.directory = directory
+        self.adapter = self._open()
+        shape = torch.Size([block])
+        self.src = [allocator.allocate(shape, torch.uint8, MemoryFormat.BINARY) for _ in range(n)]
+        self.dst = [allocator.allocate(shape, torch.uint8, MemoryFormat.BINARY) for _ in range(n)]
+        for obj in self.dst:
+            obj.tensor.zero_()
+
+    def _open(self):
+        from lmcache.v1.distributed.l2_adapters.fs_native_l2_adapter import (
+            FSNativeL2AdapterConfig, _create_fs_native_l2_adapter)
+        return _create_fs_native_l2_adapter(FSNativeL2AdapterConfig.from_dict(
+            {"base_path": self.directory, "use_odirect": True}))
+
+    def renew(self) -> None:
+        """Close the adapter, delete its files and open a new one on the empty directory."""
+        self.adapter.close()
+        shutil.rmtree(self.directory, ignore_errors=True)
+        self.adapter = self._open()
+
+    @staticmethod
+    def keys(first: int, n: int) -> list:
+        from lmcache.v1.distributed.api import ObjectKey
+        return [ObjectKey(i.to_bytes(32, "little"), "bench", 0) for i in range(first, first + n)]
+
+    def store(self, keys: list, objs: list) -> None:
+        """Store ``objs`` under ``keys``; returns once every file is written."""
+        task = self.adapter.submit_store_task(keys, objs)
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
-            done = adapter.pop_completed_store_tasks()
+            done = self.adapter.pop_completed_store_tasks()
             if task in done:
                 if not done[task].is_successful():
                     raise RuntimeError("fs_native store failed")
@@ -129,32 +147,45 @@ def run_fs_native(args: argparse.Namespace) -> dict:
             time.sleep(0.0002)
         raise RuntimeError("fs_native store never completed")
 
-    def wait_load(task, n: int) -> None:
+    def load(self, keys: list, objs: list) -> None:
+        """Load ``keys`` into ``objs``; returns once every one has arrived."""
+        task = self.adapter.submit_load_task(keys, objs)
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
-            bits = adapter.query_load_result(task)
+            bits = self.adapter.query_load_result(task)
             if bits is not None:
-                got = sum(1 for i in range(n) if bits.test(i))
-                if got != n:
-                    raise RuntimeError(f"fs_native loaded {got} of {n}")
+                got = sum(1 for i in range(len(keys)) if bits.test(i))
+                if got != len(keys):
+                    raise RuntimeError(f"fs_native loaded {got} of {len(keys)}")
                 return
             time.sleep(0.0002)
         raise RuntimeError("fs_native load never completed")
 
+    def close(self) -> None:
+        self.adapter.close()
+
+
+def run_fs_native(args: argparse.Namespace) -> dict:
+    import torch
+
+    total = args.block * args.blocks
+    fs = FsNative(args.dir, args.block, args.blocks)
+    keys = fs.keys(0, args.blocks)
+    for i, obj in enumerate(fs.src):
+        obj.tensor.fill_(i % 251)
     t0 = time.perf_counter()
     for s in range(0, args.blocks, args.batch):
-        wait_store(adapter.submit_store_task(keys[s:s + args.batch], src[s:s + args.batch]))
+        fs.store(keys[s:s + args.batch], fs.src[s:s + args.batch])
     os.sync()   # as every contender's write phase ends
     t_write = time.perf_counter() - t0
     drop_cache(args.dir)
     t0 = time.perf_counter()
     for s in range(0, args.blocks, args.batch):
-        n = len(keys[s:s + args.batch])
-        wait_load(adapter.submit_load_task(keys[s:s + args.batch], dst[s:s + args.batch]), n)
+        fs.load(keys[s:s + args.batch], fs.dst[s:s + args.batch])
     t_read = time.perf_counter() - t0
-    if not torch.equal(dst[1].tensor, src[1].tensor):
+    if not torch.equal(fs.dst[1].tensor, fs.src[1].tensor):
         raise RuntimeError("fs_native returned different bytes")
-    adapter.close()
+    fs.close()
     return {"write_Bps": total / t_write, "read_Bps": total / t_read}
 
 
