@@ -15,6 +15,7 @@ connector, the disk tier of its multiprocess server) with ``use_odirect`` and th
 server's default 4 I/O workers, driven in-process through its L2 adapter interface
 (``submit_store_task`` / ``submit_load_task``, polled to completion) from page-aligned
 buffers, so what is measured is its disk path without the server's L1 and IPC.
+That set-up is :class:`FsNative`, which ``benchmarks/nvme_paired.py`` uses too.
 """
 
 from __future__ import annotations
