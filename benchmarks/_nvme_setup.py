@@ -1,16 +1,19 @@
 """Set-up shared by the NVMe tier's focused benchmarks (``nvme_ab``, ``nvme_overhead``,
-``nvme_dram``): the same command-line options, a scratch directory on the drive under
-test, and page-aligned source and destination buffers cut into blocks."""
+``nvme_dram``, ``nvme_paired``): the same command-line options, a scratch directory on
+the drive under test, page-aligned source and destination buffers cut into blocks, and
+the results file."""
 
 from __future__ import annotations
 
 import argparse
 import shutil
+import sys
 import tempfile
 from typing import Callable
 
 import numpy as np
 
+from benchmarks._common import write_json
 from kvstore.config import parse_size
 from tiers._nvme_io import aligned_empty
 
@@ -44,3 +47,9 @@ def block_buffers(block: int, n: int) -> tuple[np.ndarray, np.ndarray, list[np.n
     dst[:] = 0
     return (src, dst, [src[i * block:(i + 1) * block] for i in range(n)],
             [dst[i * block:(i + 1) * block] for i in range(n)])
+
+
+def save_rows(name: str, rows: list[dict], **extra: object) -> None:
+    """Write ``extra``, ``rows`` and the command line to ``benchmarks/results/<name>.json``
+    and print where."""
+    print(f"wrote {write_json(name, {**extra, 'rows': rows, 'argv': sys.argv[1:]})}")

@@ -33,8 +33,8 @@ sys.path.insert(0, ROOT)
 import numpy as np  # noqa: E402
 
 import tiers.nvme as nvme  # noqa: E402
-from benchmarks._common import print_table, write_json  # noqa: E402
-from benchmarks._nvme_setup import block_buffers, per_size, size_options  # noqa: E402
+from benchmarks._common import print_table  # noqa: E402
+from benchmarks._nvme_setup import block_buffers, per_size, save_rows, size_options  # noqa: E402
 from kvstore.keys import Namespace  # noqa: E402
 from tiers._nvme_io import MAX_RUN_BYTES, extent_bytes  # noqa: E402
 
@@ -103,8 +103,7 @@ def main() -> int:
                 [[f"{row['block_bytes'] >> 10} KiB", *(row["read_GBps"][v] for v in READS),
                   *(row["write_GBps"][v] for v in WRITES), row["read_ratio"], row["write_ratio"]] for row in rows])
     print("(cold reads and writes, medians; ratios are medians of paired per-repetition ratios)")
-    path = write_json("nvme_ab", {"rows": rows, "argv": sys.argv[1:]})
-    print(f"wrote {path}")
+    save_rows("nvme_ab", rows)
     return 0
 
 

@@ -30,8 +30,7 @@ sys.path.insert(0, ROOT)
 
 import numpy as np  # noqa: E402
 
-from benchmarks._common import write_json  # noqa: E402
-from benchmarks._nvme_setup import size_options  # noqa: E402
+from benchmarks._nvme_setup import save_rows, size_options  # noqa: E402
 from kvstore.config import parse_size  # noqa: E402
 from kvstore.keys import Namespace  # noqa: E402
 from tiers._nvme_io import aligned_empty, extent_bytes  # noqa: E402
@@ -99,8 +98,7 @@ def main() -> None:
         got = row["read_GBps"]
         print(f"{size:>8} {got['plain arena']:>11.2f} {got['kvstore arena']:>13.2f} {row['median_ratio']:>5.2f}x   "
               + " ".join(f"{r:.2f}" for r in row["ratios"]), flush=True)
-    out = write_json("nvme_dram", {"thp": thp, "rows": rows, "argv": sys.argv[1:]})
-    print(f"wrote {out}")
+    save_rows("nvme_dram", rows, thp=thp)
 
 
 if __name__ == "__main__":

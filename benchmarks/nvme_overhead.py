@@ -36,8 +36,7 @@ sys.path.insert(0, ROOT)
 
 import numpy as np  # noqa: E402
 
-from benchmarks._common import write_json  # noqa: E402
-from benchmarks._nvme_setup import block_buffers, per_size, size_options  # noqa: E402
+from benchmarks._nvme_setup import block_buffers, per_size, save_rows, size_options  # noqa: E402
 from kvstore.keys import Namespace  # noqa: E402
 from tiers._nvme_io import PAGE, aligned_empty, extent_bytes, read_block  # noqa: E402
 from tiers.nvme import NvmeTier  # noqa: E402
@@ -121,8 +120,7 @@ def main() -> int:
               + " | ".join(f"{row['read_GBps'][c]:>17.2f} GB/s" for c in CONTENDERS)
               + " | " + ", ".join(f"{row['kvstore_ratio'][c]:.2f}" for c in CONTENDERS[1:]))
     print("(cold reads, medians; ratios are medians of per-repetition ratios)")
-    path = write_json("nvme_overhead", {"rows": rows, "argv": sys.argv[1:]})
-    print(f"wrote {path}")
+    save_rows("nvme_overhead", rows)
     return 0
 
 

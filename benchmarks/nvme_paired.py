@@ -36,8 +36,8 @@ sys.path.insert(0, ROOT)
 
 import numpy as np  # noqa: E402
 
-from benchmarks._common import print_table, write_json  # noqa: E402
-from benchmarks._nvme_setup import block_buffers, per_size, size_options  # noqa: E402
+from benchmarks._common import print_table  # noqa: E402
+from benchmarks._nvme_setup import block_buffers, per_size, save_rows, size_options  # noqa: E402
 from kvstore.keys import Namespace  # noqa: E402
 from tiers._nvme_io import extent_bytes  # noqa: E402
 from tiers.nvme import NvmeTier  # noqa: E402
@@ -123,8 +123,7 @@ def main() -> int:
                   f"{row['ratio_median']['write']:.2f}, {row['ratio_median']['read']:.3f}",
                   " ".join(f"{r:.2f}" for r in row["kvstore_over_fs_native"]["read"])] for row in rows])
     print("(medians; ratios are medians of per-repetition ratios, both stores timed batch by batch)")
-    path = write_json("nvme_paired", {"rows": rows, "argv": sys.argv[1:]})
-    print(f"wrote {path}")
+    save_rows("nvme_paired", rows)
     sys.stdout.flush()
     os._exit(0)   # LMCache leaves non-daemon threads behind
 
