@@ -37,6 +37,7 @@ from kvstore.errors import (BufferSizeError, ConfigError, InvalidArgumentError, 
 from kvstore.keys import BlockKey
 from kvstore.server import _protocol as P
 from kvstore._copy import copy_batch
+from kvstore._stats import sum_stat_sources
 from kvstore._wire import Address, ArenaMap, Conn
 from kvstore.transport import FallbackCounter, nixl_available, select_transport
 
@@ -60,6 +61,7 @@ class Client:
         self._pool_size, self._staging_bytes = max(1, pool_size), staging_bytes
         self._idle: list[Conn] = []
         self._lock = threading.Lock()
+        self._stat_sources: list[tuple[str, Any]] = []  # this process's connectors (attach_stats)
         self._closed = False
         first = Conn(self.address, token, timeout_s)
         self.info = first.info
@@ -211,7 +213,19 @@ class Client:
             self._run(lambda c: c.call(P.Op.RELEASE, P.encode_keys(part)))
 
     def stats(self) -> dict[str, Any]:
-        return P.decode_json(self._run(lambda c: c.call(P.Op.STATS))[1])
+        """The server's counters, with this process's attached connector counters under
+        ``"connectors"`` (the server's own, from connectors embedded in it, are replaced)."""
+        out = P.decode_json(self._run(lambda c: c.call(P.Op.STATS))[1])
+        out["connectors"] = sum_stat_sources(self._stat_sources)
+        return out
+
+    def attach_stats(self, name: str, source: Any) -> None:
+        """As :meth:`kvstore.store.Store.attach_stats`: reported by this Client's
+        :meth:`stats` only (the server never sees them)."""
+        self._stat_sources.append((name, source))
+
+    def detach_stats(self, name: str, source: Any) -> None:
+        self._stat_sources = [s for s in self._stat_sources if s != (name, source)]
 
     # -- data operations ---------------------------------------------------------------------------
 

@@ -21,6 +21,7 @@ from typing import Any, Iterator, Mapping, Sequence
 from kvstore._build import build_admission, build_eviction, build_tier
 from kvstore._movement import Level, TierMovement, parent_of
 from kvstore._reserve import Reservation, reserve
+from kvstore._stats import sum_stat_sources
 from kvstore.buffers import nbytes_of
 from kvstore.config import StoreConfig, load_config
 from kvstore.errors import BufferSizeError, InvalidArgumentError, StoreClosedError
@@ -52,6 +53,7 @@ class Store(TierMovement):
         self._leases: dict[BlockKey, float] = {}  # key -> monotonic expiry
         self._pins: dict[BlockKey, int] = {}
         self._hit_counts: dict[BlockKey, int] = {}  # selective write-through only
+        self._stat_sources: list[tuple[str, Any]] = []  # (name, callable) from attach_stats
         self._ops = dict.fromkeys(("saves", "loads", "lookups", "lookup_hits", "prefetches"), 0)
         self._lock = threading.Lock()
         self._local = threading.local()
@@ -260,7 +262,18 @@ class Store(TierMovement):
             extra = lvl.tier.stats()
             entry.update(extra)
             entry["corruptions"] += int(extra.get("corrupt_blocks", 0))
+
+        out["connectors"] = sum_stat_sources(self._stat_sources)
         return out
+
+    def attach_stats(self, name: str, source: Any) -> None:
+        """Report ``source()`` (a dict of counters) in :meth:`stats` under
+        ``"connectors"[name]``; sources with the same name are summed (an engine
+        connector's scheduler and worker sides, several engines in one process)."""
+        self._stat_sources.append((name, source))
+
+    def detach_stats(self, name: str, source: Any) -> None:
+        self._stat_sources = [s for s in self._stat_sources if s != (name, source)]
 
     @property
     def tiers(self) -> list[Tier]:

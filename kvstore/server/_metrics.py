@@ -11,6 +11,8 @@ from typing import Any, Iterator
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from kvstore._stats import COUNTERS, GAUGES
+
 _TIER_COUNTERS = {
     "hits": "blocks served from this tier",
     "misses": "loads that found no tier holding the block (counted on the first tier)",
@@ -48,6 +50,12 @@ class _StoreCollector:
             fam = GaugeMetricFamily(f"kvstore_tier_{name}", doc, labels=["tier", "kind"])
             for t in stats["tiers"]:
                 fam.add_metric([t["name"], t["kind"]], float(t.get(name, 0)))
+            yield fam
+        for name, doc in {**COUNTERS, **GAUGES}.items():
+            family = CounterMetricFamily if name in COUNTERS else GaugeMetricFamily
+            fam = family(f"kvstore_connector_{name}", doc, labels=["connector"])
+            for connector, values in stats.get("connectors", {}).items():
+                fam.add_metric([connector], float(values.get(name, 0)))
             yield fam
         for name in ("blocks", "leases", "pins"):
             yield GaugeMetricFamily(f"kvstore_store_{name}", f"{name} held by the store", value=stats[name])

@@ -1,0 +1,29 @@
+"""Counters that other components (engine connectors) attach to a Store or Client, so
+that one ``stats()`` call reports them beside the store's own."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterable
+
+# What every engine connector counts (connectors/_metrics.py), by name and meaning.
+COUNTERS = {
+    "hit_tokens": "prompt tokens the store offered to the engine",
+    "loaded_tokens": "tokens loaded, verified, into the engine's KV cache",
+    "failed_loads": "chunks whose load failed and were reported for recompute",
+    "dropped_saves": "chunks not stored: over the staging budget, refused, or computed after a failed load",
+    "deleted_saves": "stored chunks deleted because they were computed over a failed load",
+}
+GAUGES = {"staging_bytes": "host and device staging memory held by the connector"}
+
+
+def sum_stat_sources(sources: Iterable[tuple[str, Callable[[], dict[str, Any]]]]) -> dict[str, dict[str, int]]:
+    """``{name: counters}``, summing the counters of sources that share a name."""
+    out: dict[str, dict[str, int]] = {}
+    for name, source in list(sources):
+        total = out.setdefault(name, {})
+        for counter, value in source().items():
+            total[counter] = total.get(counter, 0) + value
+    return out
+
+
+__all__ = ["COUNTERS", "GAUGES", "sum_stat_sources"]
