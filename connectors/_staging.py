@@ -1,5 +1,5 @@
-"""Reusable staging buffers for chunks in flight between an engine's KV cache and
-the store. Thread-safe: buffers come back from store threads."""
+"""Reusable, bounded staging buffers for chunks in flight between an engine's KV cache
+and the store. Thread-safe: buffers come back from store threads."""
 
 from __future__ import annotations
 
@@ -13,26 +13,45 @@ log = logging.getLogger(__name__)
 
 
 class StagingPool:
-    """Reusable buffers for chunks in flight (first-touching fresh memory is slow, so
-    buffers are kept and reused); host buffers are pinned when ``pin``. Thread-safe."""
+    """At most ``budget_bytes`` of buffers on ``device`` (host buffers pinned when
+    ``pin``), kept and reused: first-touching fresh memory is slow, and a pool that
+    only grows would take memory the engine counted on. :meth:`take` returns ``None``
+    when the budget is spent; the caller skips the transfer (a save) or fails it closed
+    (a load). Thread-safe."""
 
-    def __init__(self, device: torch.device, *, pin: bool = False) -> None:
+    def __init__(self, device: torch.device, budget_bytes: int, *, pin: bool = False) -> None:
         self.device = device
         self.pin = pin
+        self.budget_bytes = budget_bytes
+        self.allocated_bytes = 0
         self._free: list[torch.Tensor] = []
         self._lock = threading.Lock()
 
-    def take(self, nbytes: int) -> torch.Tensor:
-        """A buffer of exactly ``nbytes`` (a view of a pooled one); return it with
-        :meth:`give` once nothing reads or writes it."""
+    def take(self, nbytes: int) -> torch.Tensor | None:
+        """A buffer of exactly ``nbytes`` (a view of a pooled one), or ``None`` when it
+        would take the pool over its budget; return it with :meth:`give` once nothing
+        reads or writes it."""
+        nbytes = max(nbytes, 1)
         with self._lock:
             fits = [b for b in self._free if b.numel() >= nbytes]
             if fits:
                 buf = min(fits, key=torch.Tensor.numel)
                 self._free.remove(buf)
                 return buf[:nbytes]
-        buf = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=self.device, pin_memory=self.pin)
-        return buf[:nbytes]
+            # Free buffers too small for this request are dropped to make room.
+            while self._free and self.allocated_bytes + nbytes > self.budget_bytes:
+                self.allocated_bytes -= self._free.pop(0).numel()
+            if self.allocated_bytes + nbytes > self.budget_bytes:
+                return None
+            self.allocated_bytes += nbytes
+        try:
+            buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device, pin_memory=self.pin)
+        except RuntimeError as exc:   # out of (pinnable) memory: a skipped transfer, not a crash
+            log.warning("staging: cannot allocate %d bytes on %s: %s", nbytes, self.device, exc)
+            with self._lock:
+                self.allocated_bytes -= nbytes
+            return None
+        return buf
 
     def give(self, buf: torch.Tensor) -> None:
         base = buf._base if buf._base is not None else buf

@@ -14,6 +14,7 @@ from typing import Any, Mapping
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from kvstore.config import Size
 from kvstore.errors import ConfigError, InvalidArgumentError
 from kvstore.keys import Namespace
 
@@ -35,6 +36,7 @@ class VllmConnectorConfig(BaseModel):
     save: bool | None = None                    # default: kv_role is kv_producer or kv_both
     load: bool | None = None                    # default: kv_role is kv_consumer or kv_both
     timeout_s: float = Field(60.0, gt=0)        # longest wait for one store operation
+    staging_bytes: Size = Field(1 << 30, gt=0)  # per worker: host staging, and as much on the device
 
     @model_validator(mode="after")
     def _one_backend(self) -> "VllmConnectorConfig":
@@ -73,21 +75,45 @@ class KVShape:
         self.layer_names = list(groups[0].layer_names)
         mc = vllm_config.model_config
         self.model = model_id or f"{mc.model}@{getattr(mc, 'revision', None) or 'main'}"
+        # The resolved element type of the cache (never "auto"), plus the cache dtype
+        # vLLM was asked for where it adds a quantisation (fp8 variants share torch dtypes).
         self.dtype = str(spec.dtype).removeprefix("torch.")
+        cache_dtype = str(getattr(vllm_config.cache_config, "cache_dtype", "auto") or "auto")
+        if cache_dtype != "auto":
+            self.dtype += f"/{cache_dtype}"
         layout = (getattr(kv_cache_config, "kv_cache_layout", None)
                   or getattr(vllm_config.cache_config, "kv_cache_layout", None) or "default")
-        parts = [f"vllm:{layout}", type(spec).__name__, f"L{len(self.layer_names)}",
-                 f"bs{self.block_size}", f"page{spec.page_size_bytes}"]
-        for attr in ("num_kv_heads", "head_size", "head_size_v", "use_mla"):
-            if hasattr(spec, attr):
-                parts.append(f"{attr}={getattr(spec, attr)}")
-        self.layout = ";".join(parts)
         pc = vllm_config.parallel_config
         self.tp_size = int(pc.tensor_parallel_size)
-        self.world_size = self.tp_size * int(pc.pipeline_parallel_size)
+        self.pp_size = int(pc.pipeline_parallel_size)
+        self.pcp_size = int(getattr(pc, "prefill_context_parallel_size", 1) or 1)
+        self.dcp_size = int(getattr(pc, "decode_context_parallel_size", 1) or 1)
+        self.world_size = self.tp_size * self.pp_size * self.pcp_size
+        # MLA keeps one latent KV replicated on every TP rank (split only by DCP): one
+        # copy is stored, written by the first replica and read by all.
+        self.mla = bool(getattr(spec, "use_mla", False)) or "MLA" in type(spec).__name__
+        self.tp_shards = self.dcp_size if self.mla else self.tp_size
+        self.key_ranks = self.tp_shards * self.pp_size * self.pcp_size
+        parts = [f"vllm:{layout}", type(spec).__name__, f"L{len(self.layer_names)}",
+                 f"bs{self.block_size}", f"page{spec.page_size_bytes}",
+                 f"tp{self.tp_shards}", f"pp{self.pp_size}", f"pcp{self.pcp_size}", f"dcp{self.dcp_size}"]
+        for attr in ("num_kv_heads", "head_size", "head_size_v", "use_mla", "cache_dtype_str"):
+            if getattr(spec, attr, None) is not None:
+                parts.append(f"{attr}={getattr(spec, attr)}")
+        self.layout = ";".join(parts)
+
+    def key_rank(self, tp_rank: int, pp_rank: int = 0, pcp_rank: int = 0) -> int:
+        """Which stored copy a worker reads and writes. For MLA, TP ranks that hold the
+        same DCP shard share one (vLLM forms DCP groups from consecutive TP ranks)."""
+        shard = tp_rank % self.dcp_size if self.mla else tp_rank
+        return (pp_rank * self.pcp_size + pcp_rank) * self.tp_shards + shard
+
+    def writes(self, tp_rank: int) -> bool:
+        """Whether this TP rank stores its copy (MLA: only the first replica does)."""
+        return not self.mla or tp_rank < self.dcp_size
 
     def namespace(self, rank: int, salt: str) -> Namespace:
-        return Namespace(self.model, self.dtype, self.chunk_tokens, self.layout, rank, self.world_size, salt)
+        return Namespace(self.model, self.dtype, self.chunk_tokens, self.layout, rank, self.key_ranks, salt)
 
 
 def request_salt(request: Any) -> str:

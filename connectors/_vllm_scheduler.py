@@ -1,6 +1,13 @@
 """Scheduler side of the vLLM connector: answers prefix lookups from the store, leases
 the chunks it plans to load, and tells workers which chunks to load and save.
 
+Never wrong KV through a save: a chunk is stored only if every block before it was
+valid KV when it was computed. A request's saves are held while a synchronous load it
+depends on (its own, or one whose blocks it shares through vLLM's prefix cache) has not
+reported back: the workers report every load's outcome, aggregated over all ranks, in
+their step output (:class:`KVStoreWorkerMetadata`); a failed load moves the request's
+save point back to the first failed chunk, so only recomputed bytes are stored.
+
 Runs in vLLM's engine-core process, on the scheduler thread only (vLLM calls these
 hooks from one thread); not thread-safe by itself.
 """
@@ -11,12 +18,17 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
+from connectors._metrics import ConnectorMetrics
 from connectors._vllm_config import KVShape, VllmConnectorConfig, request_salt, token_array
-from connectors._vllm_meta import ChunkTransfer, KVStoreConnectorMetadata
+from connectors._vllm_meta import ChunkTransfer, KVStoreConnectorMetadata, KVStoreWorkerMetadata
 from kvstore.errors import KVStoreError
 from kvstore.keys import BlockKey
 
 log = logging.getLogger(__name__)
+
+# Request states that end in vLLM's output loop, which never finishes a request whose
+# load failed in the step it reports: its held saves are valid KV.
+_NORMAL_FINISH = {"FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED"}
 
 
 @dataclass
@@ -24,26 +36,34 @@ class _Req:
     """What the scheduler side remembers about one request."""
 
     tokens: Any                       # prompt token ids (uint32 array)
-    keys: list[list[BlockKey]]        # per rank, one key per full prompt chunk
+    keys: list[list[BlockKey]]        # per key rank, one key per full prompt chunk
     hit_chunks: int = 0               # chunks found in the store at the last lookup
+    offer_from: int = 0               # num_computed_tokens vLLM asked about at that lookup
     block_ids: list[int] = field(default_factory=list)
     saved_chunks: int = 0             # leading chunks already stored or being saved
     had_saves: bool = False           # a worker was told to save chunks of this request
     load: ChunkTransfer | None = None  # planned, not yet handed to the workers
     leased: list[list[BlockKey]] | None = None
     loading: tuple[int, list[list[int]]] | None = None  # last planned load: first chunk, block ids
+    pending: set[str] = field(default_factory=set)  # sync loads whose outcome its saves wait for
 
 
 class SchedulerSide:
-    def __init__(self, config: VllmConnectorConfig, shape: KVShape, store: Any, *,
-                 do_load: bool, do_save: bool) -> None:
+    def __init__(self, config: VllmConnectorConfig, shape: KVShape, store: Any, metrics: ConnectorMetrics, *,
+                 do_load: bool, do_save: bool, hold_blocks: bool) -> None:
         self.config = config
         self.shape = shape
         self.store = store
+        self.metrics = metrics
         self.do_load = do_load
         self.do_save = do_save
+        # Device caches: saves read a finished request's blocks after the step (the
+        # device->host copy runs behind it), so its blocks are kept until reported.
+        self.hold_blocks = hold_blocks
         self._reqs: dict[str, _Req] = {}
         self._planned: list[ChunkTransfer] = []
+        self._final_saves: list[ChunkTransfer] = []
+        self._unconfirmed: dict[str, set[int]] = {}   # sync loads handed out -> their blocks
 
     # -- vLLM hooks -----------------------------------------------------------------------
 
@@ -62,25 +82,30 @@ class SchedulerSide:
         if usable <= 0:
             return 0, False
         hit = min(self.store.lookup(keys[:usable]) for keys in st.keys)
-        st.hit_chunks = hit
+        st.hit_chunks, st.offer_from = hit, num_computed_tokens
         external = hit * self.shape.chunk_tokens - num_computed_tokens
         if external <= 0:
             return 0, False
         return external, self.config.load_async
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
-        """Plan the load of the tokens vLLM accepted and lease their chunks, so that
-        they cannot be evicted before a worker loads them."""
+        """Plan the load of exactly the tokens vLLM accepted — ``num_external_tokens``
+        from the point it asked about, which the scheduler may cap below the offer —
+        and lease their chunks so that they cannot be evicted before a worker loads them."""
         st = self._state(request)
         st.saved_chunks = max(st.saved_chunks, st.hit_chunks)
         if num_external_tokens <= 0:
             return
-        c, bs = self.shape.chunk_tokens, self.shape.block_size
-        end = st.hit_chunks * c
-        start = end - num_external_tokens
-        first, last = start // c, end // c
+        c, bs, per = self.shape.chunk_tokens, self.shape.block_size, self.shape.blocks_per_chunk
+        start = st.offer_from
+        end = start + num_external_tokens
+        if end > st.hit_chunks * c:
+            raise KVStoreError(f"request {request.request_id}: vLLM accepted {num_external_tokens} tokens from "
+                               f"{start}, beyond the {st.hit_chunks * c} offered; its connector contract changed")
+        first, last = start // c, -(-end // c)
         ids = blocks.get_block_ids()[0]
-        if len(ids) < end // bs:
+        end_block = -(-end // bs)
+        if len(ids) < end_block:
             # vLLM now counts these tokens as computed: never leave them unloaded.
             raise KVStoreError(f"request {request.request_id}: {len(ids)} blocks allocated for "
                                f"{end} loaded tokens; vLLM's allocation contract changed")
@@ -91,23 +116,28 @@ class SchedulerSide:
             log.info("request %s: %d of %d chunks still cached at allocation", request.request_id,
                      min(got), len(keys[0]))
         st.leased = keys
-        p = self.shape.blocks_per_chunk
-        st.load = ChunkTransfer(request.request_id, keys,
-                                [ids[i * p:(i + 1) * p] for i in range(first, last)],
-                                skip_blocks=(start - first * c) // bs,
-                                is_async=self.config.load_async)
-        st.loading = (first, st.load.block_ids)
+        block_ids = [ids[i * per:min((i + 1) * per, end_block)] for i in range(first, last)]
+        st.load = ChunkTransfer(request.request_id, keys, block_ids, skip_blocks=(start - first * c) // bs,
+                                is_async=self.config.load_async, first_chunk=first)
+        st.loading = (first, block_ids)
+        self.metrics.add("hit_tokens", num_external_tokens)
         self._planned.append(st.load)
 
     def build_connector_meta(self, scheduler_output: Any) -> KVStoreConnectorMetadata:
         """Hand this step's planned loads to the workers, and ask them to save every
-        prompt chunk that this step completes and the store does not hold yet."""
-        meta = KVStoreConnectorMetadata(loads=self._planned)
-        self._planned = []
+        prompt chunk that this step completes and the store does not hold yet, unless
+        the request waits for a load's outcome."""
+        meta = KVStoreConnectorMetadata(loads=self._planned, saves=self._final_saves)
+        self._planned, self._final_saves = [], []
         for spec in meta.loads:
             st = self._reqs.get(spec.req_id)
             if st is not None:
                 st.load, st.leased = None, None   # the worker's load now releases them
+                if not spec.is_async:
+                    # Async loads finish before the request computes anything.
+                    st.pending.add(spec.req_id)
+            if not spec.is_async:
+                self._unconfirmed[spec.req_id] = {b for ids in spec.block_ids for b in ids}
         if not self.do_save:
             return meta
         counts = scheduler_output.num_scheduled_tokens
@@ -115,6 +145,7 @@ class SchedulerSide:
             st = self._reqs.get(new.req_id)
             if st is not None:
                 st.block_ids = list(new.block_ids[0])
+                self._note_shared_loads(new.req_id, st)
                 self._plan_save(meta, new.req_id, st, new.num_computed_tokens + counts.get(new.req_id, 0))
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
@@ -124,28 +155,46 @@ class SchedulerSide:
             new_ids = cached.new_block_ids[i]
             if req_id in cached.resumed_req_ids:
                 st.block_ids = list(new_ids[0]) if new_ids else []
+                self._note_shared_loads(req_id, st)
             elif new_ids:
                 st.block_ids.extend(new_ids[0])
             self._plan_save(meta, req_id, st, cached.num_computed_tokens[i] + counts.get(req_id, 0))
         return meta
 
     def update_connector_output(self, connector_output: Any) -> None:
-        """Chunks that failed to load are recomputed by vLLM; save them again."""
-        bad = connector_output.invalid_block_ids
-        if not bad:
+        """Release the saves waiting on loads that reported back; where a load failed
+        (on any rank), move each affected request's save point back to the first
+        failed chunk, so that only recomputed chunks are stored."""
+        bad = connector_output.invalid_block_ids or set()
+        worker_meta = connector_output.kv_connector_worker_meta
+        outcomes = worker_meta.loads if isinstance(worker_meta, KVStoreWorkerMetadata) else {}
+        for req_id, failed in outcomes.items():
+            self._unconfirmed.pop(req_id, None)
+            st = self._reqs.get(req_id)
+            if st is not None and failed is not None:
+                st.saved_chunks = min(st.saved_chunks, failed)
+        if not outcomes and not bad:
             return
+        per = self.shape.blocks_per_chunk
         for st in self._reqs.values():
-            if st.loading is None:
-                continue
-            first, blocks = st.loading
-            for i, ids in enumerate(blocks):
-                if not bad.isdisjoint(ids):
-                    st.saved_chunks = min(st.saved_chunks, first + i)
-                    break
+            if bad and (st.pending or st.loading is not None):
+                for i, block in enumerate(st.block_ids):
+                    if block in bad:
+                        st.saved_chunks = min(st.saved_chunks, i // per)
+                        break
+                if st.loading is not None:
+                    first, blocks = st.loading
+                    for i, ids in enumerate(blocks):
+                        if not bad.isdisjoint(ids):
+                            st.saved_chunks = min(st.saved_chunks, first + i)
+                            break
+            if st.pending:
+                st.pending.difference_update(outcomes)
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict | None]:
-        """Forget the request. With async saves, keep its blocks until the workers
-        report its saves done (``finished_sending``)."""
+        """Forget the request. Its blocks are kept (returns True) only while workers
+        still read them: device caches with saves in flight, or saves that were held
+        for a load's outcome and are handed out now."""
         st = self._reqs.pop(request.request_id, None)
         if st is None:
             return False, None
@@ -154,7 +203,19 @@ class SchedulerSide:
         if st.leased:
             for keys in st.leased:
                 self.store.release(keys)
-        return bool(st.had_saves and self.config.save_async), None
+        final = False
+        if st.pending and self.do_save:
+            if getattr(request.status, "name", "") in _NORMAL_FINISH:
+                st.block_ids = list(block_ids)
+                st.pending.clear()
+                meta = KVStoreConnectorMetadata()
+                self._plan_save(meta, request.request_id, st, request.num_computed_tokens, hold=True)
+                self._final_saves += meta.saves
+                final = bool(meta.saves)
+            else:
+                held = min(request.num_computed_tokens, len(st.tokens)) // self.shape.chunk_tokens
+                self.metrics.add("dropped_saves", max(0, min(held, len(st.keys[0])) - st.saved_chunks))
+        return final or bool(st.had_saves and self.hold_blocks), None
 
     # -- internals ------------------------------------------------------------------------
 
@@ -163,11 +224,21 @@ class SchedulerSide:
         if st is None:
             tokens = token_array(request.prompt_token_ids)
             salt = request_salt(request)
-            keys = [self.shape.namespace(r, salt).chunk_keys(tokens) for r in range(self.shape.world_size)]
+            keys = [self.shape.namespace(r, salt).chunk_keys(tokens) for r in range(self.shape.key_ranks)]
             st = self._reqs[request.request_id] = _Req(tokens, keys)
         return st
 
-    def _plan_save(self, meta: KVStoreConnectorMetadata, req_id: str, st: _Req, computed: int) -> None:
+    def _note_shared_loads(self, req_id: str, st: _Req) -> None:
+        """A request given blocks that a not yet confirmed load writes (a prefix-cache
+        hit on them) computes over that load: its saves wait for the outcome too."""
+        for other, blocks in self._unconfirmed.items():
+            if other != req_id and not blocks.isdisjoint(st.block_ids):
+                st.pending.add(other)
+
+    def _plan_save(self, meta: KVStoreConnectorMetadata, req_id: str, st: _Req, computed: int, *,
+                   hold: bool = False) -> None:
+        if st.pending:
+            return                      # computed over a load not yet confirmed
         p = self.shape.blocks_per_chunk
         full = min(computed, len(st.tokens)) // self.shape.chunk_tokens
         full = min(full, len(st.block_ids) // p, len(st.keys[0]))
@@ -175,7 +246,8 @@ class SchedulerSide:
             return
         lo = st.saved_chunks
         meta.saves.append(ChunkTransfer(req_id, [k[lo:full] for k in st.keys],
-                                        [st.block_ids[i * p:(i + 1) * p] for i in range(lo, full)]))
+                                        [st.block_ids[i * p:(i + 1) * p] for i in range(lo, full)],
+                                        first_chunk=lo, hold=hold or self.hold_blocks))
         st.saved_chunks = full
         st.had_saves = True
 

@@ -10,9 +10,18 @@ it loaded (verified), and never after a chunk of the same request that failed; t
 blocks of every chunk not scattered are reported through
 :meth:`WorkerSide.take_load_errors` so vLLM recomputes them.
 
+Saves fail closed too: a chunk computed after a chunk of the same request that failed
+to load on this worker is never stored (the scheduler side holds saves until every
+rank's load outcome is in, see :mod:`connectors._vllm_scheduler`; this is the same rule
+kept locally). Every load's outcome goes back to the scheduler in the step's worker
+metadata.
+
 Pages are gathered and scattered on the caches' own device; with device (CUDA) caches the
 chunks cross to host staging (pinned) in one copy per transfer, which the store reads
-or fills.
+or fills. Saves copy device->host on a side stream ordered after the engine's stream,
+and reach the store from a background thread once the copy is done: the step never
+waits for them. Staging is bounded by ``staging_bytes`` (host, and as much on the
+device): a save that does not fit is skipped, a load that does not fit fails closed.
 
 Threading: vLLM calls every hook from the worker's main thread. Store futures complete
 on store threads; their callbacks only return staging buffers to the pool.
@@ -22,7 +31,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
-from concurrent.futures import Future, TimeoutError as FutureTimeout
+from concurrent.futures import Future, ThreadPoolExecutor, TimeoutError as FutureTimeout
 from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Any
@@ -31,7 +40,8 @@ import torch
 
 from connectors._staging import StagingPool, give_when_done
 from connectors._vllm_config import KVShape, VllmConnectorConfig
-from connectors._vllm_meta import ChunkTransfer, KVStoreConnectorMetadata
+from connectors._metrics import ConnectorMetrics
+from connectors._vllm_meta import ChunkTransfer, KVStoreConnectorMetadata, KVStoreWorkerMetadata
 from kvstore.errors import ConfigError, KVStoreError
 from kvstore.paged import PagedLayers
 
@@ -42,7 +52,7 @@ log = logging.getLogger(__name__)
 class _Load:
     spec: ChunkTransfer
     ids: torch.Tensor            # [n, blocks_per_chunk]
-    buf: torch.Tensor            # host staging, n * chunk_bytes
+    buf: torch.Tensor | None     # host staging, n * chunk_bytes (None: over budget, or given back)
     groups: list[tuple[int, int, Future | None]]  # chunks [lo, hi) and their store load
     ok: list[bool] | None = None
     layers_done: int = 0
@@ -60,11 +70,14 @@ class _Save:
 
 
 class WorkerSide:
-    def __init__(self, config: VllmConnectorConfig, shape: KVShape, store: Any, rank: int) -> None:
+    def __init__(self, config: VllmConnectorConfig, shape: KVShape, store: Any, metrics: ConnectorMetrics,
+                 rank: int, *, writes: bool = True) -> None:
         self.config = config
         self.shape = shape
         self.store = store
-        self.rank = rank
+        self.metrics = metrics
+        self.rank = rank               # which stored copy this worker reads and writes
+        self.writes = writes           # False: an MLA replica whose copy another rank stores
         self.pages: PagedLayers | None = None
         self._layer_index: dict[str, int] = {}
         self._pool: StagingPool | None = None          # host staging
@@ -76,6 +89,11 @@ class WorkerSide:
         self._save_futures: dict[str, list[Future]] = {}
         self._finishing: set[str] = set()        # finished requests whose saves are pending
         self._errors: set[int] = set()
+        self._outcomes: dict[str, int | None] = {}   # this step's loads: first failed chunk
+        self._poisoned: dict[str, int] = {}          # request -> first chunk that failed to load
+        self._hold: dict[str, list[Any]] = {}        # requests whose blocks the scheduler keeps
+        self._side: Any = None                       # CUDA: stream for device->host copies
+        self._copy_out: ThreadPoolExecutor | None = None
 
     # -- setup ----------------------------------------------------------------------------
 
@@ -98,8 +116,12 @@ class WorkerSide:
         self.pages = PagedLayers(tensors, blocks_per_chunk=self.shape.blocks_per_chunk,
                                  page_dim=page_dim, pages_per_block=ratio)
         device = self.pages.device
-        self._pool = StagingPool(torch.device("cpu"), pin=device.type == "cuda")
-        self._dev_pool = StagingPool(device) if device.type != "cpu" else None
+        budget = self.config.staging_bytes
+        self._pool = StagingPool(torch.device("cpu"), budget, pin=device.type == "cuda")
+        self._dev_pool = StagingPool(device, budget) if device.type != "cpu" else None
+        if device.type == "cuda":
+            self._side = torch.cuda.Stream(device)
+            self._copy_out = ThreadPoolExecutor(1, thread_name_prefix="kvstore-vllm-d2h")
         # Device caches: scatter group i on the device while the store copies group
         # i + 1 on the host. Host caches: both are CPU copies and would only compete.
         self._load_parts = 1 if device.type == "cpu" else 4
@@ -140,10 +162,10 @@ class WorkerSide:
         """Scatter the leading chunks the store's first tier holds straight from its
         slots (held for the copy). Returns the chunks left for the staging path, or
         None when every chunk is in place."""
-        pages, cb, per = self._pages(), self._pages().chunk_bytes, self.shape.blocks_per_chunk
+        pages, cb = self._pages(), self._pages().chunk_bytes
         keys = spec.keys_for(self.rank)
         n = len(keys)
-        ids = torch.tensor(spec.block_ids, dtype=torch.long).view(n, per)
+        ids, keep = self._block_tensors(spec)
         with ExitStack() as held:
             try:
                 views = held.enter_context(self.store.borrow(keys))
@@ -154,21 +176,28 @@ class WorkerSide:
                 if view is None or view.nbytes != cb:
                     break
                 good += 1
-            keep = _keep_mask(good, per, spec.skip_blocks) if good else None
             for lo, hi, src in _spans(views[:good]):
                 pages.scatter(ids[lo:hi], src, keep=None if keep is None else keep[lo:hi])
+        self._note_loaded(spec, good)
         if good == n:
+            self._note_outcome(spec, n, n)
             return None
         return ChunkTransfer(spec.req_id, [k[good:] for k in spec.keys], spec.block_ids[good:],
-                             skip_blocks=0 if good else spec.skip_blocks)
+                             skip_blocks=0 if good else spec.skip_blocks, is_async=spec.is_async,
+                             first_chunk=spec.first_chunk + good)
 
     def _submit_load(self, spec: ChunkTransfer) -> _Load:
         """Ask the store for the chunks (in groups for device caches, so that
         scattering one group overlaps the store's copy of the next)."""
         cb = self._pages().chunk_bytes
         n = len(spec.block_ids)
-        ids = torch.tensor(spec.block_ids, dtype=torch.long).view(n, self.shape.blocks_per_chunk)
+        ids, _ = self._block_tensors(spec)
         buf = self._pool.take(n * cb)
+        if buf is None:
+            log.warning("request %s: %d chunks do not fit in staging_bytes (%d): load fails closed",
+                        spec.req_id, n, self.config.staging_bytes)
+            return _Load(spec, ids, None, [(0, n, None)])
+        self._gauge()
         keys = spec.keys_for(self.rank)
         groups = []
         for lo, hi in _groups(n, self._load_parts):
@@ -184,24 +213,26 @@ class WorkerSide:
         """Scatter each group of a whole load as soon as the store has verified it; stop
         at the first chunk that failed."""
         pages, cb = self._pages(), self._pages().chunk_bytes
+        _, keep_all = self._block_tensors(load.spec)
         ok_all: list[bool] = []
         stopped = False
         for lo, hi, future in load.groups:
             ok = self._wait_load(load, future, hi - lo)
-            ok_all += ok
             good = 0 if stopped or load.buf is None else _prefix_len(ok)
+            src = load.buf[lo * cb:(lo + good) * cb] if good else None
+            if good and self._dev_pool is not None:
+                dev = self._dev_pool.take(src.numel())
+                if dev is None:
+                    good, src = 0, None     # over the staging budget: fails closed from here
+                else:
+                    src = dev.copy_(src)
+            ok_all += ok[:good] + [False] * (hi - lo - good)
             stopped = stopped or good < hi - lo
             if good == 0:
                 continue
-            src = load.buf[lo * cb:(lo + good) * cb]
-            dev = None
+            pages.scatter(load.ids[lo:lo + good], src, keep=None if keep_all is None else keep_all[lo:lo + good])
             if self._dev_pool is not None:
-                dev = self._dev_pool.take(src.numel())
-                src = dev.copy_(src)
-            keep = _keep_mask(good, self.shape.blocks_per_chunk, load.spec.skip_blocks) if lo == 0 else None
-            pages.scatter(load.ids[lo:lo + good], src, keep=keep)
-            if dev is not None:
-                self._dev_pool.give(dev)
+                self._dev_pool.give(src)
         load.ok = ok_all
         self._note_errors(load)
         load.layers_done = (1 << pages.num_layers) - 1
@@ -210,9 +241,27 @@ class WorkerSide:
             load.buf = None
 
     def _note_errors(self, load: _Load) -> None:
-        for c in range(_prefix_len(load.ok), len(load.ok)):
+        """Report the blocks of every chunk from the first failed one on, and the load's
+        outcome (for the scheduler and this worker's own saves)."""
+        good = _prefix_len(load.ok)
+        for c in range(good, len(load.ok)):
             skip = load.spec.skip_blocks if c == 0 else 0
             self._errors.update(load.spec.block_ids[c][skip:])
+        self._note_loaded(load.spec, good)
+        self._note_outcome(load.spec, good, len(load.ok))
+
+    def _note_loaded(self, spec: ChunkTransfer, good: int) -> None:
+        blocks = sum(len(ids) for ids in spec.block_ids[:good]) - (spec.skip_blocks if good else 0)
+        self.metrics.add("loaded_tokens", blocks * self.shape.block_size)
+
+    def _note_outcome(self, spec: ChunkTransfer, good: int, n: int) -> None:
+        failed = spec.first_chunk + good if good < n else None
+        if failed is not None:
+            self.metrics.add("failed_loads", n - good)
+            self._poisoned[spec.req_id] = min(self._poisoned.get(spec.req_id, failed), failed)
+        before = self._outcomes.get(spec.req_id, failed)
+        self._outcomes[spec.req_id] = (failed if before is None else before if failed is None
+                                       else min(before, failed))
 
     def _finish_load(self, load: _Load, layers: list[int] | None) -> None:
         """Wait for the store, then scatter verified chunks (the requested layers, or
@@ -223,6 +272,14 @@ class WorkerSide:
             return
         if load.ok is None:
             load.ok = [hit for lo, hi, f in load.groups for hit in self._wait_load(load, f, hi - lo)]
+            good = _prefix_len(load.ok) if load.buf is not None else 0
+            if good and self._dev_pool is not None:
+                load.dev = self._dev_pool.take(good * pages.chunk_bytes)
+                if load.dev is None:
+                    good = 0                # over the staging budget: fails closed
+                else:
+                    load.dev.copy_(load.buf[: good * pages.chunk_bytes])
+            load.ok = load.ok[:good] + [False] * (len(load.ok) - good)
             self._note_errors(load)
         good = _prefix_len(load.ok)
         if load.buf is None:
@@ -232,13 +289,9 @@ class WorkerSide:
             load.buf = None
             return
         todo = range(pages.num_layers) if layers is None else layers
-        ids, keep = load.ids[:good], _keep_mask(good, self.shape.blocks_per_chunk, load.spec.skip_blocks)
-        src = load.buf[: good * pages.chunk_bytes]
-        if self._dev_pool is not None:
-            if load.dev is None:
-                load.dev = self._dev_pool.take(src.numel())
-                load.dev.copy_(src)
-            src = load.dev
+        ids, keep = self._block_tensors(load.spec)
+        ids, keep = ids[:good], None if keep is None else keep[:good]
+        src = load.dev if load.dev is not None else load.buf[: good * pages.chunk_bytes]
         if layers is None and load.layers_done == 0:
             pages.scatter(ids, src, keep=keep)
             load.layers_done = (1 << pages.num_layers) - 1
@@ -283,6 +336,13 @@ class WorkerSide:
         errors, self._errors = self._errors, set()
         return errors
 
+    def take_load_outcomes(self) -> KVStoreWorkerMetadata | None:
+        """The outcome of every load finished since the last call, for the scheduler."""
+        if not self._outcomes:
+            return None
+        outcomes, self._outcomes = self._outcomes, {}
+        return KVStoreWorkerMetadata(outcomes)
+
     # -- saves ----------------------------------------------------------------------------
 
     def save_layer(self, layer_name: str, meta: KVStoreConnectorMetadata) -> None:
@@ -296,8 +356,9 @@ class WorkerSide:
 
     def wait_for_save(self, meta: KVStoreConnectorMetadata) -> None:
         """Gather this step's new chunks (layers not gathered yet) and hand them to the
-        store; with ``save_async`` off, wait until stored. vLLM's blocks are free on
-        return."""
+        store; with ``save_async`` off, wait until stored. On return vLLM's blocks are
+        free to reuse, except on a device, where the copy-out is still reading them
+        (the scheduler keeps a finished request's blocks until it is reported)."""
         pages = self._pages()
         cb = pages.chunk_bytes
         saves = self._step_saves(meta)
@@ -312,36 +373,68 @@ class WorkerSide:
                     pages.gather_layer(layer, save.ids, save.target)
             if not save.layers:
                 pages.gather(save.ids, save.target)
-            if save.target is not save.buf:         # device -> host
-                save.buf.copy_(save.target)
         # Gather everything first, then hand the store groups it copies in parallel:
         # copying while gathering would slow down the gather that the step waits for.
         for save in saves:
-            keys = save.spec.keys_for(self.rank)
-            if save.todo is not None:
-                keys = [keys[i] for i in save.todo]
-            n = len(keys)
-            futures = []
-            for lo, hi in _groups(n) if n else []:
-                try:
-                    futures.append(self.store.save(keys[lo:hi], [save.buf[i * cb:(i + 1) * cb] for i in range(lo, hi)]))
-                except KVStoreError as exc:
-                    log.warning("request %s: save refused: %s", save.spec.req_id, exc)
-                    break
             if save.target is not save.buf:
-                self._dev_pool.give(save.target)
-                save.target = save.buf
-            # Registered even with nothing pending (saved in place, or refused), so an
-            # async-saving request is reported finished.
-            self._save_futures.setdefault(save.spec.req_id, []).extend(futures)
-            if not futures:
-                self._pool.give(save.buf)
-                continue
-            give_when_done(futures, save.buf, self._pool, save.spec.req_id)
-            if not self.config.save_async:
-                for future in futures:
-                    _wait(future, self.config.timeout_s, save.spec.req_id)
+                self._copy_out_later(save)
+            else:
+                self._submit_save(save)
         self._saves = []
+        self._gauge()
+
+    def _copy_out_later(self, save: _Save) -> None:
+        """Device caches: copy the gathered chunks to pinned host staging on the side
+        stream (after the engine's stream), and submit them to the store once the copy
+        is done, off the step."""
+        side = self._side
+        side.wait_stream(torch.cuda.current_stream(side.device))
+        with torch.cuda.stream(side):
+            save.buf.copy_(save.target, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(side)
+        save.target.record_stream(side)
+        if save.spec.hold:
+            self._hold.setdefault(save.spec.req_id, []).append(done)
+        futures: Future = self._copy_out.submit(self._after_copy, save, done)
+        self._save_futures.setdefault(save.spec.req_id, []).append(futures)
+        if not self.config.save_async:
+            _wait(futures, self.config.timeout_s, save.spec.req_id)
+
+    def _after_copy(self, save: _Save, done: Any) -> None:
+        done.synchronize()
+        self._dev_pool.give(save.target)
+        save.target = save.buf
+        futures = self._submit_save(save, wait=False)
+        if not self.config.save_async:
+            for future in futures:
+                _wait(future, self.config.timeout_s, save.spec.req_id)
+
+    def _submit_save(self, save: _Save, *, wait: bool = True) -> list[Future]:
+        cb = self._pages().chunk_bytes
+        keys = save.spec.keys_for(self.rank)
+        if save.todo is not None:
+            keys = [keys[i] for i in save.todo]
+        n = len(keys)
+        futures = []
+        for lo, hi in _groups(n) if n else []:
+            try:
+                futures.append(self.store.save(keys[lo:hi], [save.buf[i * cb:(i + 1) * cb] for i in range(lo, hi)]))
+            except KVStoreError as exc:
+                log.warning("request %s: save refused: %s", save.spec.req_id, exc)
+                self.metrics.add("dropped_saves", n - lo)
+                break
+        if wait:
+            # Registered even with nothing pending (saved in place, or refused).
+            self._save_futures.setdefault(save.spec.req_id, []).extend(futures)
+        if not futures:
+            self._pool.give(save.buf)
+            return futures
+        give_when_done(futures, save.buf, self._pool, save.spec.req_id)
+        if wait and not self.config.save_async:
+            for future in futures:
+                _wait(future, self.config.timeout_s, save.spec.req_id)
+        return futures
 
     def _save_in_place(self, save: _Save) -> list[int]:
         """Gather chunks straight into first-tier slots reserved in the store and
@@ -363,42 +456,89 @@ class WorkerSide:
         return res.missing
 
     def finished_saves(self, finished_req_ids: set[str]) -> set[str]:
-        """Finished requests whose saves are all done. Only with ``save_async``: then
-        the scheduler side kept their blocks (``request_finished`` returned True) and
-        frees them when every worker reports them here."""
-        if not self.config.save_async:
-            for req_id in finished_req_ids:
-                self._save_futures.pop(req_id, None)
-            return set()
-        self._finishing |= {r for r in finished_req_ids if r in self._save_futures}
+        """Finished requests whose blocks the scheduler kept (``hold`` saves) and that
+        no copy reads any more; every other finished request is forgotten."""
+        self._finishing |= {r for r in finished_req_ids if r in self._hold}
+        for req_id in finished_req_ids:
+            self._poisoned.pop(req_id, None)
         done = set()
         for req_id in list(self._finishing):
-            if all(f.done() for f in self._save_futures[req_id]):
-                del self._save_futures[req_id]
+            if all(e is None or e.query() for e in self._hold[req_id]):
+                del self._hold[req_id]
                 self._finishing.discard(req_id)
                 done.add(req_id)
-        for req_id, futures in self._save_futures.items():
-            if req_id not in self._finishing:
-                futures[:] = [f for f in futures if not f.done()]
+        for req_id, futures in list(self._save_futures.items()):
+            futures[:] = [f for f in futures if not f.done()]
+            if not futures and req_id in finished_req_ids:
+                del self._save_futures[req_id]
         return done
 
     def close(self, timeout_s: float) -> None:
-        for futures in self._save_futures.values():
-            for f in futures:
+        for futures in list(self._save_futures.values()):
+            for f in list(futures):
                 _wait(f, timeout_s, "shutdown")
+        if self._copy_out is not None:
+            self._copy_out.shutdown(wait=True)
 
     # -- internals ------------------------------------------------------------------------
 
     def _step_saves(self, meta: KVStoreConnectorMetadata) -> list[_Save]:
-        if not self._saves and meta.saves:
-            pages = self._pages()
-            for spec in meta.saves:
-                n = len(spec.block_ids)
-                ids = torch.tensor(spec.block_ids, dtype=torch.long).view(n, self.shape.blocks_per_chunk)
-                buf = self._pool.take(n * pages.chunk_bytes)
-                target = buf if self._dev_pool is None else self._dev_pool.take(buf.numel())
-                self._saves.append(_Save(spec, ids, buf, target, set()))
+        """This step's saves, minus what must not or cannot be stored: chunks from a
+        failed load of the same request on (until the request recomputes them), an MLA
+        replica's copy, and saves over the staging budget."""
+        if self._saves or not meta.saves:
+            return self._saves
+        pages = self._pages()
+        for spec in meta.saves:
+            if spec.hold:
+                self._hold.setdefault(spec.req_id, [])
+            spec = self._unpoisoned(spec)
+            if spec is None or not self.writes:
+                continue
+            n = len(spec.block_ids)
+            buf = self._pool.take(n * pages.chunk_bytes)
+            target = buf if buf is None or self._dev_pool is None else self._dev_pool.take(buf.numel())
+            if target is None:
+                if buf is not None:
+                    self._pool.give(buf)
+                log.warning("request %s: %d chunks do not fit in staging_bytes (%d): not saved",
+                            spec.req_id, n, self.config.staging_bytes)
+                self.metrics.add("dropped_saves", n)
+                continue
+            ids, _ = self._block_tensors(spec)
+            self._saves.append(_Save(spec, ids, buf, target, set()))
         return self._saves
+
+    def _unpoisoned(self, spec: ChunkTransfer) -> ChunkTransfer | None:
+        failed = self._poisoned.get(spec.req_id)
+        if failed is None:
+            return spec
+        if spec.first_chunk <= failed:
+            del self._poisoned[spec.req_id]   # the request recomputes from before the failure
+            return spec
+        self.metrics.add("dropped_saves", len(spec.block_ids))
+        log.info("request %s: chunks from %d on were computed over a failed load: not saved",
+                 spec.req_id, spec.first_chunk)
+        return None
+
+    def _block_tensors(self, spec: ChunkTransfer) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``[n, blocks_per_chunk]`` block ids of the chunks (a short last chunk padded
+        with its own last block) and which blocks to write (``None``: all): not the
+        leading ``skip_blocks``, not the padding."""
+        per = self.shape.blocks_per_chunk
+        rows = [ids + [ids[-1]] * (per - len(ids)) for ids in spec.block_ids]
+        ids = torch.tensor(rows, dtype=torch.long).view(len(rows), per)
+        short = len(spec.block_ids[-1]) < per if spec.block_ids else False
+        if not spec.skip_blocks and not short:
+            return ids, None
+        keep = torch.ones(len(rows), per, dtype=torch.bool)
+        keep[0, :spec.skip_blocks] = False
+        keep[-1, len(spec.block_ids[-1]):] = False
+        return ids, keep
+
+    def _gauge(self) -> None:
+        dev = self._dev_pool.allocated_bytes if self._dev_pool is not None else 0
+        self.metrics.set("staging_bytes", self._pool.allocated_bytes + dev)
 
     def _pages(self) -> PagedLayers:
         if self.pages is None:
@@ -444,14 +584,6 @@ def _prefix_len(ok: list[bool]) -> int:
             break
         n += 1
     return n
-
-
-def _keep_mask(n: int, per_chunk: int, skip: int) -> torch.Tensor | None:
-    if not skip:
-        return None
-    keep = torch.ones(n, per_chunk, dtype=torch.bool)
-    keep[0, :skip] = False
-    return keep
 
 
 def _wait(future: Future, timeout_s: float, what: str) -> None:

@@ -26,9 +26,10 @@ from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
 
+from connectors._metrics import ConnectorMetrics
 from connectors._store_handle import open_store, release_store
 from connectors._vllm_config import KVShape, VllmConnectorConfig
-from connectors._vllm_meta import KVStoreConnectorMetadata
+from connectors._vllm_meta import KVStoreConnectorMetadata, KVStoreWorkerMetadata
 from connectors._vllm_scheduler import SchedulerSide
 from connectors._vllm_tier import KVStoreTier
 from connectors._vllm_worker import WorkerSide
@@ -62,12 +63,21 @@ class KVStoreConnector(KVConnectorBase_V1):
                               f"this engine has {self.shape.world_size} workers: use 'server'")
         self.store, self._handle = open_store(self.config.store, self.config.server, self.config.token,
                                               self.config.timeout_s)
+        self.metrics = ConnectorMetrics(self.store, "vllm")
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
-            self._scheduler = SchedulerSide(self.config, self.shape, self.store, do_load=do_load, do_save=do_save)
+            if getattr(tc, "kv_load_failure_policy", "fail") == "fail" and do_load:
+                log.warning("kvstore connector: kv_load_failure_policy is 'fail', so a chunk that cannot be "
+                            "loaded (evicted, corrupt, unreachable) fails its request; set "
+                            "\"kv_load_failure_policy\": \"recompute\" to recompute it instead")
+            device = str(getattr(getattr(vllm_config, "device_config", None), "device_type", "cpu") or "cpu")
+            self._scheduler = SchedulerSide(self.config, self.shape, self.store, self.metrics, do_load=do_load,
+                                            do_save=do_save, hold_blocks=device != "cpu")
         else:
-            self._worker = WorkerSide(self.config, self.shape, self.store, _worker_rank(vllm_config, self.shape))
+            tp_rank, key_rank = _worker_rank(vllm_config, self.shape)
+            self._worker = WorkerSide(self.config, self.shape, self.store, self.metrics, key_rank,
+                                      writes=self.shape.writes(tp_rank))
 
     # -- class-level answers --------------------------------------------------------------
 
@@ -138,10 +148,17 @@ class KVStoreConnector(KVConnectorBase_V1):
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._work().take_load_errors()
 
+    def build_connector_worker_meta(self) -> KVStoreWorkerMetadata | None:
+        return self._work().take_load_outcomes()
+
+    def get_kv_connector_stats(self) -> None:
+        return None    # counted in the store's stats()["connectors"]["vllm"]
+
     def shutdown(self) -> None:
         if self._worker is not None:
             self._worker.close(self.config.timeout_s)
         if self.store is not None:
+            self.metrics.close()
             store, self.store = self.store, None
             release_store(store, self._handle)
 
@@ -162,14 +179,17 @@ class KVStoreConnector(KVConnectorBase_V1):
         return self._worker
 
 
-def _worker_rank(vllm_config: Any, shape: KVShape) -> int:
-    """This worker's place among ``tp * pp`` shards (keys differ per shard)."""
+def _worker_rank(vllm_config: Any, shape: KVShape) -> tuple[int, int]:
+    """This worker's TP rank and which stored copy it reads and writes (see
+    :meth:`KVShape.key_rank`)."""
     if shape.world_size == 1:
-        return 0
-    from vllm.distributed.parallel_state import get_pp_group, get_tp_group
+        return 0, 0
+    from vllm.distributed.parallel_state import get_pcp_group, get_pp_group, get_tp_group
 
-    pp_rank = get_pp_group().rank_in_group if vllm_config.parallel_config.pipeline_parallel_size > 1 else 0
-    return pp_rank * shape.tp_size + get_tp_group().rank_in_group
+    pp_rank = get_pp_group().rank_in_group if shape.pp_size > 1 else 0
+    pcp_rank = get_pcp_group().rank_in_group if shape.pcp_size > 1 else 0
+    tp_rank = get_tp_group().rank_in_group
+    return tp_rank, shape.key_rank(tp_rank, pp_rank, pcp_rank)
 
 
 __all__ = ["KVStoreConnector", "KVStoreConnectorMetadata", "KVStoreTier", "VllmConnectorConfig"]

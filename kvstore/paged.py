@@ -179,9 +179,12 @@ class PagedLayers:
 
     def _pages(self, block_ids: torch.Tensor) -> torch.Tensor:
         """``[n, blocks_per_chunk * pages_per_block]`` page indices of each chunk."""
-        ids = block_ids.to(device=self.device, dtype=torch.long)
-        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.num_blocks):
+        if block_ids.device.type == "cpu" and block_ids.numel() and (
+                int(block_ids.min()) < 0 or int(block_ids.max()) >= self.num_blocks):
+            # Checked on the host before the ids reach the device, where a bad index is a
+            # device-side assert; ids already on a device are the caller's to check.
             raise InvalidArgumentError(f"block ids must lie in [0, {self.num_blocks})")
+        ids = block_ids.to(device=self.device, dtype=torch.long, non_blocking=True)
         ppb = self.pages_per_block
         if ppb == 1:
             return ids

@@ -58,6 +58,12 @@ def run_to_completion(sched, worker, req):
         if not out.num_scheduled_tokens:
             time.sleep(0.005)    # only async saves left: let the store's threads run
         assert time.monotonic() < deadline, "request did not finish"
+    # A finished request's blocks are free at once (saves read staging copies): wait
+    # until the store holds what was saved, as a later engine would find it.
+    keys = [k for t in saves for k in t.keys_for(0)]
+    while not all(worker.store.contains(keys)):
+        assert time.monotonic() < deadline, "saves did not land"
+        time.sleep(0.005)
     return saves
 
 

@@ -133,8 +133,10 @@ def run_worker_step(worker, meta, finished: set[str] = frozenset(), *, layerwise
     worker.wait_for_save()
     sending, recving = worker.get_finished(set(finished))
     errors = worker.get_block_ids_with_load_errors()
+    worker_meta = worker.build_connector_worker_meta()
     worker.clear_connector_metadata()
-    return KVConnectorOutput(finished_sending=sending, finished_recving=recving, invalid_block_ids=errors)
+    return KVConnectorOutput(finished_sending=sending, finished_recving=recving, invalid_block_ids=errors,
+                             kv_connector_worker_meta=worker_meta)
 
 
 def model_output(sched_out, kv_out=None):
