@@ -93,12 +93,14 @@ class SchedulerSide:
         from the point it asked about, which the scheduler may cap below the offer —
         and lease their chunks so that they cannot be evicted before a worker loads them."""
         st = self._state(request)
-        st.saved_chunks = max(st.saved_chunks, st.hit_chunks)
         if num_external_tokens <= 0:
             return
         c, bs, per = self.shape.chunk_tokens, self.shape.block_size, self.shape.blocks_per_chunk
         start = st.offer_from
         end = start + num_external_tokens
+        # Chunks loaded whole need no save (until a failed load moves this back); the
+        # lookup is not trusted beyond what is loaded now.
+        st.saved_chunks = max(st.saved_chunks, end // c)
         if end > st.hit_chunks * c:
             raise KVStoreError(f"request {request.request_id}: vLLM accepted {num_external_tokens} tokens from "
                                f"{start}, beyond the {st.hit_chunks * c} offered; its connector contract changed")

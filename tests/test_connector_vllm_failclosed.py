@@ -1,0 +1,392 @@
+"""Never wrong KV through vLLM's engine path: a load that fails while the same request
+(or one sharing its blocks) computes and saves later chunks must never leave those
+chunks stored over garbage, and a load must put exactly the tokens vLLM accepted where
+vLLM counts them as computed.
+
+Driven by vLLM's real Scheduler and the connector's worker hooks on real CPU caches. A
+stand-in "forward" writes, for every block a step computes, the prompt's true pages, or
+a SENTINEL when an earlier block of the request does not hold true KV (computed over
+garbage, as a real model would)."""
+
+import time
+import uuid
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from tests import vllm_support as vs
+
+vs.require_vllm()
+
+from connectors._vllm_meta import ChunkTransfer, KVStoreConnectorMetadata  # noqa: E402
+
+CHUNK = 32                              # two vLLM blocks
+PROMPT = list(range(10, 212))           # 202 tokens: 6 full chunks
+CHUNKS = 6
+SCRATCH = [60, 61]                      # blocks no request gets in these tests
+SENTINEL = 7.0
+
+
+class Forward:
+    """Writes what a model would compute into one engine's caches."""
+
+    def __init__(self, caches, truth):
+        self.caches, self.truth = caches, truth
+        self.blocks: dict[str, list[int]] = {}
+
+    def track(self, out):
+        for new in out.scheduled_new_reqs:
+            self.blocks[new.req_id] = list(new.block_ids[0])
+        cached = out.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            ids = cached.new_block_ids[i]
+            if req_id in cached.resumed_req_ids:
+                self.blocks[req_id] = list(ids[0]) if ids else []
+            elif ids:
+                self.blocks[req_id].extend(ids[0])
+
+    def compute(self, out, layers=None):
+        names = layers or list(self.caches)
+        cached = out.scheduled_cached_reqs
+        starts = {new.req_id: new.num_computed_tokens for new in out.scheduled_new_reqs}
+        starts.update(zip(cached.req_ids, cached.num_computed_tokens))
+        for req_id, n in out.num_scheduled_tokens.items():
+            blocks, start = self.blocks[req_id], starts[req_id]
+            lo, hi = start // vs.BLOCK, min(-(-(start + n) // vs.BLOCK), len(PROMPT) // vs.BLOCK)
+            for name in names:
+                cache, truth = self.caches[name], self.truth[name]
+                valid = all(torch.equal(cache[blocks[j]], truth[j]) for j in range(lo))
+                for j in range(lo, hi):
+                    cache[blocks[j]] = truth[j] if valid else SENTINEL
+
+
+@pytest.fixture
+def engine(tmp_path):
+    """Factory of (scheduler, worker, caches, forward) over one embedded store per test."""
+    model = vs.model_dir(tmp_path)
+    tier = f"t{uuid.uuid4().hex[:8]}"
+    gen = torch.Generator().manual_seed(5)
+    truth = {}
+    made = []
+
+    def make(policy="recompute", **options):
+        extra = {"store": vs.store_config(name=tier), "chunk_tokens": CHUNK, **options}
+        vc = vs.vllm_config(model, extra, policy=policy)
+        kcc = vs.kv_cache_config(vc)
+        sched, worker = vs.scheduler(vc, kcc), vs.worker_connector(vc, kcc)
+        caches = vs.kv_caches(kcc, "LBHNC")
+        for name, t in caches.items():
+            if name not in truth:
+                shape = (len(PROMPT) // vs.BLOCK, *t.shape[1:])
+                truth[name] = torch.randn(shape, generator=gen).to(t.dtype)
+        worker.register_kv_caches(caches)
+        made.append((sched, worker))
+        return sched, worker, caches, Forward(caches, truth)
+
+    yield make
+    for sched, worker in made:
+        worker.shutdown()
+        sched.connector.shutdown()
+
+
+def step(sched, worker, fwd, *, layerwise=False, out=None):
+    from vllm.v1.outputs import KVConnectorOutput
+
+    out = out or sched.schedule()
+    fwd.track(out)
+    meta = out.kv_connector_metadata
+    worker.handle_preemptions(meta)
+    worker.bind_connector_metadata(meta)
+    worker.start_load_kv(None)
+    if layerwise:
+        for name in vs.layer_names():
+            worker.wait_for_layer_load(name)
+            fwd.compute(out, layers=[name])
+            worker.save_kv_layer(name, None, object())
+    else:
+        fwd.compute(out)
+    worker.wait_for_save()
+    sending, recving = worker.get_finished(set(out.finished_req_ids))
+    kv_out = KVConnectorOutput(finished_sending=sending, finished_recving=recving,
+                               invalid_block_ids=worker.get_block_ids_with_load_errors(),
+                               kv_connector_worker_meta=worker.build_connector_worker_meta())
+    worker.clear_connector_metadata()
+    sched.update_from_output(out, vs.model_output(out, kv_out))
+    return out, kv_out
+
+
+def run(sched, worker, fwd, req, **kw):
+    sched.add_request(req)
+    deadline = time.monotonic() + 30
+    while sched.has_unfinished_requests() or req.request_id in sched.requests:
+        out, _ = step(sched, worker, fwd, **kw)
+        if not out.num_scheduled_tokens:
+            time.sleep(0.005)
+        assert time.monotonic() < deadline, "request did not finish"
+    settle(worker.store)
+
+
+def settle(store):
+    """Wait until the store has finished the saves handed to it."""
+    deadline = time.monotonic() + 30
+    while True:
+        before = store.stats()["saves"]
+        time.sleep(0.05)
+        if store.stats()["saves"] == before:
+            return
+        assert time.monotonic() < deadline
+
+
+def prompt_keys(worker):
+    import numpy as np
+
+    return worker.shape.namespace(0, "").chunk_keys(np.array(PROMPT, dtype=np.uint32))
+
+
+def expected_chunk(worker, caches, fwd, k):
+    """The true bytes of chunk ``k`` as the connector lays chunks out."""
+    for name, t in caches.items():
+        t[SCRATCH] = fwd.truth[name][2 * k:2 * k + 2]
+    pages = worker._worker.pages
+    out = torch.empty(pages.chunk_bytes, dtype=torch.uint8)
+    pages.gather(torch.tensor([SCRATCH]), out)
+    return out
+
+
+def stored_chunks(worker, caches, fwd):
+    """For each prompt chunk: None (absent), True (the true bytes) or False (wrong KV)."""
+    keys = prompt_keys(worker)
+    found = []
+    for k, key in enumerate(keys):
+        buf = torch.empty(worker._worker.pages.chunk_bytes, dtype=torch.uint8)
+        if not worker.store.contains([key])[0] or not worker.store.load([key], [buf]).result()[0]:
+            found.append(None)
+            continue
+        found.append(bool(torch.equal(buf, expected_chunk(worker, caches, fwd, k))))
+    return found
+
+
+def seed_first_chunks(engine, n=3):
+    """Engine 1 computes the prompt's first ``n`` chunks (true KV) into the store."""
+    s1, w1, _, f1 = engine()
+    run(s1, w1, f1, vs.request("seed", PROMPT[:n * CHUNK + 5]))
+    keys = prompt_keys(w1)
+    assert w1.store.contains(keys[:n]) == [True] * n and not any(w1.store.contains(keys[n:]))
+    for key in keys[n:]:
+        assert not w1.store.contains([key])[0]
+
+
+@pytest.mark.parametrize("mode", ["sync", "layerwise", "async"])
+@pytest.mark.parametrize("lost", [0, 1, 2])
+def test_load_failure_never_leaves_chunks_computed_over_garbage_in_the_store(engine, mode, lost):
+    """Chunks 0-2 load while 3-5 are computed and saved in the same step; chunk
+    ``lost`` is evicted after planning. Every stored chunk of the prefix must end up
+    holding the true (recomputed) bytes, and all six must be stored."""
+    seed_first_chunks(engine)
+    options = {"layerwise": True} if mode == "layerwise" else {"load_async": True} if mode == "async" else {}
+    s2, w2, c2, f2 = engine(**options)
+    req = vs.request("r2", PROMPT)
+    s2.add_request(req)
+    out = s2.schedule()
+    (load,) = out.kv_connector_metadata.loads
+    assert load.first_chunk == 0 and len(load.block_ids) == 3
+    w2.store.delete([load.keys[0][lost]])                # evicted after the plan
+    for t in c2.values():
+        t.fill_(0.5)                                     # garbage where the load does not write
+    out, kv_out = step(s2, w2, f2, out=out, layerwise=mode == "layerwise")
+    invalid = set(kv_out.invalid_block_ids)
+    deadline = time.monotonic() + 30
+    while s2.has_unfinished_requests() or "r2" in s2.requests:
+        out, kv_out = step(s2, w2, f2, layerwise=mode == "layerwise")
+        invalid |= kv_out.invalid_block_ids
+        if not out.num_scheduled_tokens:
+            time.sleep(0.005)
+        assert time.monotonic() < deadline
+    assert invalid >= set(load.block_ids[lost])
+    settle(w2.store)
+    assert stored_chunks(w2, c2, f2) == [True] * CHUNKS
+    stats = w2.store.stats()["connectors"]["vllm"]
+    assert stats["failed_loads"] >= 3 - lost
+
+
+def test_saves_of_a_request_sharing_a_failed_loads_blocks_are_never_wrong(engine):
+    """r3 arrives while r2's load is planned and reuses r2's blocks through vLLM's own
+    prefix cache; r2's chunk 1 then fails. r3 computes over it in the same step: its
+    saves must not store what it computed there."""
+    seed_first_chunks(engine)
+    s2, w2, c2, f2 = engine()
+    s2.add_request(vs.request("r2", PROMPT[:3 * CHUNK + 10]))
+    s2.add_request(vs.request("r3", PROMPT))
+    out = s2.schedule()
+    loads = out.kv_connector_metadata.loads
+    assert [t.req_id for t in loads] == ["r2"]
+    w2.store.delete([loads[0].keys[0][1]])
+    for t in c2.values():
+        t.fill_(0.5)
+    step(s2, w2, f2, out=out)
+    deadline = time.monotonic() + 30
+    while s2.has_unfinished_requests():
+        step(s2, w2, f2)
+        assert time.monotonic() < deadline
+    settle(w2.store)
+    assert False not in stored_chunks(w2, c2, f2)
+
+
+def test_fail_policy_fails_the_request_and_stores_nothing_wrong(engine, caplog):
+    seed_first_chunks(engine)
+    with caplog.at_level("WARNING"):
+        s2, w2, c2, f2 = engine(policy="fail")
+    assert "kv_load_failure_policy is 'fail'" in caplog.text
+    req = vs.request("r2", PROMPT)
+    s2.add_request(req)
+    out = s2.schedule()
+    (load,) = out.kv_connector_metadata.loads
+    w2.store.delete([load.keys[0][1]])
+    step(s2, w2, f2, out=out)
+    assert req.is_finished() and req.status.name == "FINISHED_ERROR"
+    for _ in range(3):
+        step(s2, w2, f2)
+    settle(w2.store)
+    assert stored_chunks(w2, c2, f2) == [True, None, True, None, None, None]
+
+
+def test_a_capped_offer_loads_exactly_the_accepted_tokens_where_vllm_counts_them(engine):
+    """vLLM may accept fewer external tokens than offered: the load must cover
+    [num_computed, num_computed + accepted), never the tail of the offer."""
+    from vllm.v1.core.sched.output import CachedRequestData
+
+    seed_first_chunks(engine)
+    s2, w2, c2, f2 = engine()
+    conn = s2.connector
+    req = vs.request("r2", PROMPT)
+    s2.requests[req.request_id] = req
+    conn.on_new_request(req)
+    assert conn.get_num_new_matched_tokens(req, 0) == (3 * CHUNK, False)
+    accepted = CHUNK + vs.BLOCK                  # a chunk and a half
+    km = s2.kv_cache_manager
+    blocks = km.allocate_slots(req, len(PROMPT) - accepted, num_external_computed_tokens=accepted)
+    conn.update_state_after_alloc(req, km.get_blocks(req.request_id), accepted)
+    meta = conn.build_connector_meta(SimpleNamespace(num_scheduled_tokens={}, scheduled_new_reqs=[],
+                                                     scheduled_cached_reqs=CachedRequestData.make_empty()))
+    (load,) = meta.loads
+    assert blocks is not None
+    ids = km.get_block_ids(req.request_id)[0]
+    assert load.first_chunk == 0 and load.block_ids == [ids[0:2], ids[2:3]]
+    for t in c2.values():
+        t.fill_(0.5)
+    kv_out = vs.run_worker_step(w2, meta)
+    assert not kv_out.invalid_block_ids
+    for name, t in c2.items():
+        assert torch.equal(t[ids[:3]], f2.truth[name][:3])       # exactly the accepted blocks
+        assert torch.equal(t[ids[3]], torch.full_like(t[ids[3]], 0.5))   # nothing beyond
+
+
+def test_staging_stays_under_staging_bytes_while_batches_grow(engine):
+    s2, w2, c2, f2 = engine(staging_bytes=3 * 4096 * 2 * 2 * vs.LAYERS, save_async=True)
+    pages = w2._worker.pages
+    budget = w2._worker.config.staging_bytes
+    w2._worker._in_place = False                  # the staging path itself
+    import numpy as np
+
+    ns = w2._worker.shape.namespace(0, "staging")
+    seen = []
+    for n in (1, 2, 4, 8, 16):
+        keys = ns.chunk_keys(np.arange(1000 * n, 1000 * n + n * CHUNK, dtype=np.uint32))
+        blocks = [[2 * i, 2 * i + 1] for i in range(n)]
+        meta = KVStoreConnectorMetadata(saves=[ChunkTransfer(f"s{n}", [keys], blocks)])
+        vs.run_worker_step(w2, meta)
+        seen.append(w2.store.stats()["connectors"]["vllm"]["staging_bytes"])
+        settle(w2.store)
+    assert max(seen) <= budget and pages.chunk_bytes * 16 > budget
+    stats = w2.store.stats()["connectors"]["vllm"]
+    assert stats["dropped_saves"] >= 8 + 16            # the batches that could not fit
+
+
+def test_mla_across_two_ranks_stores_one_copy_read_by_both(tmp_path):
+    import numpy as np
+    from vllm.v1.core.kv_cache_planning import get_kv_cache_config_from_groups
+    from vllm.v1.kv_cache_interface import KVCacheGroupSpec, MLAAttentionSpec
+
+    from connectors._metrics import ConnectorMetrics
+    from connectors._store_handle import open_store, release_store
+    from connectors._vllm_config import KVShape, VllmConnectorConfig
+    from connectors._vllm_worker import WorkerSide
+
+    extra = {"store": vs.store_config(name=f"t{uuid.uuid4().hex[:8]}"), "chunk_tokens": CHUNK}
+    vc = vs.vllm_config(vs.model_dir(tmp_path), extra)
+    vc.parallel_config.tensor_parallel_size = 2
+    spec = MLAAttentionSpec(block_size=vs.BLOCK, num_kv_heads=1, head_size=64, dtype=torch.float16)
+    names = vs.layer_names()
+    kcc = get_kv_cache_config_from_groups(vc, [KVCacheGroupSpec(names, spec)], spec.page_size_bytes * 2 * 64)
+    config = VllmConnectorConfig.parse(extra)
+    shape = KVShape(vc, kcc, CHUNK, None)
+    assert shape.mla and shape.key_ranks == 1
+    assert shape.key_rank(0) == shape.key_rank(1) == 0 and shape.writes(0) and not shape.writes(1)
+    store, handle = open_store(config.store, None, None)
+    try:
+        workers, caches = [], []
+        for tp_rank in (0, 1):
+            w = WorkerSide(config, shape, store, ConnectorMetrics(store, "vllm"), shape.key_rank(tp_rank),
+                           writes=shape.writes(tp_rank))
+            cache = {n: torch.randn(64, vs.BLOCK, 64).to(torch.float16) for n in names}
+            w.register_kv_caches(cache, 64)
+            w._in_place = False
+            workers.append(w)
+            caches.append(cache)
+        keys = shape.namespace(0, "").chunk_keys(np.arange(500, 500 + 2 * CHUNK, dtype=np.uint32))
+        saves = KVStoreConnectorMetadata(saves=[ChunkTransfer("r", [keys], [[1, 2], [3, 4]])])
+        workers[1].wait_for_save(saves)                      # the replica: stores nothing
+        settle(store)
+        assert store.stats()["blocks"] == 0
+        workers[0].wait_for_save(saves)
+        settle(store)
+        assert store.stats()["blocks"] == 2
+        for w, cache in zip(workers, caches):
+            w.start_load(KVStoreConnectorMetadata(loads=[ChunkTransfer("l", [keys], [[10, 11], [12, 13]])]))
+            assert not w.take_load_errors()
+            for n in names:
+                assert torch.equal(cache[n][[10, 11, 12, 13]], caches[0][n][[1, 2, 3, 4]])
+    finally:
+        release_store(store, handle)
+
+
+def test_two_kv_dtypes_never_share_keys(tmp_path):
+    import numpy as np
+
+    from connectors._vllm_config import KVShape
+
+    model = vs.model_dir(tmp_path)
+    tokens = np.arange(100, 100 + CHUNK, dtype=np.uint32)
+    keys = set()
+    for cache_dtype, dtype in (("auto", torch.float16), ("auto", torch.bfloat16), ("fp8_e4m3", torch.uint8),
+                               ("fp8_e5m2", torch.uint8)):
+        vc = vs.vllm_config(model, {"store": vs.store_config(), "chunk_tokens": CHUNK})
+        vc.cache_config.cache_dtype = cache_dtype
+        kcc = vs.kv_cache_config(vc)
+        kcc.kv_cache_groups[0].kv_cache_spec = type(kcc.kv_cache_groups[0].kv_cache_spec)(
+            block_size=vs.BLOCK, num_kv_heads=vs.HEADS, head_size=vs.HEAD_SIZE, dtype=dtype)
+        shape = KVShape(vc, kcc, CHUNK, None)
+        assert "auto" not in shape.dtype
+        keys.add(shape.namespace(0, "").chunk_keys(tokens)[0])
+    assert len(keys) == 4
+
+
+def test_an_aborted_request_during_an_async_load_frees_its_blocks_and_leases(engine):
+    from vllm.v1.request import RequestStatus
+
+    seed_first_chunks(engine)
+    s2, w2, c2, f2 = engine(load_async=True)
+    free_before = s2.kv_cache_manager.block_pool.get_num_free_blocks()
+    s2.add_request(vs.request("r2", PROMPT))
+    out = s2.schedule()
+    assert out.kv_connector_metadata.loads and w2.store.stats()["leases"] == 3
+    s2.finish_requests(["r2"], RequestStatus.FINISHED_ABORTED)
+    deadline = time.monotonic() + 30
+    step(s2, w2, f2, out=out)
+    while "r2" in s2.requests:
+        step(s2, w2, f2)
+        time.sleep(0.005)
+        assert time.monotonic() < deadline, "the aborted request's blocks were never freed"
+    assert s2.kv_cache_manager.block_pool.get_num_free_blocks() == free_before
+    assert w2.store.stats()["leases"] == 0
