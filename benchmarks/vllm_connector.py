@@ -3,7 +3,12 @@
 1. Scheduler side: per request, hashing a prompt's chunk keys once (``on_new_request``)
    and answering ``get_num_new_matched_tokens`` (a store lookup of every chunk), for
    1K, 32K and 128K-token prompts that are fully cached.
-2. Worker side: saving and loading paged KV blocks of real vLLM CPU caches through the
+2. Scheduler steps: vLLM's real ``Scheduler`` with 1, 8 and 64 requests of 32K tokens,
+   fully cached, embedded and through a cache server: the time per step spent in
+   ``get_num_new_matched_tokens`` + ``update_state_after_alloc`` + ``build_connector_meta``
+   (the admission step, and decode steps), beside vLLM's own ``schedule()`` +
+   ``update_from_output`` for the same requests without a connector (the baseline).
+3. Worker side: saving and loading paged KV blocks of real vLLM CPU caches through the
    connector's hooks (gather + store copy; store copy + scatter) vs a plain torch
    ``index_select`` / ``index_copy_`` of the same blocks into / out of one host buffer.
    For async saves, also the time the step is blocked (the store copy runs behind).
@@ -67,6 +72,71 @@ def bench_lookup(model: str, reps: int) -> list[dict]:
                      "lookup_ms": lookup * 1e3, "hit_tokens": hit})
         conn.shutdown()
     return rows
+
+
+STEP_TOKENS = 32768
+HOOKS = ("get_num_new_matched_tokens", "update_state_after_alloc", "build_connector_meta")
+
+
+def _step_scheduler(model: str, n: int, extra: dict | None):
+    from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
+
+    mc = ModelConfig(model=model, skip_tokenizer_init=True, max_model_len=STEP_TOKENS + 64, dtype="float16")
+    cc = CacheConfig(block_size=vs.BLOCK, enable_prefix_caching=True)
+    cc.kv_cache_layout = "LBHNC"
+    sc = SchedulerConfig(max_num_seqs=max(n, 2), max_num_batched_tokens=65536, max_model_len=STEP_TOKENS + 64,
+                         enable_chunked_prefill=True, is_encoder_decoder=False)
+    kt = None if extra is None else KVTransferConfig(
+        kv_connector="KVStoreConnector", kv_connector_module_path="connectors.vllm", kv_role="kv_both",
+        kv_connector_extra_config=extra, kv_load_failure_policy="recompute")
+    vc = VllmConfig(model_config=mc, cache_config=cc, scheduler_config=sc, device_config=DeviceConfig("cpu"),
+                    kv_transfer_config=kt)
+    return vs.scheduler(vc, vs.kv_cache_config(vc, num_blocks=n * (STEP_TOKENS // vs.BLOCK + 8)))
+
+
+def bench_steps(model: str, n: int, reps: int, extra: dict | None) -> dict:
+    """Per-step time in the connector's scheduler hooks (or, with ``extra`` None, vLLM's
+    whole step without a connector) for ``n`` fully cached 32K-token requests."""
+    sched = _step_scheduler(model, n, extra)
+    conn = sched.connector
+    spent = [0.0]
+    if conn is not None:
+        for name in HOOKS:
+            inner = getattr(conn, name)
+
+            def timed(*args, _inner=inner, **kwargs):
+                t = time.perf_counter()
+                try:
+                    return _inner(*args, **kwargs)
+                finally:
+                    spent[0] += time.perf_counter() - t
+            setattr(conn, name, timed)
+    rng = np.random.default_rng(n)
+    reqs = [vs.request(f"r{i}", rng.integers(0, 900, STEP_TOKENS).tolist(), max_tokens=10**6) for i in range(n)]
+    if conn is not None:      # the store holds every chunk (tiny stand-in blocks: lookups only)
+        for r in reqs:
+            conn.on_new_request(r)
+            keys = conn._scheduler._reqs[r.request_id].keys[0]
+            conn.store.save(keys, [np.zeros(64, np.uint8)] * len(keys)).result()
+
+    def one_step() -> float:
+        spent[0] = 0.0
+        t = time.perf_counter()
+        out = sched.schedule()
+        sched.update_from_output(out, vs.model_output(out))
+        return spent[0] if conn is not None else time.perf_counter() - t
+
+    for r in reqs:
+        sched.add_request(r)
+    admission = one_step()
+    while len(sched.running) < n or any(r.num_computed_tokens < STEP_TOKENS for r in sched.running):
+        one_step()
+    for _ in range(3):
+        one_step()
+    decode = statistics.median(one_step() for _ in range(reps * 5))
+    if conn is not None:
+        conn.shutdown()
+    return {"requests": n, "admission_ms": admission * 1e3, "decode_ms": decode * 1e3}
 
 
 def bench_worker(model: str, layout: str, reps: int, quick: bool) -> dict:
@@ -177,11 +247,33 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         model = vs.model_dir(Path(tmp))
         lookup = bench_lookup(model, reps)
+        steps = []
+        from tests._servers import ProcessServer, config_dict
+
+        server = ProcessServer(config_dict("1GiB"), Path(tmp))
+        try:
+            for n in (1, 8, 64):
+                base = bench_steps(model, n, reps, None)
+                emb = bench_steps(model, n, reps, {"store": vs.store_config("1GiB", name=f"s{n}"),
+                                                   "chunk_tokens": CHUNK})
+                srv = bench_steps(model, n, reps, {"server": server.address, "chunk_tokens": CHUNK})
+                steps.append({"requests": n, "vllm_step_admission_ms": base["admission_ms"],
+                              "vllm_step_decode_ms": base["decode_ms"],
+                              "embedded_admission_ms": emb["admission_ms"], "embedded_decode_ms": emb["decode_ms"],
+                              "server_admission_ms": srv["admission_ms"], "server_decode_ms": srv["decode_ms"]})
+        finally:
+            server.kill()
         worker = [bench_worker(model, layout, reps, args.quick) for layout in ("LBHNC", "BLHNC", "LHBNC")]
 
     print(f"\nScheduler side ({CHUNK}-token chunks, prompt fully cached)")
     print_table(["prompt tokens", "chunks", "hash keys, once (ms)", "lookup (ms)"],
                 [[r["prompt_tokens"], r["chunks"], r["hash_keys_ms"], r["lookup_ms"]] for r in lookup])
+    print(f"\nScheduler steps, {STEP_TOKENS}-token requests fully cached: ms per step in the connector's "
+          "hooks; baseline = vLLM's own schedule() + update_from_output() without a connector")
+    print_table(["requests", "vLLM step: admit", "vLLM step: decode", "embedded: admit", "embedded: decode",
+                 "server: admit", "server: decode"],
+                [[r["requests"], r["vllm_step_admission_ms"], r["vllm_step_decode_ms"], r["embedded_admission_ms"],
+                  r["embedded_decode_ms"], r["server_admission_ms"], r["server_decode_ms"]] for r in steps])
     print("\nWorker side, GB/s; raw = plain torch index_select / index_copy_ of the same blocks")
     print_table(["layout", "MiB", "raw save", "conn save", "save blocked*", "raw load", "conn load",
                  "save ovh", "blocked ovh", "load ovh"],
@@ -190,7 +282,7 @@ def main() -> int:
                   f"{r['save_overhead']:+.0%}", f"{r['save_step_overhead']:+.0%}", f"{r['load_overhead']:+.0%}"]
                  for r in worker])
     print("* save_async: what the step waits for (host caches: the gather straight into store slots)")
-    path = write_json(args.name, {"chunk_tokens": CHUNK, "lookup": lookup, "worker": worker,
+    path = write_json(args.name, {"chunk_tokens": CHUNK, "lookup": lookup, "steps": steps, "worker": worker,
                                   "torch_threads": torch.get_num_threads(), "quick": args.quick})
     print(f"wrote {path}")
     return 0

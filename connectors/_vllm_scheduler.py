@@ -63,7 +63,9 @@ class SchedulerSide:
         self._reqs: dict[str, _Req] = {}
         self._planned: list[ChunkTransfer] = []
         self._final_saves: list[ChunkTransfer] = []
-        self._unconfirmed: dict[str, set[int]] = {}   # sync loads handed out -> their blocks
+        # Sync loads handed out and not yet reported: request -> (position, block id) of
+        # the first block the load writes.
+        self._unconfirmed: dict[str, tuple[int, int]] = {}
 
     # -- vLLM hooks -----------------------------------------------------------------------
 
@@ -105,9 +107,11 @@ class SchedulerSide:
             raise KVStoreError(f"request {request.request_id}: vLLM accepted {num_external_tokens} tokens from "
                                f"{start}, beyond the {st.hit_chunks * c} offered; its connector contract changed")
         first, last = start // c, -(-end // c)
-        ids = blocks.get_block_ids()[0]
         end_block = -(-end // bs)
-        if len(ids) < end_block:
+        # Only the blocks the load writes (get_block_ids() would convert them all).
+        group = blocks.blocks[0]
+        ids = [b.block_id for b in group[first * per:end_block]]
+        if len(group) < end_block:
             # vLLM now counts these tokens as computed: never leave them unloaded.
             raise KVStoreError(f"request {request.request_id}: {len(ids)} blocks allocated for "
                                f"{end} loaded tokens; vLLM's allocation contract changed")
@@ -118,7 +122,7 @@ class SchedulerSide:
             log.info("request %s: %d of %d chunks still cached at allocation", request.request_id,
                      min(got), len(keys[0]))
         st.leased = keys
-        block_ids = [ids[i * per:min((i + 1) * per, end_block)] for i in range(first, last)]
+        block_ids = [ids[i * per:(i + 1) * per] for i in range(last - first)]
         st.load = ChunkTransfer(request.request_id, keys, block_ids, skip_blocks=(start - first * c) // bs,
                                 is_async=self.config.load_async, first_chunk=first)
         st.loading = (first, block_ids)
@@ -139,7 +143,8 @@ class SchedulerSide:
                     # Async loads finish before the request computes anything.
                     st.pending.add(spec.req_id)
             if not spec.is_async:
-                self._unconfirmed[spec.req_id] = {b for ids in spec.block_ids for b in ids}
+                pos = spec.first_chunk * self.shape.blocks_per_chunk + spec.skip_blocks
+                self._unconfirmed[spec.req_id] = (pos, spec.block_ids[0][spec.skip_blocks])
         if not self.do_save:
             return meta
         counts = scheduler_output.num_scheduled_tokens
@@ -232,9 +237,13 @@ class SchedulerSide:
 
     def _note_shared_loads(self, req_id: str, st: _Req) -> None:
         """A request given blocks that a not yet confirmed load writes (a prefix-cache
-        hit on them) computes over that load: its saves wait for the outcome too."""
-        for other, blocks in self._unconfirmed.items():
-            if other != req_id and not blocks.isdisjoint(st.block_ids):
+        hit on them) computes over that load: its saves wait for the outcome too.
+        vLLM shares cached blocks only at the same position and as a prefix, so a
+        request shares some of a load's blocks exactly when it holds the load's first
+        written block at its position: one comparison per load."""
+        ids = st.block_ids
+        for other, (pos, block) in self._unconfirmed.items():
+            if pos < len(ids) and ids[pos] == block and other != req_id:
                 st.pending.add(other)
 
     def _plan_save(self, meta: KVStoreConnectorMetadata, req_id: str, st: _Req, computed: int, *,
