@@ -13,13 +13,14 @@ from kvstore.keys import BlockKey
 @dataclass
 class ChunkTransfer:
     """Whole chunks of one request: ``keys[rank][i]`` names chunk ``first_chunk + i`` as
-    rank ``rank`` stores it, and ``block_ids[i]`` are its vLLM blocks
-    (``blocks_per_chunk`` each; a load's last chunk may list fewer: only those blocks
-    are written, the tokens after them are the request's to compute)."""
+    rank ``rank`` stores it; ``block_ids`` are their vLLM blocks, ``per`` a chunk, one
+    flat list (a load's last chunk may list fewer: only those blocks are written, the
+    tokens after them are the request's to compute). A list of per-chunk lists is
+    accepted too and flattened."""
 
     req_id: str
     keys: list[list[BlockKey]]
-    block_ids: list[list[int]]
+    block_ids: list[int]
     # Loads only: how many leading blocks of the first chunk the request already holds
     # (a local prefix-cache hit); those blocks are not overwritten.
     skip_blocks: int = 0
@@ -28,6 +29,20 @@ class ChunkTransfer:
     # Saves only: the scheduler keeps this request's blocks when it finishes until the
     # workers report it in ``finished_sending`` (they are still being read).
     hold: bool = False
+    per: int = 0                  # blocks per chunk (0: taken from nested block_ids)
+
+    def __post_init__(self) -> None:
+        if self.block_ids and isinstance(self.block_ids[0], list):
+            self.per = self.per or len(self.block_ids[0])
+            self.block_ids = [b for chunk in self.block_ids for b in chunk]
+
+    @property
+    def num_chunks(self) -> int:
+        return len(self.keys[0])
+
+    def chunk(self, i: int) -> list[int]:
+        """The blocks of chunk ``i`` (of this transfer)."""
+        return self.block_ids[i * self.per:(i + 1) * self.per]
 
     def keys_for(self, rank: int) -> list[BlockKey]:
         return self.keys[rank] if len(self.keys) > 1 else self.keys[0]

@@ -44,7 +44,8 @@ class _Req:
     had_saves: bool = False           # a worker was told to save chunks of this request
     load: ChunkTransfer | None = None  # planned, not yet handed to the workers
     leased: list[list[BlockKey]] | None = None
-    loading: tuple[int, list[list[int]]] | None = None  # last planned load: first chunk, block ids
+    loading: ChunkTransfer | None = None  # the last load handed to the workers
+    alloc: tuple[Any, int] | None = None  # the planned load's KVCacheBlocks and end block
     pending: set[str] = field(default_factory=set)  # sync loads whose outcome its saves wait for
 
 
@@ -108,12 +109,9 @@ class SchedulerSide:
                                f"{start}, beyond the {st.hit_chunks * c} offered; its connector contract changed")
         first, last = start // c, -(-end // c)
         end_block = -(-end // bs)
-        # Only the blocks the load writes (get_block_ids() would convert them all).
-        group = blocks.blocks[0]
-        ids = [b.block_id for b in group[first * per:end_block]]
-        if len(group) < end_block:
+        if len(blocks.blocks[0]) < end_block:
             # vLLM now counts these tokens as computed: never leave them unloaded.
-            raise KVStoreError(f"request {request.request_id}: {len(ids)} blocks allocated for "
+            raise KVStoreError(f"request {request.request_id}: {len(blocks.blocks[0])} blocks allocated for "
                                f"{end} loaded tokens; vLLM's allocation contract changed")
         keys = [k[first:last] for k in st.keys]
         got = [self.store.lookup(k, lease_s=self.config.lease_s) for k in keys]
@@ -122,10 +120,11 @@ class SchedulerSide:
             log.info("request %s: %d of %d chunks still cached at allocation", request.request_id,
                      min(got), len(keys[0]))
         st.leased = keys
-        block_ids = [ids[i * per:(i + 1) * per] for i in range(last - first)]
-        st.load = ChunkTransfer(request.request_id, keys, block_ids, skip_blocks=(start - first * c) // bs,
-                                is_async=self.config.load_async, first_chunk=first)
-        st.loading = (first, block_ids)
+        # Block ids are filled in by build_connector_meta, from the ids vLLM lists for
+        # the step anyway (converting vLLM's block objects here costs more than the rest).
+        st.load = ChunkTransfer(request.request_id, keys, [], skip_blocks=(start - first * c) // bs,
+                                is_async=self.config.load_async, first_chunk=first, per=per)
+        st.alloc = (blocks, end_block)
         self.metrics.add("hit_tokens", num_external_tokens)
         self._planned.append(st.load)
 
@@ -135,25 +134,12 @@ class SchedulerSide:
         the request waits for a load's outcome."""
         meta = KVStoreConnectorMetadata(loads=self._planned, saves=self._final_saves)
         self._planned, self._final_saves = [], []
-        for spec in meta.loads:
-            st = self._reqs.get(spec.req_id)
-            if st is not None:
-                st.load, st.leased = None, None   # the worker's load now releases them
-                if not spec.is_async:
-                    # Async loads finish before the request computes anything.
-                    st.pending.add(spec.req_id)
-            if not spec.is_async:
-                pos = spec.first_chunk * self.shape.blocks_per_chunk + spec.skip_blocks
-                self._unconfirmed[spec.req_id] = (pos, spec.block_ids[0][spec.skip_blocks])
-        if not self.do_save:
-            return meta
-        counts = scheduler_output.num_scheduled_tokens
+        fresh: list[tuple[str, _Req]] = []        # given their blocks in this step
         for new in scheduler_output.scheduled_new_reqs:
             st = self._reqs.get(new.req_id)
             if st is not None:
                 st.block_ids = list(new.block_ids[0])
-                self._note_shared_loads(new.req_id, st)
-                self._plan_save(meta, new.req_id, st, new.num_computed_tokens + counts.get(new.req_id, 0))
+                fresh.append((new.req_id, st))
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             st = self._reqs.get(req_id)
@@ -162,10 +148,36 @@ class SchedulerSide:
             new_ids = cached.new_block_ids[i]
             if req_id in cached.resumed_req_ids:
                 st.block_ids = list(new_ids[0]) if new_ids else []
-                self._note_shared_loads(req_id, st)
+                fresh.append((req_id, st))
             elif new_ids:
                 st.block_ids.extend(new_ids[0])
-            self._plan_save(meta, req_id, st, cached.num_computed_tokens[i] + counts.get(req_id, 0))
+        per = self.shape.blocks_per_chunk
+        for spec in meta.loads:
+            st = self._reqs[spec.req_id]          # request_finished unplans a finished request's load
+            blocks, end_block = st.alloc
+            lo = spec.first_chunk * per
+            spec.block_ids = (st.block_ids[lo:end_block] if len(st.block_ids) >= end_block
+                              else [b.block_id for b in blocks.blocks[0][lo:end_block]])
+            st.load, st.leased, st.alloc = None, None, None   # the worker's load now releases them
+            st.loading = spec
+            if not spec.is_async:
+                # Async loads finish before the request computes anything; sync ones are
+                # confirmed by the workers' report.
+                st.pending.add(spec.req_id)
+                self._unconfirmed[spec.req_id] = (lo + spec.skip_blocks, spec.block_ids[spec.skip_blocks])
+        if not self.do_save:
+            return meta
+        for req_id, st in fresh:
+            self._note_shared_loads(req_id, st)
+        counts = scheduler_output.num_scheduled_tokens
+        for new in scheduler_output.scheduled_new_reqs:
+            st = self._reqs.get(new.req_id)
+            if st is not None:
+                self._plan_save(meta, new.req_id, st, new.num_computed_tokens + counts.get(new.req_id, 0))
+        for i, req_id in enumerate(cached.req_ids):
+            st = self._reqs.get(req_id)
+            if st is not None:
+                self._plan_save(meta, req_id, st, cached.num_computed_tokens[i] + counts.get(req_id, 0))
         return meta
 
     def update_connector_output(self, connector_output: Any) -> None:
@@ -190,10 +202,10 @@ class SchedulerSide:
                         st.saved_chunks = min(st.saved_chunks, i // per)
                         break
                 if st.loading is not None:
-                    first, blocks = st.loading
-                    for i, ids in enumerate(blocks):
-                        if not bad.isdisjoint(ids):
-                            st.saved_chunks = min(st.saved_chunks, first + i)
+                    spec = st.loading
+                    for i, block in enumerate(spec.block_ids):
+                        if block in bad:
+                            st.saved_chunks = min(st.saved_chunks, spec.first_chunk + i // per)
                             break
             if st.pending:
                 st.pending.difference_update(outcomes)
@@ -256,9 +268,8 @@ class SchedulerSide:
         if full <= st.saved_chunks:
             return
         lo = st.saved_chunks
-        meta.saves.append(ChunkTransfer(req_id, [k[lo:full] for k in st.keys],
-                                        [st.block_ids[i * p:(i + 1) * p] for i in range(lo, full)],
-                                        first_chunk=lo, hold=hold or self.hold_blocks))
+        meta.saves.append(ChunkTransfer(req_id, [k[lo:full] for k in st.keys], st.block_ids[lo * p:full * p],
+                                        first_chunk=lo, hold=hold or self.hold_blocks, per=p))
         st.saved_chunks = full
         st.had_saves = True
 

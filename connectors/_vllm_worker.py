@@ -182,15 +182,15 @@ class WorkerSide:
         if good == n:
             self._note_outcome(spec, n, n)
             return None
-        return ChunkTransfer(spec.req_id, [k[good:] for k in spec.keys], spec.block_ids[good:],
+        return ChunkTransfer(spec.req_id, [k[good:] for k in spec.keys], spec.block_ids[good * spec.per:],
                              skip_blocks=0 if good else spec.skip_blocks, is_async=spec.is_async,
-                             first_chunk=spec.first_chunk + good)
+                             first_chunk=spec.first_chunk + good, per=spec.per)
 
     def _submit_load(self, spec: ChunkTransfer) -> _Load:
         """Ask the store for the chunks (in groups for device caches, so that
         scattering one group overlaps the store's copy of the next)."""
         cb = self._pages().chunk_bytes
-        n = len(spec.block_ids)
+        n = spec.num_chunks
         ids, _ = self._block_tensors(spec)
         buf = self._pool.take(n * cb)
         if buf is None:
@@ -246,12 +246,12 @@ class WorkerSide:
         good = _prefix_len(load.ok)
         for c in range(good, len(load.ok)):
             skip = load.spec.skip_blocks if c == 0 else 0
-            self._errors.update(load.spec.block_ids[c][skip:])
+            self._errors.update(load.spec.chunk(c)[skip:])
         self._note_loaded(load.spec, good)
         self._note_outcome(load.spec, good, len(load.ok))
 
     def _note_loaded(self, spec: ChunkTransfer, good: int) -> None:
-        blocks = sum(len(ids) for ids in spec.block_ids[:good]) - (spec.skip_blocks if good else 0)
+        blocks = len(spec.block_ids[:good * spec.per]) - (spec.skip_blocks if good else 0)
         self.metrics.add("loaded_tokens", blocks * self.shape.block_size)
 
     def _note_outcome(self, spec: ChunkTransfer, good: int, n: int) -> None:
@@ -495,7 +495,7 @@ class WorkerSide:
             spec = self._unpoisoned(spec)
             if spec is None or not self.writes:
                 continue
-            n = len(spec.block_ids)
+            n = spec.num_chunks
             buf = self._pool.take(n * pages.chunk_bytes)
             target = buf if buf is None or self._dev_pool is None else self._dev_pool.take(buf.numel())
             if target is None:
@@ -516,7 +516,7 @@ class WorkerSide:
         if spec.first_chunk <= failed:
             del self._poisoned[spec.req_id]   # the request recomputes from before the failure
             return spec
-        self.metrics.add("dropped_saves", len(spec.block_ids))
+        self.metrics.add("dropped_saves", spec.num_chunks)
         log.info("request %s: chunks from %d on were computed over a failed load: not saved",
                  spec.req_id, spec.first_chunk)
         return None
@@ -525,16 +525,21 @@ class WorkerSide:
         """``[n, blocks_per_chunk]`` block ids of the chunks (a short last chunk padded
         with its own last block) and which blocks to write (``None``: all): not the
         leading ``skip_blocks``, not the padding."""
-        per = self.shape.blocks_per_chunk
-        rows = [ids + [ids[-1]] * (per - len(ids)) for ids in spec.block_ids]
-        ids = torch.tensor(rows, dtype=torch.long).view(len(rows), per)
-        short = len(spec.block_ids[-1]) < per if spec.block_ids else False
+        per, n = self.shape.blocks_per_chunk, spec.num_chunks
+        if spec.per != per:
+            raise ConfigError(f"request {spec.req_id}: {spec.per} blocks per chunk planned, the caches hold {per}")
+        ids = spec.block_ids
+        short = n * per - len(ids)
+        if short:
+            ids = ids + [ids[-1]] * short
+        tensor = torch.tensor(ids, dtype=torch.long).view(n, per)
         if not spec.skip_blocks and not short:
-            return ids, None
-        keep = torch.ones(len(rows), per, dtype=torch.bool)
+            return tensor, None
+        keep = torch.ones(n, per, dtype=torch.bool)
         keep[0, :spec.skip_blocks] = False
-        keep[-1, len(spec.block_ids[-1]):] = False
-        return ids, keep
+        if short:
+            keep[-1, per - short:] = False
+        return tensor, keep
 
     def _gauge(self) -> None:
         dev = self._dev_pool.allocated_bytes if self._dev_pool is not None else 0

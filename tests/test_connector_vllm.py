@@ -68,7 +68,7 @@ def run_to_completion(sched, worker, req):
 
 
 def blocks_of(transfers):
-    return [b for t in transfers for chunk in t.block_ids for b in chunk]
+    return [b for t in transfers for b in t.block_ids]
 
 
 def same_pages(src, src_blocks, dst, dst_blocks):
@@ -78,7 +78,7 @@ def same_pages(src, src_blocks, dst, dst_blocks):
 def test_first_request_saves_and_second_gets_exactly_the_cached_prefix(engines):
     s1, w1, c1 = engines(seed=1)
     saves = run_to_completion(s1, w1, vs.request("r1", PROMPT))
-    assert [len(t.block_ids) for t in saves] == [3] and w1.store.stats()["blocks"] == 3
+    assert [t.num_chunks for t in saves] == [3] and w1.store.stats()["blocks"] == 3
 
     s2, w2, c2 = engines()
     run_to_completion(s2, w2, vs.request("other", list(range(500, 540))))  # shifts block ids
@@ -116,7 +116,7 @@ def test_async_load_moves_request_from_waiting_to_running(engines):
     assert req.status == RequestStatus.WAITING_FOR_REMOTE_KVS
     assert out.num_scheduled_tokens == {}
     (load,) = out.kv_connector_metadata.loads
-    assert load.is_async and len(load.block_ids) == 2
+    assert load.is_async and load.num_chunks == 2
     recving = kv_out.finished_recving or set()
     deadline = time.monotonic() + 30
     while "r2" not in recving and time.monotonic() < deadline:
@@ -155,7 +155,7 @@ def test_failed_chunk_is_recomputed_by_vllm(engines):
     (load,) = out.kv_connector_metadata.loads
     w2.store.delete([load.keys[0][1]])                  # lost after the plan: chunk 1 of 3
     kv_out = vs.run_worker_step(w2, out.kv_connector_metadata)
-    bad = load.block_ids[1] + load.block_ids[2]
+    bad = load.chunk(1) + load.chunk(2)
     assert kv_out.invalid_block_ids == set(bad)
     assert all(torch.equal(c2[n][torch.tensor(bad)], sentinel[n][torch.tensor(bad)]) for n in c2)
     s2.update_from_output(out, vs.model_output(out, kv_out))
@@ -163,7 +163,7 @@ def test_failed_chunk_is_recomputed_by_vllm(engines):
     out = s2.schedule()
     assert out.num_scheduled_tokens["r2"] == 106 - CHUNK
     (resave,) = out.kv_connector_metadata.saves           # the recomputed chunks heal the store
-    assert resave.keys[0] == load.keys[0][1:] and resave.block_ids == load.block_ids[1:]
+    assert resave.keys[0] == load.keys[0][1:] and resave.block_ids == load.block_ids[load.per:]
 
 
 def test_bad_extra_config_names_the_problem(tmp_path):

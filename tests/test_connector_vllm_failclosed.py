@@ -190,7 +190,7 @@ def test_load_failure_never_leaves_chunks_computed_over_garbage_in_the_store(eng
     s2.add_request(req)
     out = s2.schedule()
     (load,) = out.kv_connector_metadata.loads
-    assert load.first_chunk == 0 and len(load.block_ids) == 3
+    assert load.first_chunk == 0 and load.num_chunks == 3
     w2.store.delete([load.keys[0][lost]])                # evicted after the plan
     for t in c2.values():
         t.fill_(0.5)                                     # garbage where the load does not write
@@ -203,7 +203,7 @@ def test_load_failure_never_leaves_chunks_computed_over_garbage_in_the_store(eng
         if not out.num_scheduled_tokens:
             time.sleep(0.005)
         assert time.monotonic() < deadline
-    assert invalid >= set(load.block_ids[lost])
+    assert invalid >= set(load.chunk(lost))
     settle(w2.store)
     assert stored_chunks(w2, c2, f2) == [True] * CHUNKS
     stats = w2.store.stats()["connectors"]["vllm"]
@@ -272,7 +272,7 @@ def test_a_capped_offer_loads_exactly_the_accepted_tokens_where_vllm_counts_them
     (load,) = meta.loads
     assert blocks is not None
     ids = km.get_block_ids(req.request_id)[0]
-    assert load.first_chunk == 0 and load.block_ids == [ids[0:2], ids[2:3]]
+    assert load.first_chunk == 0 and load.num_chunks == 2 and load.block_ids == ids[0:3]
     for t in c2.values():
         t.fill_(0.5)
     kv_out = vs.run_worker_step(w2, meta)

@@ -42,7 +42,7 @@ def test_corrupted_chunk_on_disk_is_reported_not_loaded(tmp_path):
             f.write(bytes(b ^ 0xFF for b in old))
         before = {n: t.clone() for n, t in c2.items()}
         kv_out = vs.run_worker_step(w2, out.kv_connector_metadata)
-        bad = load.block_ids[1] + load.block_ids[2]
+        bad = load.chunk(1) + load.chunk(2)
         assert kv_out.invalid_block_ids == set(bad)
         idx = torch.tensor(bad)
         assert all(torch.equal(c2[n][idx], before[n][idx]) for n in c2)

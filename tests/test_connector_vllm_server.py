@@ -67,6 +67,6 @@ def test_chunk_lost_on_the_server_fails_closed(engines, server):
     (load,) = out.kv_connector_metadata.loads
     server.store.delete([load.keys[0][2]])
     kv_out = vs.run_worker_step(w2, out.kv_connector_metadata)
-    assert kv_out.invalid_block_ids == set(load.block_ids[2])
-    bad = torch.tensor(load.block_ids[2])
+    assert kv_out.invalid_block_ids == set(load.chunk(2))
+    bad = torch.tensor(load.chunk(2))
     assert all(torch.equal(c2[n][bad], before[n][bad]) for n in c2)

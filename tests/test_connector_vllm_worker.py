@@ -191,7 +191,7 @@ def test_lease_keeps_planned_chunks_while_the_store_fills(tmp_path):
         assert store.contains(keys) == [True, True, True]        # but not the leased chunks
         kv_out = vs.run_worker_step(worker, out.kv_connector_metadata)
         assert not kv_out.invalid_block_ids
-        got = pages(caches, planned.block_ids)
+        got = pages(caches, [planned.block_ids])
         assert all(torch.equal(expected[n], got[n]) for n in caches)
         assert store.stats()["leases"] == 0                      # the load released them
     finally:
