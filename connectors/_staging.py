@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import threading
 from concurrent.futures import Future
+from typing import Any
 
 import torch
 
@@ -24,7 +25,7 @@ class StagingPool:
         self.pin = pin
         self.budget_bytes = budget_bytes
         self.allocated_bytes = 0
-        self._free: list[torch.Tensor] = []
+        self._free: list[tuple[torch.Tensor, Any]] = []   # (buffer, event it waits for)
         self._lock = threading.Lock()
 
     def take(self, nbytes: int) -> torch.Tensor | None:
@@ -33,14 +34,18 @@ class StagingPool:
         reads or writes it."""
         nbytes = max(nbytes, 1)
         with self._lock:
-            fits = [b for b in self._free if b.numel() >= nbytes]
+            free = [(b, ready) for b, ready in self._free if ready is None or ready.query()]
+            fits = [entry for entry in free if entry[0].numel() >= nbytes]
             if fits:
-                buf = min(fits, key=torch.Tensor.numel)
-                self._free.remove(buf)
-                return buf[:nbytes]
-            # Free buffers too small for this request are dropped to make room.
-            while self._free and self.allocated_bytes + nbytes > self.budget_bytes:
-                self.allocated_bytes -= self._free.pop(0).numel()
+                entry = min(fits, key=lambda e: e[0].numel())
+                self._free.remove(entry)
+                return entry[0][:nbytes]
+            # Idle buffers too small for this request are dropped to make room.
+            for entry in free:
+                if self.allocated_bytes + nbytes <= self.budget_bytes:
+                    break
+                self._free.remove(entry)
+                self.allocated_bytes -= entry[0].numel()
             if self.allocated_bytes + nbytes > self.budget_bytes:
                 return None
             self.allocated_bytes += nbytes
@@ -53,10 +58,12 @@ class StagingPool:
             return None
         return buf
 
-    def give(self, buf: torch.Tensor) -> None:
+    def give(self, buf: torch.Tensor, ready: Any = None) -> None:
+        """Return ``buf``; with ``ready`` (a CUDA event recorded after the last copy
+        that reads or writes it) it is handed out again only once that event is done."""
         base = buf._base if buf._base is not None else buf
         with self._lock:
-            self._free.append(base)
+            self._free.append((base, ready))
 
 
 def give_when_done(futures: list[Future], buf: torch.Tensor, pool: StagingPool, req_id: str) -> None:

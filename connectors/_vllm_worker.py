@@ -225,7 +225,7 @@ class WorkerSide:
                 if dev is None:
                     good, src = 0, None     # over the staging budget: fails closed from here
                 else:
-                    src = dev.copy_(src)
+                    src = dev.copy_(src, non_blocking=True)
             ok_all += ok[:good] + [False] * (hi - lo - good)
             stopped = stopped or good < hi - lo
             if good == 0:
@@ -237,7 +237,7 @@ class WorkerSide:
         self._note_errors(load)
         load.layers_done = (1 << pages.num_layers) - 1
         if load.buf is not None:
-            self._pool.give(load.buf)
+            self._pool.give(load.buf, self._copied())
             load.buf = None
 
     def _note_errors(self, load: _Load) -> None:
@@ -278,7 +278,7 @@ class WorkerSide:
                 if load.dev is None:
                     good = 0                # over the staging budget: fails closed
                 else:
-                    load.dev.copy_(load.buf[: good * pages.chunk_bytes])
+                    load.dev.copy_(load.buf[: good * pages.chunk_bytes], non_blocking=True)
             load.ok = load.ok[:good] + [False] * (len(load.ok) - good)
             self._note_errors(load)
         good = _prefix_len(load.ok)
@@ -301,7 +301,7 @@ class WorkerSide:
                     pages.scatter_layer(layer, ids, src, keep=keep)
                     load.layers_done |= 1 << layer
         if load.layers_done == (1 << pages.num_layers) - 1:
-            self._pool.give(load.buf)
+            self._pool.give(load.buf, self._copied())
             load.buf = None
             if load.dev is not None:
                 self._dev_pool.give(load.dev)
@@ -540,6 +540,15 @@ class WorkerSide:
         if short:
             keep[-1, per - short:] = False
         return tensor, keep
+
+    def _copied(self) -> Any:
+        """Device caches: an event on the engine's stream after the host->device copies
+        enqueued so far, so a host staging buffer is reused only once they have read it."""
+        if self._side is None:
+            return None
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self._side.device))
+        return event
 
     def _gauge(self) -> None:
         dev = self._dev_pool.allocated_bytes if self._dev_pool is not None else 0
