@@ -390,3 +390,24 @@ def test_an_aborted_request_during_an_async_load_frees_its_blocks_and_leases(eng
         assert time.monotonic() < deadline, "the aborted request's blocks were never freed"
     assert s2.kv_cache_manager.block_pool.get_num_free_blocks() == free_before
     assert w2.store.stats()["leases"] == 0
+
+
+def test_saves_held_for_a_load_are_stored_when_the_request_finishes_in_that_step(engine):
+    """r2 loads chunks 0-2 and computes 3-5 in one step, then finishes (one token):
+    its held saves go out at the finish, its blocks are kept until the workers report
+    them copied, and then freed."""
+    seed_first_chunks(engine)
+    s2, w2, c2, f2 = engine()
+    free_before = s2.kv_cache_manager.block_pool.get_num_free_blocks()
+    req = vs.request("r2", PROMPT)
+    s2.add_request(req)
+    out, kv_out = step(s2, w2, f2)
+    assert out.kv_connector_metadata.loads and not out.kv_connector_metadata.saves   # held
+    assert req.is_finished() and "r2" in s2.requests                               # blocks kept
+    out, kv_out = step(s2, w2, f2)
+    (final,) = out.kv_connector_metadata.saves
+    assert final.first_chunk == 3 and final.num_chunks == 3 and final.hold
+    assert kv_out.finished_sending == {"r2"} and "r2" not in s2.requests
+    assert s2.kv_cache_manager.block_pool.get_num_free_blocks() == free_before
+    settle(w2.store)
+    assert stored_chunks(w2, c2, f2) == [True] * CHUNKS
