@@ -2,8 +2,9 @@
 
 The arena is a single ``mmap`` (anonymous, or a file under ``/dev/shm`` when the cache
 server shares it with local clients), backed by transparent huge pages where the
-kernel allows, pre-faulted at start-up and pinned through CUDA
-when a GPU is present, so blocks move with one memcpy and no allocation per block.
+kernel allows, pre-faulted at start-up and pinned through CUDA on its first device copy
+(:class:`kvstore._pinning.HostPin`), so blocks move with one memcpy and no allocation per
+block.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 
 from kvstore._copy import copy_runs, plan
+from kvstore._pinning import HostPin, _torch_cudart
 from kvstore._transfer import copy_device_pairs
 from kvstore.buffers import nbytes_of
 from kvstore.errors import BufferSizeError, InvalidArgumentError
@@ -35,6 +37,7 @@ SLOT_ALIGN = 4096  # slots stay O_DIRECT-aligned so NVMe I/O can use them in pla
 _COPY_THREADS = min(2, os.cpu_count() or 1)
 _copy_pool: ThreadPoolExecutor | None = None
 _copy_pool_lock = threading.Lock()
+_cudart = _torch_cudart   # how the DRAM tier finds CUDA's runtime (tests swap in a stand-in)
 
 
 def _map_arena(size: int, shm_path: str | None) -> mmap.mmap:
@@ -95,24 +98,18 @@ class DramTier(ArenaTier):
         self.arena = np.frombuffer(self._mmap, dtype=np.uint8)
         self._readonly = self.arena.view()
         self._readonly.flags.writeable = False
-        self.pinned = self._pin() if pin is not False else False
+        self._pin = None if pin is False else HostPin(self._mmap, self.arena.ctypes.data, self.arena.nbytes,
+                                                      name=name, shared=bool(shm_path), cudart=_cudart)
         self._index = SlotIndex(self._capacity, size, SLOT_ALIGN)
         self._close_lock = threading.Lock()
         self.capabilities = TierCapabilities(device="cpu", alignment=SLOT_ALIGN, max_concurrency=1,
                                              zero_copy_view=True)
 
-    def _pin(self) -> bool:
-        try:
-            import torch
-
-            if not torch.cuda.is_available():
-                return False
-            ptr = self.arena.ctypes.data
-            err = torch.cuda.cudart().cudaHostRegister(ptr, self.arena.nbytes, 0)
-            return int(err) == 0 if not isinstance(err, tuple) else int(err[0]) == 0
-        except Exception as exc:  # pinning is an optimisation; plain memory still works
-            log.warning("could not pin DRAM tier %s: %s", self.name, exc)
-            return False
+    @property
+    def pinned(self) -> bool:
+        """Whether the arena is registered with CUDA (it is on its first device copy,
+        unless ``pin`` is False or there is no GPU)."""
+        return self._pin is not None and self._pin.pinned
 
     def read_into(self, keys: Sequence[BlockKey], dsts: Sequence[Any]) -> list[bool]:
         if len(keys) != len(dsts):
@@ -153,9 +150,12 @@ class DramTier(ArenaTier):
         where CUDA is)."""
         runs, device = plan(bufs, sizes, self.arena.ctypes.data, offsets, writable=not to_arena)
         copy_runs(runs, to_arena, _pool(), _COPY_THREADS)
+        if not device:
+            return
+        pinned = self._pin is not None and self._pin.ensure()
         arena = self.arena
         pairs = [((arena[off:off + n], buf) if to_arena else (buf, arena[off:off + n])) for buf, off, n in device]
-        copy_device_pairs(pairs, pinned=self.pinned)
+        copy_device_pairs(pairs, pinned=pinned)
 
     @contextmanager
     def view(self, key: BlockKey) -> Iterator[np.ndarray | None]:
@@ -210,6 +210,8 @@ class DramTier(ArenaTier):
                 return
             self._index.clear()
             mm, self._mmap = self._mmap, None
+        if self._pin is not None:
+            self._pin.release()       # before unmapping: a new arena may land at this address
         self.arena = self._readonly = np.empty(0, dtype=np.uint8)
         try:
             mm.close()
