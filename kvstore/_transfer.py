@@ -16,9 +16,9 @@ How a copy runs, per case:
   *k*. Device→host: DMAs are issued ahead into free slots and each slot is copied out to
   the caller's memory once its event fires, so CPU copies overlap transfers.
 
-Ordering: a batch starts after the work already queued on the device's current stream
-*of the calling thread*; device sources produced on another stream must be complete
-(or that stream synchronised) before the call.
+Ordering: a batch made for a Store call starts after the work the Store's caller had
+queued on its current stream when it called (:mod:`kvstore._streams`); any other batch
+starts after the work queued on the device's current stream of the calling thread.
 
 Without CUDA the same code runs with host tensors: copies complete synchronously and
 events are no-ops. ``force_staging=True`` sends every host↔tensor copy through the
@@ -37,6 +37,7 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
+from kvstore._streams import caller_order
 from kvstore.buffers import device_view, host_view, is_device, is_torch
 from kvstore.errors import BufferSizeError, InvalidArgumentError, TierIOError
 
@@ -142,8 +143,11 @@ class DeviceCopier:
         also when it exits with an exception (so no DMA outlives the caller's buffers)."""
         with self._lock:
             if self.cuda:
-                torch = _torch()
-                self._stream.wait_stream(torch.cuda.current_stream(self.device))
+                order = caller_order()
+                if order is not None:       # a Store call: after the caller's stream, not ours
+                    order.gate(self._stream, self.device)
+                else:
+                    self._stream.wait_stream(_torch().cuda.current_stream(self.device))
             self.counters["batches"] += 1
             b = _Batch(self)
             try:

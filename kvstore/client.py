@@ -38,6 +38,7 @@ from kvstore.keys import BlockKey
 from kvstore.server import _protocol as P
 from kvstore._copy import copy_batch
 from kvstore._stats import sum_stat_sources
+from kvstore._streams import capture, submit
 from kvstore._wire import Address, ArenaMap, Conn
 from kvstore.transport import FallbackCounter, nixl_available, select_transport
 
@@ -243,7 +244,7 @@ class Client:
     def _submit(self, fn: Callable, keys: list, bufs: list) -> Future:
         if self._closed:
             raise StoreClosedError("the Client is closed")
-        return self._pool.submit(fn, keys, bufs)
+        return submit(self._pool, capture(bufs), fn, keys, bufs)
 
     def _save(self, keys: list[BlockKey], srcs: list[Any]) -> list[bool]:
         out: list[bool] = []

@@ -22,6 +22,7 @@ from kvstore._build import build_admission, build_eviction, build_tier
 from kvstore._movement import Level, TierMovement, parent_of
 from kvstore._reserve import Reservation, reserve
 from kvstore._stats import sum_stat_sources
+from kvstore._streams import capture, submit
 from kvstore.buffers import nbytes_of
 from kvstore.config import StoreConfig, load_config
 from kvstore.errors import BufferSizeError, InvalidArgumentError, StoreClosedError
@@ -75,7 +76,7 @@ class Store(TierMovement):
         modify ``srcs`` until the future is done; nothing keeps them after that."""
         self._check_open()
         self._check_pairs(keys, srcs)
-        return self._pool.submit(self._save, list(keys), list(srcs))
+        return submit(self._pool, capture(srcs), self._save, list(keys), list(srcs))
 
     def reserve(self, keys: Sequence[BlockKey], sizes: Sequence[int], *, evict: bool = True) -> Reservation:
         """Save by filling the first tier's memory in place: room for each block is
@@ -99,7 +100,7 @@ class Store(TierMovement):
                 size = self._sizes.get(key)
                 if size is not None and nbytes_of(dst) != size:
                     raise BufferSizeError(f"buffer for {key!r} has {nbytes_of(dst)} bytes, block has {size}")
-        return self._pool.submit(self._load, list(keys), list(dsts))
+        return submit(self._pool, capture(dsts), self._load, list(keys), list(dsts))
 
     def lookup(self, keys: Sequence[BlockKey], lease_s: float | None = None) -> int:
         """Length of the prefix of ``keys`` cached in any tier. With ``lease_s``, those

@@ -14,6 +14,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from kvstore._streams import in_context
 from kvstore.buffers import host_view
 from tiers._nvme_io import MAX_RUN_BYTES, joinable, plan_runs
 
@@ -93,7 +94,8 @@ def parallel(pool: ThreadPoolExecutor, threads: int, fn: Callable[..., Any],
         for i, job in todo:
             landed.put((i, call(job)))
 
-    tasks = [pool.submit(lane) for _ in range(min(len(jobs), threads))]
+    # Each lane sees the Store caller's stream order (device buffers, kvstore._streams).
+    tasks = [in_context(pool, lane) for _ in range(min(len(jobs), threads))]
     for _ in jobs:
         i, res = landed.get()
         out[i] = finish(jobs[i], res)

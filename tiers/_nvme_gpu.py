@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import numpy as np
 
+from kvstore._streams import wait_for_caller
 from kvstore.block import HEADER_BYTES, parse_header, verify_payload
 from kvstore.buffers import copy_bytes, device_view
 from kvstore.errors import CorruptBlockError, TierIOError
@@ -82,6 +83,7 @@ class DeviceIO:
             copy_bytes(dst, host)
             return
         header = self._staging.header
+        wait_for_caller()     # kvikio writes dst outside stream order: after the caller's kernels
         try:
             got = os.preadv(fd, [header], offset)
         except OSError as exc:
