@@ -197,14 +197,20 @@ class DeviceCopier:
         self._busy[k] = True
 
     def _finish(self) -> None:
-        if self.cuda:
-            done = _torch().cuda.Event()
-            done.record(self._stream)
-            done.synchronize()
-        # Staging slots settle in issue order, oldest first: the next one to be claimed.
-        for i in range(self.num_slots):
-            if self._stage_t:
-                self._settle((self._next + i) % self.num_slots)
+        try:
+            if self.cuda:
+                done = _torch().cuda.Event()
+                done.record(self._stream)
+                done.synchronize()
+            # Staging slots settle in issue order, oldest first: the next one to be claimed.
+            for i in range(self.num_slots):
+                if self._stage_t:
+                    self._settle((self._next + i) % self.num_slots)
+        except BaseException:
+            # A failed batch's copy-outs must never run later, into a buffer its caller
+            # has moved on from (the next batch would otherwise settle them).
+            self._after = [None] * len(self._after)
+            raise
 
     def _is_pinned(self, host) -> bool:
         try:

@@ -67,3 +67,32 @@ def test_devices_are_checked():
         with pytest.raises(InvalidArgumentError, match="needs CUDA"):
             resolve_device("cuda:0")
     assert copier_for("cpu") is copier_for("cpu")
+
+
+def test_a_failed_finish_never_runs_its_copy_outs_into_a_later_batch(monkeypatch):
+    """The copy-out of a batch whose finish failed must not land in its caller's buffer
+    during the next caller's batch."""
+    import kvstore._transfer as transfer
+
+    c = DeviceCopier("cpu", chunk_bytes=1024, slots=4, force_staging=True)
+    first = np.zeros(3000, np.uint8)
+    real = transfer.np.copyto
+    calls = [0]
+
+    def failing_once(dst, src, **kw):
+        calls[0] += 1
+        if calls[0] == 1:
+            raise OSError("copy-out failed")
+        return real(dst, src, **kw)
+
+    monkeypatch.setattr(transfer.np, "copyto", failing_once)
+    with pytest.raises(OSError):
+        with c.batch() as b:
+            b.copy(first, torch.from_numpy(_rand(3000, 5)))     # staged out in 3 chunks
+    monkeypatch.setattr(transfer.np, "copyto", real)
+    before = first.copy()
+    second = np.zeros(4096, np.uint8)
+    with c.batch() as b:
+        b.copy(second, torch.from_numpy(_rand(4096, 6)))
+    assert np.array_equal(first, before)                       # nothing landed afterwards
+    assert np.array_equal(second, _rand(4096, 6))

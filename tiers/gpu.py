@@ -16,7 +16,7 @@ from __future__ import annotations
 from contextlib import contextmanager
 from typing import Any, Iterator, Sequence
 
-from kvstore._transfer import DeviceCopier, resolve_device
+from kvstore._transfer import DeviceCopier, copier_for, resolve_device
 from kvstore.buffers import nbytes_of
 from kvstore.errors import BufferSizeError, InvalidArgumentError, TierUnavailableError
 from kvstore.keys import BlockKey
@@ -53,7 +53,7 @@ class GpuTier(ArenaTier):
         except RuntimeError as exc:  # torch.OutOfMemoryError derives from RuntimeError
             raise TierUnavailableError(
                 f"GPU tier {name!r}: cannot allocate {size} bytes on {self.device}: {exc}") from exc
-        self._copier = copier or DeviceCopier(self.device)
+        self._copier = copier or copier_for(self.device)   # the device's shared stream and pinned ring
         self._index = SlotIndex(self._capacity, size, SLOT_ALIGN)
         self.capabilities = TierCapabilities(device=str(self.device), alignment=SLOT_ALIGN,
                                              max_concurrency=1, zero_copy_view=True)
