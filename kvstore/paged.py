@@ -56,7 +56,7 @@ def gather_pages(cache: torch.Tensor, page_dim: int, page_ids: torch.Tensor, out
     """Copy pages ``page_ids`` of ``cache`` into the contiguous tensor ``out`` (same
     device), page after page. ``out`` may have any dtype and shape; it must hold exactly
     ``len(page_ids) * page_bytes`` bytes."""
-    ids = page_ids.to(device=cache.device, dtype=torch.long)
+    ids = _device_ids(page_ids, cache.shape[_dim(cache, page_dim)], cache.device)
     runs = _runs(cache, page_dim, {})
     if runs is None:
         _typed_gather(_typed_view(cache, page_dim), ids, out)
@@ -67,7 +67,7 @@ def gather_pages(cache: torch.Tensor, page_dim: int, page_ids: torch.Tensor, out
 def scatter_pages(cache: torch.Tensor, page_dim: int, page_ids: torch.Tensor, src: torch.Tensor) -> None:
     """Inverse of :func:`gather_pages`: write consecutive pages of ``src`` into pages
     ``page_ids`` of ``cache``. ``page_ids`` must not repeat."""
-    ids = page_ids.to(device=cache.device, dtype=torch.long)
+    ids = _device_ids(page_ids, cache.shape[_dim(cache, page_dim)], cache.device)
     runs = _runs(cache, page_dim, {})
     if runs is None:
         _typed_scatter(_typed_view(cache, page_dim), ids, src)
@@ -166,7 +166,7 @@ class PagedLayers:
             if runs is None:
                 part, ids = data[c, lo:hi], pages[c]
                 if mask is not None:
-                    sel = mask[c].nonzero().view(-1)
+                    sel = mask[c].nonzero().view(-1).to(data.device, non_blocking=True)
                     page = self.page_bytes[layer]
                     part, ids = part.view(-1, page).index_select(0, sel), ids[sel]
                 _typed_scatter(self._typed[layer], ids, part)
@@ -179,12 +179,7 @@ class PagedLayers:
 
     def _pages(self, block_ids: torch.Tensor) -> torch.Tensor:
         """``[n, blocks_per_chunk * pages_per_block]`` page indices of each chunk."""
-        if block_ids.device.type == "cpu" and block_ids.numel() and (
-                int(block_ids.min()) < 0 or int(block_ids.max()) >= self.num_blocks):
-            # Checked on the host before the ids reach the device, where a bad index is a
-            # device-side assert; ids already on a device are the caller's to check.
-            raise InvalidArgumentError(f"block ids must lie in [0, {self.num_blocks})")
-        ids = block_ids.to(device=self.device, dtype=torch.long, non_blocking=True)
+        ids = _device_ids(block_ids, self.num_blocks, self.device)
         ppb = self.pages_per_block
         if ppb == 1:
             return ids
@@ -192,9 +187,9 @@ class PagedLayers:
         return (ids.unsqueeze(-1) * ppb + sub).reshape(ids.shape[0], -1)
 
     def _page_mask(self, keep: torch.Tensor) -> torch.Tensor:
-        """Per-block ``keep`` widened to per-page, ``[n, blocks_per_chunk * pages_per_block]``."""
-        keep = keep.to(device=self.device, dtype=torch.bool)
-        return keep.repeat_interleave(self.pages_per_block, dim=1)
+        """Per-block ``keep`` widened to per-page, ``[n, blocks_per_chunk * pages_per_block]``,
+        left where it is (masks from the host are turned into index lists there)."""
+        return keep.to(dtype=torch.bool).repeat_interleave(self.pages_per_block, dim=1)
 
     def _combine(self):
         """Per-layer (base, step, offsets) stacked, when every layer indexes one matrix
@@ -268,6 +263,15 @@ def _dim(t: torch.Tensor, d: int) -> int:
     return d % t.dim()
 
 
+def _device_ids(ids: torch.Tensor, bound: int, device: torch.device) -> torch.Tensor:
+    """``ids`` as ``long`` on ``device``, checked against ``[0, bound)`` on the host first:
+    on a device a bad index is a device-side assert that kills the context. Ids already
+    on a device are the caller's to check (reading them back would stall the stream)."""
+    if ids.device.type == "cpu" and ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= bound):
+        raise InvalidArgumentError(f"page ids must lie in [0, {bound})")
+    return ids.to(device=device, dtype=torch.long, non_blocking=True)
+
+
 def _bytes(buf: torch.Tensor, nbytes: int) -> torch.Tensor:
     if not buf.is_contiguous():
         raise InvalidArgumentError("chunk buffers must be contiguous")
@@ -292,7 +296,9 @@ def _scatter_rows(matrix: torch.Tensor, rows: torch.Tensor, src: torch.Tensor, n
                   mask: torch.Tensor | None = None) -> None:
     data = _as_rows(src, matrix, nbytes)
     if mask is not None:
-        sel = mask.reshape(-1).nonzero().view(-1)
+        # The selection is worked out where the mask is (the host, for masks built from
+        # the scheduler's lists): nonzero() on a device tensor would wait for the stream.
+        sel = mask.reshape(-1).nonzero().view(-1).to(rows.device, non_blocking=True)
         rows, data = rows[sel], data.index_select(0, sel)
     matrix.index_copy_(0, rows, data)
 

@@ -119,3 +119,14 @@ def test_bad_buffers_and_ids_raise():
         p.scatter(torch.tensor([[0, 1]]), torch.empty(2 * p.chunk_bytes, dtype=torch.uint8)[::2])
     with pytest.raises(InvalidArgumentError):
         PagedLayers([], blocks_per_chunk=1)
+
+
+def test_page_ids_are_checked_on_the_host_before_they_reach_the_device():
+    cache = torch.arange(10 * 64, dtype=torch.float32).view(10, 64)
+    out = torch.empty(2 * 64 * 4, dtype=torch.uint8)
+    for bad in ([0, 10], [-1, 2]):
+        with pytest.raises(InvalidArgumentError, match=r"\[0, 10\)"):
+            gather_pages(cache, 0, torch.tensor(bad), out)
+        with pytest.raises(InvalidArgumentError, match=r"\[0, 10\)"):
+            scatter_pages(cache, 0, torch.tensor(bad), out)
+    assert torch.equal(cache, torch.arange(10 * 64, dtype=torch.float32).view(10, 64))   # untouched
