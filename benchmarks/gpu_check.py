@@ -67,7 +67,8 @@ def conformance(dev: torch.device) -> dict:
     """The GPU tier and copier test suites, in a child pytest (they parametrize on
     ``cuda:0`` themselves when CUDA is present)."""
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-           "tests/test_tier_gpu.py", "tests/test_transfer.py"]
+           "tests/test_tier_gpu.py", "tests/test_transfer.py", "tests/test_kvikio.py", "tests/test_paged.py",
+           "tests/test_streams.py", "tests/test_tier_dram_pinning.py"]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240)
     tail = (proc.stdout.strip().splitlines() or ["(no output)"])[-1]
@@ -170,11 +171,29 @@ def kvikio_io(dev: torch.device, block: int, n: int, rounds: int, workdir: str) 
             for i, b in enumerate(blocks_dst):
                 ours.read_into(b, i * block)
 
-        for name, fn, base in (("kvikio write (helper)", our_w, raw_w), ("kvikio read (helper)", our_r, raw_r)):
+        def wrote_ok() -> bool:
+            """Our write alone puts ``src`` in the file: zero the file, write, read back raw."""
+            zeros = torch.zeros(block, dtype=torch.uint8, device=dev)
+            for i in range(n):
+                raw.pwrite(zeros, block, i * block).get()
+            our_w()
+            dst.zero_()
+            raw_r()
+            return bool(torch.equal(src, dst))
+
+        def read_ok() -> bool:
+            """Our read alone fills ``dst``: the file holds ``src`` (raw write), ``dst`` zeroed."""
+            raw_w()
+            dst.zero_()
+            our_r()
+            return bool(torch.equal(src, dst))
+
+        for name, fn, base, check in (("kvikio write (helper)", our_w, raw_w, wrote_ok),
+                                      ("kvikio read (helper)", our_r, raw_r, read_ok)):
             t_ours, t_raw = _paired(fn, base, rounds)
             rows.append({"check": name, "device": str(dev), "bytes": total, "store_gbps": total / t_ours / 1e9,
                          "baseline": "raw kvikio.CuFile", "baseline_gbps": total / t_raw / 1e9,
-                         "ratio": t_raw / t_ours, "bytes_ok": bool(torch.equal(src, dst))})
+                         "ratio": t_raw / t_ours, "bytes_ok": check()})
     finally:
         raw.close()
         ours.close()
@@ -199,9 +218,12 @@ def _nvme_tier_row(dev, block, n, rounds, workdir, blocks_src, blocks_dst, raw_p
 
     keys = Namespace(model="gpu-check-nvme", dtype="uint8", chunk_tokens=1).chunk_keys(np.arange(n))
     try:
-        tier.write(keys, blocks_src)
-        t_tier = _best(lambda: tier.read_into(keys, blocks_dst), rounds)
-        ok = all(torch.equal(d, s) for d, s in zip(blocks_dst, blocks_src))
+        stored = tier.write(keys, blocks_src)
+        got: list[list[bool]] = []
+        t_tier = _best(lambda: got.append(tier.read_into(keys, blocks_dst)), rounds,
+                       setup=lambda: [b.zero_() for b in blocks_dst])   # each read fills zeroed buffers
+        ok = (all(stored) and all(all(g) for g in got)
+              and all(torch.equal(d, s) for d, s in zip(blocks_dst, blocks_src)))
     finally:
         tier.close()
     raw = kvikio.CuFile(raw_path, "r")
@@ -252,9 +274,37 @@ def paged(dev: torch.device, rounds: int, quick: bool) -> list[dict]:
     gather(cache, 0, ids, out)
     ok = torch.equal(out, back)
     total = out.numel()
-    return [{"check": name, "device": str(dev), "bytes": total, "store_gbps": total / t / 1e9,
+    rows = [{"check": name, "device": str(dev), "bytes": total, "store_gbps": total / t / 1e9,
              "baseline": "contiguous copy_", "baseline_gbps": total / t_base / 1e9, "ratio": t_base / t,
              "bytes_ok": ok} for name, t in (("paged gather", t_g), ("paged scatter", t_s))]
+    rows.append(_paged_sync_free(dev, cache, out))
+    return rows
+
+
+def _paged_sync_free(dev: torch.device, cache: torch.Tensor, out: torch.Tensor) -> dict:
+    """The connectors' hot path (host-side ids and keep masks, as the scheduler lists
+    them) makes no host<->device synchronisation: torch's sync debug mode raises on one."""
+    if dev.type != "cuda":
+        return {"check": "paged host syncs per call", "skipped": "no CUDA device"}
+    from kvstore.paged import PagedLayers
+
+    layers = PagedLayers([cache], blocks_per_chunk=4)
+    ids = torch.arange(8).view(2, 4)                      # host ids
+    keep = torch.ones(2, 4, dtype=torch.bool)
+    keep[0, 0] = False                                    # host mask (a prefix-cache hit)
+    buf = out[: 2 * layers.chunk_bytes]
+    torch.cuda.synchronize(dev)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        layers.gather(ids, buf)
+        layers.scatter(ids, buf, keep=keep)
+        note, ok = "0 syncs (sync debug mode 'error')", True
+    except RuntimeError as exc:
+        note, ok = f"synchronised: {exc}"[:120], False
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    return {"check": "paged host syncs per call", "device": str(dev), "bytes": buf.numel(), "store_gbps": 0.0,
+            "baseline": note, "baseline_gbps": 0.0, "ratio": TARGET if ok else 0.0, "bytes_ok": ok}
 
 
 def table(result: dict) -> str:

@@ -17,10 +17,13 @@ until the call returns (every call here waits for its I/O).
 from __future__ import annotations
 
 import functools
+import logging
 import os
 from typing import Any
 
 from kvstore.errors import InvalidArgumentError, TierIOError, TierUnavailableError
+
+log = logging.getLogger(__name__)
 
 
 @functools.lru_cache(maxsize=1)
@@ -46,17 +49,44 @@ def kvikio_available() -> tuple[bool, str]:
 
 
 def gds_mode() -> str:
-    """``"gds"`` when cuFile does the I/O, ``"compat"`` when kvikio falls back to POSIX."""
+    """``"gds"`` when cuFile does the I/O, ``"compat"`` when kvikio falls back to POSIX.
+    Under ``AUTO`` (kvikio's default) the answer is what kvikio infers it will do, not
+    ``"gds"`` by default: ``"auto"`` where this kvikio cannot say."""
     try:
         import kvikio.defaults as d
 
-        if hasattr(d, "get"):
-            compat = d.get("compat_mode")
-        else:
-            compat = d.compat_mode()
-        return "compat" if str(compat).upper().endswith(("ON", "TRUE", "1")) or compat is True else "gds"
+        compat = d.get("compat_mode") if hasattr(d, "get") else d.compat_mode()
+        text = str(getattr(compat, "name", compat)).upper()
+        if text.endswith("AUTO"):
+            preferred = getattr(d, "is_compat_mode_preferred", None)
+            if preferred is None:
+                return "auto"
+            return "compat" if preferred() else "gds"
+        return "compat" if compat is True or text.endswith(("ON", "TRUE", "1")) else "gds"
     except Exception:
         return "unknown"
+
+
+IO_THREADS = 8   # kvikio's pool defaults to one thread: one block in flight at a time
+
+
+def _use_io_threads() -> None:
+    """Give kvikio's thread pool :data:`IO_THREADS` threads unless the user chose a
+    number (``KVIKIO_NTHREADS``)."""
+    if os.environ.get("KVIKIO_NTHREADS"):
+        return
+    try:
+        import kvikio.defaults as d
+
+        if hasattr(d, "set"):
+            d.set("num_threads", IO_THREADS)
+        elif hasattr(d, "num_threads_reset"):
+            d.num_threads_reset(IO_THREADS)
+    except Exception as exc:  # an older or newer kvikio: keep its default
+        log.warning("kvikio: could not set %d I/O threads: %s", IO_THREADS, exc)
+
+
+_threads_set = False
 
 
 def _device_ptr_check(buf: Any) -> None:
@@ -81,6 +111,10 @@ class KvikioFile:
             raise TierUnavailableError(reason)
         import kvikio
 
+        global _threads_set
+        if not _threads_set:
+            _use_io_threads()
+            _threads_set = True
         self.path = os.fspath(path)
         try:
             self._f = kvikio.CuFile(self.path, flags)
