@@ -23,6 +23,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from kvstore._pinning import HostPin
+from kvstore._transfer import copy_device_pairs
 from kvstore.buffers import copy_bytes, host_view, is_device
 from kvstore.errors import BufferSizeError
 
@@ -134,18 +136,24 @@ def copy_runs(runs: list[_Run], to_region: bool, pool: Executor | None, threads:
         raise shared.error
 
 
-def copy_device(device: list[tuple[Any, int, int]], region: np.ndarray, to_region: bool) -> None:
-    for buf, off, n in device:
-        if to_region:
-            copy_bytes(region[off:off + n], buf)
-        else:
-            copy_bytes(buf, region[off:off + n])
+def copy_device(device: list[tuple[Any, int, int]], region: np.ndarray, to_region: bool,
+                pin: HostPin | None = None) -> None:
+    """Device buffers to or from ``region``: one batch per device on its copier's stream
+    (asynchronous copies, one wait), straight from the region where ``pin`` registers it
+    with CUDA (on this first device copy), else through the copier's pinned ring."""
+    if not device:
+        return
+    pinned = pin is not None and pin.ensure()
+    pairs = [((region[off:off + n], buf) if to_region else (buf, region[off:off + n])) for buf, off, n in device]
+    copy_device_pairs(pairs, pinned=pinned)
 
 
 def copy_batch(bufs: Sequence[Any], sizes: Sequence[int], region: np.ndarray, region_address: int,
-               offsets: Sequence[int], to_region: bool, pool: Executor | None, threads: int) -> None:
+               offsets: Sequence[int], to_region: bool, pool: Executor | None, threads: int,
+               pin: HostPin | None = None) -> None:
     """Copy ``bufs[i]`` into ``region[offsets[i]:+sizes[i]]`` (``to_region``) or back.
-    The caller has checked every range lies inside ``region``."""
+    The caller has checked every range lies inside ``region``. ``pin``: the region's CUDA
+    registration, for device buffers."""
     runs, device = plan(bufs, sizes, region_address, offsets, writable=not to_region)
     copy_runs(runs, to_region, pool, threads)
-    copy_device(device, region, to_region)
+    copy_device(device, region, to_region, pin)

@@ -18,6 +18,7 @@ import threading
 from typing import Any, Callable
 
 log = logging.getLogger(__name__)
+CUDA_HOST_REGISTER_READ_ONLY = 0x08   # cudaHostRegisterReadOnly: a mapping this process may only read
 
 
 def _torch_cudart() -> Any | None:
@@ -35,13 +36,16 @@ def _code(ret: Any) -> int:
 
 class HostPin:
     """The CUDA registration of ``nbytes`` at ``ptr`` (inside ``mm``, a mapping this
-    object does not own). ``cudart`` finds the runtime (torch's by default; tests give a
-    stand-in)."""
+    object does not own). ``shared``: a shared mapping (no fork mark needed);
+    ``read_only``: this process may only read it (registered with
+    ``cudaHostRegisterReadOnly``). ``cudart`` finds the runtime (torch's by default;
+    tests give a stand-in)."""
 
-    def __init__(self, mm: mmap.mmap, ptr: int, nbytes: int, *, name: str, shared: bool,
+    def __init__(self, mm: mmap.mmap, ptr: int, nbytes: int, *, name: str, shared: bool, read_only: bool = False,
                  cudart: Callable[[], Any | None] = _torch_cudart) -> None:
         self._mm, self._ptr, self._nbytes = mm, ptr, nbytes
         self._name, self._shared, self._cudart = name, shared, cudart
+        self._flags = CUDA_HOST_REGISTER_READ_ONLY if read_only else 0
         self._lock = threading.Lock()
         self._state = "new"          # new -> pinned | failed -> released
         self._rt: Any = None
@@ -69,17 +73,17 @@ class HostPin:
             try:
                 self._mm.madvise(mmap.MADV_DONTFORK)
             except (AttributeError, OSError) as exc:
-                log.warning("DRAM tier %s: MADV_DONTFORK refused (%s): not pinning a private arena that a "
+                log.warning("%s: MADV_DONTFORK refused (%s): not pinning a private arena that a "
                             "fork could split", self._name, exc)
                 return "failed"
         try:
-            code = _code(rt.cudaHostRegister(self._ptr, self._nbytes, 0))
+            code = _code(rt.cudaHostRegister(self._ptr, self._nbytes, self._flags))
         except Exception as exc:  # pinning is an optimisation; pageable memory still works
-            log.warning("DRAM tier %s: cudaHostRegister raised %s; copies use pageable memory", self._name, exc)
+            log.warning("%s: cudaHostRegister raised %s; copies use pageable memory", self._name, exc)
             code = -1
         if code != 0:
             last = _code(rt.cudaGetLastError())   # clears the sticky error this left behind
-            log.warning("DRAM tier %s: cudaHostRegister of %d bytes failed (error %d, last error %d); "
+            log.warning("%s: cudaHostRegister of %d bytes failed (error %d, last error %d); "
                         "copies use pageable memory", self._name, self._nbytes, code, last)
             return "failed"
         self._rt = rt
@@ -94,7 +98,7 @@ class HostPin:
             code = _code(self._rt.cudaHostUnregister(self._ptr))
             if code != 0:
                 last = _code(self._rt.cudaGetLastError())
-                log.warning("DRAM tier %s: cudaHostUnregister failed (error %d, last error %d)",
+                log.warning("%s: cudaHostUnregister failed (error %d, last error %d)",
                             self._name, code, last)
 
 

@@ -14,6 +14,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from kvstore._pinning import HostPin
+
 from kvstore.errors import (AuthError, BufferSizeError, InvalidArgumentError, ProtocolError, RemoteError,
                             TierUnavailableError)
 from kvstore.server import _protocol as P
@@ -221,6 +223,10 @@ class ArenaMap:
         self.array = np.frombuffer(self._mmap, dtype=np.uint8)
         self.nbytes = self.array.nbytes
         self.address = self.array.ctypes.data
+        # Registered with CUDA on the first device copy only (read-only where we may
+        # only read), so device buffers move in one batch straight from the arena.
+        self.pin = HostPin(self._mmap, self.address, self.nbytes, name="client arena map", shared=True,
+                           read_only=not self.writable)
 
     @staticmethod
     def is_local(info: dict[str, Any] | None) -> bool:
@@ -233,6 +239,7 @@ class ArenaMap:
         return (st.st_dev, st.st_ino) == (info.get("dev"), info.get("ino"))
 
     def close(self) -> None:
+        self.pin.release()            # before the unmap: a later mapping may reuse the address
         self.array = np.empty(0, np.uint8)
         try:
             self._mmap.close()

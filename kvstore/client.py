@@ -332,7 +332,7 @@ class Client:
                                       "or of the wrong size")
                 idx = take.tolist()
                 copy_batch([srcs[i] for i in idx], [sizes[i] for i in idx], self._arena.array, self._arena.address,
-                           off.tolist(), True, self._copier, self._copy_threads)
+                           off.tolist(), True, self._copier, self._copy_threads, self._arena.pin)
         except BaseException:
             if rid and not conn.broken:
                 conn.call(P.Op.SHM_COMMIT, P.encode_commit(rid, False))
@@ -378,7 +378,8 @@ class Client:
                     raise RemoteError(f"server {conn.addr}: SHM_GET placement outside the shared regions")
                 ii = idx.tolist()
                 copy_batch([dsts[i] for i in ii], [sizes[i] for i in ii], region.array, region.address,
-                           off.tolist(), False, self._copier, self._copy_threads)
+                           off.tolist(), False, self._copier, self._copy_threads,
+                           self._arena.pin if code == P.WHERE_ARENA else None)
         finally:
             if lid:
                 conn.send(P.Op.SHM_DONE, P.encode_u64(lid))

@@ -127,3 +127,21 @@ def test_a_shared_arena_is_pinned_without_dontfork(cudart, tmp_path):
     assert tier._pin.ensure() and not _dontfork(tier.arena.ctypes.data)
     tier.close()
     assert cudart.registered == {}
+
+
+def test_a_read_only_mapping_is_registered_read_only_and_released_once():
+    import mmap
+
+    from kvstore._pinning import CUDA_HOST_REGISTER_READ_ONLY, HostPin
+
+    fake = FakeCudart()
+    flags = []
+    register = fake.cudaHostRegister
+    fake.cudaHostRegister = lambda ptr, n, f: (flags.append(f), register(ptr, n, f))[1]
+    mm = mmap.mmap(-1, 1 << 16)
+    ptr = np.frombuffer(mm, dtype=np.uint8).ctypes.data
+    pin = HostPin(mm, ptr, 1 << 16, name="client arena map", shared=True, read_only=True, cudart=lambda: fake)
+    assert fake.calls == [] and pin.ensure() and flags == [CUDA_HOST_REGISTER_READ_ONLY]
+    pin.release()
+    pin.release()
+    assert fake.calls == ["register", "unregister"] and fake.registered == {}
