@@ -227,3 +227,36 @@ def test_admin_clear_needs_token(secured):
     assert status == 200 and json.loads(body)["removed"] >= 2
     assert secured.store.stats()["blocks"] == 0
     assert _http(port, "/healthz")[0] == 200
+
+
+# -- size arithmetic --------------------------------------------------------------------------
+
+def test_put_sizes_that_wrap_past_2_64_are_refused_and_store_nothing(server):
+    """Sizes summing past 2**64 once wrapped to the payload length, and the first block's
+    slice ran to the end of the reused receive buffer: another upload's bytes were
+    stored under the attacker's key."""
+    with Client(server.address, transport="tcp") as c:          # leave a victim's bytes in a buffer
+        assert all(c.save(make_keys(2, salt="victim"), [payload(7, BLOCK)] * 2).result(10))
+    blocks_before = server.store.stats()["blocks"]
+    evil = make_keys(2, salt="evil")
+    for sizes, payload_len in (([(1 << 64) - 8, 8 + 16], 16), ([(1 << 64) - 1, 1], 0), ([1 << 63, 1 << 63], 0)):
+        sock = _raw(server)
+        body = P.encode_records(P.SIZED, evil, sizes)
+        sock.sendall(P.pack_header(P.Op.PUT, 2, len(body), payload_len) + body + bytes(payload_len))
+        _expect_error_and_close(sock, P.Status.PROTOCOL)
+    assert server.store.contains(evil) == [False, False]
+    assert server.store.stats()["blocks"] == blocks_before
+    with Client(server.address, transport="tcp") as c:          # still serving, victim intact
+        dsts = [np.zeros(BLOCK, np.uint8) for _ in range(2)]
+        assert c.load(make_keys(2, salt="victim"), dsts).result(10) == [True, True]
+        assert all(np.array_equal(d, payload(7, BLOCK)) for d in dsts)
+    server.store.delete(make_keys(2, salt="victim"))
+
+
+def test_record_sizes_and_offsets_beyond_any_buffer_are_protocol_errors():
+    limits = P.Limits()
+    keys = make_keys(2, salt="x")
+    for dtype, cols in ((P.SIZED, ([1 << 41, 1],)), (P.STAGED, ([1, 1], [0, (1 << 64) - 1]))):
+        body = P.encode_records(dtype, keys, *cols)
+        with pytest.raises(Exception, match="exceeds"):
+            P.decode_records(dtype, body, limits)

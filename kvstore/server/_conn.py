@@ -227,8 +227,8 @@ class Connection(SameHostOps):
         keys, rec = args
         keys = self.server.intern(keys)
         total = header.payload_len
-        buf = self._buffer(total)
-        await self._recv_exact(memoryview(buf)[:total])  # straight off the socket, no copy
+        buf = self._buffer(total)[:total]   # exactly this request's bytes: no slice reaches past them
+        await self._recv_exact(memoryview(buf))  # straight off the socket, no copy
         self.server.metrics.bytes.labels("in", "tcp").inc(total)
         srcs, pos = [], 0
         for n in rec["nbytes"].tolist():

@@ -42,6 +42,7 @@ NOT_SENT = -3       # NIXL_GET reply size: stored in a slower tier; fetch it wit
 PRESENT = -4        # SHM_RESERVE reply size: already stored, nothing to write
 NIXL_REC = np.dtype([("key", f"V{KEY_WIRE_BYTES}"), ("nbytes", "<u8"), ("addr", "<u8")])
 _NIXL_HEAD = struct.Struct("<BxxxI")  # memory kind (0 host, 1 GPU), device id
+MAX_FIELD = 1 << 40   # largest block size or offset a record may carry (1 TiB)
 
 
 class Op(enum.IntEnum):
@@ -207,6 +208,13 @@ def decode_records(dtype: np.dtype, body: Any, limits: Limits) -> tuple[list[Blo
     mv = memoryview(body).cast("B")
     n = _count(mv, dtype.itemsize, limits)
     rec = np.frombuffer(mv, dtype=dtype, count=n, offset=4)
+    for column in ("nbytes", "offset"):
+        if column not in dtype.names:
+            continue
+        # Sizes and offsets stay far below 2**64 / max_batch, so no sum or end of them
+        # can wrap in the unsigned arithmetic that checks them.
+        if n and int(rec[column].max()) > MAX_FIELD:
+            raise ProtocolError(f"{column} {int(rec[column].max())} exceeds {MAX_FIELD}")
     keys = _keys_from(rec["key"])
     if len(set(keys)) != n:
         raise ProtocolError("a key appears twice in one batch")
@@ -313,7 +321,7 @@ def decode_request(header: Header, body: Any, limits: Limits) -> Any:
         args = decode_records(SIZED, body, limits)
     elif op is Op.PUT:
         args = decode_records(SIZED, body, limits)
-        total = int(args[1]["nbytes"].sum(dtype=np.uint64)) if len(args[0]) else 0
+        total = sum(args[1]["nbytes"].tolist())     # exact: Python integers never wrap
         if total != header.payload_len:
             raise ProtocolError(f"PUT announces {total} block bytes but carries {header.payload_len}")
     elif op is Op.SHM_PUT:
