@@ -127,10 +127,23 @@ class S3TierConfig(_TierBase):
     sign_payload: bool = False      # SHA-256-sign request bodies (the block header already checks them)
 
 
+def _no_empty_token(data: Any) -> Any:
+    """A ``token`` key given as empty, ``null`` or ``~`` (in the file or a ``KVSTORE_…``
+    variable) is a mistake, not a request to turn authentication off."""
+    if isinstance(data, Mapping) and "token" in data:
+        token = data["token"]
+        if token is None or (isinstance(token, str) and not token.strip()):
+            raise ValueError("token is set but empty (empty, null or ~); give a token, or remove the key "
+                             "to run without one")
+    return data
+
+
 class RemoteTierConfig(_TierBase):
     kind: Literal["remote"]
     address: str = Field(min_length=1)   # host:port or unix socket path
     token: str | None = None
+
+    _token_given = model_validator(mode="before")(_no_empty_token)
     timeout_s: float = Field(10.0, gt=0)
 
 
@@ -153,6 +166,9 @@ class ServerConfig(_Frozen):
     admin_port: int | None = Field(7481, ge=0, le=65535)
     socket_path: str | None = None
     token: str | None = None
+    allow_unauthenticated: bool = False      # serve beyond loopback without a token (refused otherwise)
+
+    _token_given = model_validator(mode="before")(_no_empty_token)
     transport: Literal["auto", "tcp", "shm", "nixl"] = "auto"
     max_frame_bytes: Size = Field(256 << 20, gt=0)
     max_batch: int = Field(4096, ge=1)

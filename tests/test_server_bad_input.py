@@ -260,3 +260,30 @@ def test_record_sizes_and_offsets_beyond_any_buffer_are_protocol_errors():
         body = P.encode_records(dtype, keys, *cols)
         with pytest.raises(Exception, match="exceeds"):
             P.decode_records(dtype, body, limits)
+
+
+# -- authentication cannot be turned off by accident ------------------------------------------
+
+@pytest.mark.parametrize("value", ["", "null", "~", "  "])
+def test_an_empty_token_from_the_environment_is_a_config_error(value):
+    from kvstore.config import load_config
+    from kvstore.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="token is set but empty"):
+        load_config(config_dict("1MiB"), env={"KVSTORE_SERVER__TOKEN": value})
+    with pytest.raises(ConfigError, match="token is set but empty"):
+        load_config(config_dict("1MiB", token=None if value in ("null", "~") else value), env={})   # as YAML reads it
+
+
+def test_serving_beyond_loopback_needs_a_token_or_an_explicit_opt_out():
+    from kvstore.config import load_config
+    from kvstore.errors import ConfigError
+    from kvstore.server import Server
+
+    with pytest.raises(ConfigError, match="no server.token is set"):
+        Server(load_config(config_dict("1MiB", host="0.0.0.0"), env={}))
+    for server in (config_dict("1MiB", host="0.0.0.0", token=TOKEN),
+                   config_dict("1MiB", host="0.0.0.0", allow_unauthenticated=True),
+                   config_dict("1MiB", host="::1"), config_dict("1MiB", host="localhost")):
+        s = ThreadServer(server)
+        s.stop()

@@ -9,6 +9,7 @@ other than :meth:`request_shutdown` must be called on the loop thread.
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
 import os
 import secrets
@@ -58,12 +59,25 @@ def build_store(config: StoreConfig) -> Any:
     return Store(config)
 
 
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False      # a name other than localhost may resolve anywhere
+
+
 class Server:
     """Serves ``store`` (built from ``config`` when not given; the server then owns it)."""
 
     def __init__(self, config: StoreConfig, *, store: Any = None) -> None:
         self.config = config
         cfg = config.server
+        if cfg.token is None and not cfg.allow_unauthenticated and not _is_loopback(cfg.host):
+            raise ConfigError(f"server.host {cfg.host!r} serves beyond this machine, and no server.token is "
+                              "set: anyone who reaches the port could read and write the cache; set a token, "
+                              "or set server.allow_unauthenticated: true to serve without one")
         self._owns_store = store is None
         self.store = store if store is not None else build_store(config)
         self.limits = P.Limits(cfg.max_frame_bytes, cfg.max_batch)
