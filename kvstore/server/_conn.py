@@ -31,6 +31,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kvstore.server")
 _KEEP_BUFFER_BYTES = 256 << 20  # scratch buffers up to this size are kept for the next request
+HELLO_MAX_BYTES = 4096          # the largest HELLO body read before authentication
 
 
 class Connection(SameHostOps):
@@ -47,7 +48,8 @@ class Connection(SameHostOps):
         self.buf = np.empty(0, np.uint8)   # PUT payloads and lower-tier GETs, reused
         self.authed = False
         self.busy = False
-        self.last_active = time.monotonic()
+        self.accepted = self.last_active = time.monotonic()
+        self.stalled_since: float | None = None   # a frame's body or payload is being waited for
         self.leases: dict[int, Lease] = {}
         self.reservations: dict[int, tuple[Any, int]] = {}  # id -> (Store reservation, bytes)
         self.leased_bytes = 0
@@ -58,14 +60,20 @@ class Connection(SameHostOps):
 
     # -- I/O -------------------------------------------------------------------------------
 
-    async def _recv_exact(self, view: memoryview) -> None:
+    async def _recv_exact(self, view: memoryview, *, in_frame: bool = True) -> None:
+        """Fill ``view`` from the socket. ``in_frame``: part of a frame whose header has
+        arrived, so the server's reaper closes the connection when no byte arrives for
+        ``read_timeout_s`` (a header may wait for ``idle_timeout_s``)."""
         got, n = 0, view.nbytes
         recv = self.loop.sock_recv_into
         while got < n:
+            if in_frame:
+                self.stalled_since = time.monotonic()
             k = await recv(self.sock, view[got:])
             if not k:
                 raise _Disconnected(f"peer closed after {got} of {n} bytes")
             got += k
+        self.stalled_since = None
 
     async def _reply(self, op: int, rid: int, body: bytes = b"", payload_len: int = 0,
                      status: int = 0) -> None:
@@ -89,7 +97,7 @@ class Connection(SameHostOps):
         rid = 0
         try:
             while not server.closing:
-                await self._recv_exact(memoryview(self.head))
+                await self._recv_exact(memoryview(self.head), in_frame=False)
                 self.busy, t0 = True, time.perf_counter()
                 self.last_active = time.monotonic()
                 header = P.parse_header(self.head, server.limits)
@@ -97,6 +105,10 @@ class Connection(SameHostOps):
                 if not self.authed and op is not P.Op.HELLO:
                     raise _Fatal(P.Status.AUTH, "the first frame must be HELLO (with the token, if the "
                                  "server has one)")
+                if not self.authed and (header.body_len > HELLO_MAX_BYTES or header.payload_len):
+                    # Nothing is allocated at a size an unauthenticated peer chose.
+                    raise _Fatal(P.Status.TOO_LARGE, f"a HELLO of {header.body_len} bytes exceeds "
+                                 f"{HELLO_MAX_BYTES}")
                 if len(self.body) < header.body_len:
                     self.body = bytearray(header.body_len)
                 body = memoryview(self.body)[:header.body_len]

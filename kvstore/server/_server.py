@@ -194,6 +194,10 @@ class Server:
                 log.warning("accept failed: %s", exc)
                 await asyncio.sleep(0.05)
                 continue
+            if len(self.conns) >= self.config.server.max_connections:
+                sock.close()                 # closed before anything is read or allocated
+                self.metrics.refused.labels("max_connections").inc()
+                continue
             sock.setblocking(False)
             if not unix:
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -205,15 +209,26 @@ class Server:
 
     async def _reap(self) -> None:
         cfg = self.config.server
-        period = min(1.0, cfg.idle_timeout_s / 4, cfg.shm_lease_s / 4)
+        period = min(1.0, cfg.idle_timeout_s / 4, cfg.shm_lease_s / 4, cfg.handshake_timeout_s / 4,
+                     cfg.read_timeout_s / 4)
         while True:
             await asyncio.sleep(period)
             now = time.monotonic()
             for c in list(self.conns):
                 c.expire_leases(cfg.shm_lease_s)
-                if not c.busy and now - c.last_active > cfg.idle_timeout_s and c.task is not None:
-                    log.info("closing idle connection %s", c.peer)
-                    c.task.cancel()
+                if c.task is None or c.task.done():
+                    continue
+                if not c.authed and now - c.accepted > cfg.handshake_timeout_s:
+                    reason = "handshake_timeout"     # never authenticated: holds no more than a HELLO
+                elif c.stalled_since is not None and now - c.stalled_since > cfg.read_timeout_s:
+                    reason = "read_timeout"          # a frame's body or payload stopped arriving
+                elif not c.busy and now - c.last_active > cfg.idle_timeout_s:
+                    reason = "idle"
+                else:
+                    continue
+                log.info("closing connection %s: %s", c.peer, reason)
+                self.metrics.refused.labels(reason).inc()
+                c.task.cancel()
 
     # -- helpers for connections ---------------------------------------------------------------
 
