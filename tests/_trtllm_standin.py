@@ -12,7 +12,8 @@ and data records with the signatures documented for TensorRT-LLM's KV cache conn
   ``SchedulerOutput``;
 - ``tensorrt_llm.bindings.internal.batch_manager.LlmRequest``;
 - ``tensorrt_llm.llmapi.llm_args``: ``TorchLlmArgs``, ``KvCacheConfig``,
-  ``KvCacheConnectorConfig``;
+  ``KvCacheConnectorConfig``, and ``QuantConfig`` (in TensorRT-LLM it lives in
+  ``tensorrt_llm.models.modeling_utils``);
 - ``tensorrt_llm._utils.mpi_rank``.
 
 It is not part of the kvstore package and carries no TensorRT-LLM code.
@@ -56,12 +57,27 @@ class KvCacheConnectorConfig:
 class KvCacheConfig:
     tokens_per_block: int = 32
     dtype: str = "auto"
+    enable_block_reuse: bool = True
+    enable_partial_reuse: bool = True      # on by default: device matches need not be block-aligned
+
+
+@dataclass
+class QuantConfig:
+    """``tensorrt_llm.models.modeling_utils.QuantConfig``: algorithms are ``QuantAlgo``
+    enum members (strings here) or ``None``."""
+
+    quant_algo: Optional[str] = None
+    kv_cache_quant_algo: Optional[str] = None
 
 
 @dataclass
 class TorchLlmArgs:
     model: str
     tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    dtype: str = "auto"
+    revision: Optional[str] = None
+    quant_config: QuantConfig = field(default_factory=QuantConfig)
     kv_cache_config: KvCacheConfig = field(default_factory=KvCacheConfig)
     kv_connector_config: Optional[KvCacheConnectorConfig] = None
 
@@ -174,6 +190,15 @@ class KvCacheConnectorScheduler(ABC):
     def update_state_after_alloc_by_layer_group(self, request, block_ids_by_layer_group) -> None:
         self.update_state_after_alloc(request, block_ids_by_layer_group[0])
 
+    def cancel_load(self, request: LlmRequest, start: int, end: int) -> None:
+        """Optional, no-op by default: the runtime will not consume the offered prompt
+        tokens ``[start, end)`` (KVCacheManagerV2: it could not allocate for them, or the
+        request went away before it was scheduled)."""
+
+    def request_reset(self, request: LlmRequest) -> None:
+        """Optional, no-op by default: the request's pages were released and it will run
+        again from the start."""
+
     def wait_for_initialization(self) -> None:
         return None
 
@@ -202,7 +227,7 @@ def install(path: str = CURRENT) -> None:
         "tensorrt_llm.bindings.internal.batch_manager": dict(LlmRequest=LlmRequest),
         "tensorrt_llm.llmapi": {},
         "tensorrt_llm.llmapi.llm_args": dict(TorchLlmArgs=TorchLlmArgs, KvCacheConfig=KvCacheConfig,
-                                             KvCacheConnectorConfig=KvCacheConnectorConfig),
+                                             KvCacheConnectorConfig=KvCacheConnectorConfig, QuantConfig=QuantConfig),
         "tensorrt_llm._torch": {},
         "tensorrt_llm._torch.pyexecutor": {},
     }

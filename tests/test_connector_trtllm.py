@@ -36,66 +36,93 @@ def trt():
     standin.uninstall()
 
 
-def llm_args(tp: int = 1, server_url: str | None = None) -> standin.TorchLlmArgs:
+def llm_args(tp: int = 1, server_url: str | None = None, kv_dtype: str = "float16") -> standin.TorchLlmArgs:
     return standin.TorchLlmArgs(
         model="org/tiny", tensor_parallel_size=tp,
-        kv_cache_config=standin.KvCacheConfig(tokens_per_block=BS, dtype="float16"),
+        kv_cache_config=standin.KvCacheConfig(tokens_per_block=BS, dtype=kv_dtype),
         kv_connector_config=standin.KvCacheConnectorConfig(
             connector_module="connectors.trtllm", connector_scheduler_class="KVStoreConnectorScheduler",
             connector_worker_class="KVStoreConnectorWorker", server_url=server_url))
 
 
-def expected_block(tokens: list[int], idx: int, rank: int) -> "torch.Tensor":
-    """What the model would compute for block ``idx``: depends on the whole prefix."""
+def expected_block(tokens: list[int], idx: int, rank: int, kv_factor: int = 2,
+                   dtype: "torch.dtype | None" = None) -> "torch.Tensor":
+    """What the model would compute for block ``idx``: depends on the whole prefix (and
+    the rank's heads; MLA's single latent, ``kv_factor == 1``, is the same on every rank)."""
+    rank = 0 if kv_factor == 1 else rank
     seed = int.from_bytes(hashlib.sha256(repr((tokens[:(idx + 1) * BS], rank)).encode()).digest()[:8], "little")
-    data = np.random.default_rng(seed).standard_normal((LAYERS, 2, WIDTH)).astype(np.float16)
-    return torch.from_numpy(data)
+    data = np.random.default_rng(seed).standard_normal((LAYERS, kv_factor, WIDTH)).astype(np.float32)
+    return torch.from_numpy(data).to(dtype or torch.float16)
+
+
+def loaded_ids(meta) -> list[int]:
+    return [t.block_id for group in meta.loads for t in group.transfers]
+
+
+def trt_stats(store) -> dict:
+    return store.stats()["connectors"]["trtllm"]
 
 
 class MiniEngine:
     """Calls the connector in TensorRT-LLM's order: match, allocate, build metadata,
     load, per-layer hooks around the model's work, save, finish."""
 
-    def __init__(self, trt, args, *, num_blocks: int = 32) -> None:
+    def __init__(self, trt, args, *, num_blocks: int = 32, kv_factor: int = 2, dtype=None, **kw) -> None:
         tp = args.tensor_parallel_size
-        self.scheduler = trt.KVStoreConnectorScheduler(args)
-        self.workers = [trt.KVStoreConnectorWorker(args, rank=r) for r in range(tp)]
-        self.pools = [torch.zeros(num_blocks, LAYERS, 2, WIDTH, dtype=torch.float16) for _ in range(tp)]
+        self.kv_factor, self.dtype = kv_factor, dtype or torch.float16
+        self.scheduler = trt.KVStoreConnectorScheduler(args, **kw)
+        self.workers = [trt.KVStoreConnectorWorker(args, rank=r, **kw) for r in range(tp)]
+        self.pools = [torch.zeros(num_blocks, LAYERS, kv_factor, WIDTH, dtype=self.dtype) for _ in range(tp)]
         for w, p in zip(self.workers, self.pools):
             w.register_kv_caches(p)
         self.free = list(range(num_blocks))
         self.blocks: dict[int, list[int]] = {}
 
-    def _forward(self, meta, req, start_tok: int, end_tok: int) -> None:
+    def expected(self, tokens, idx: int, rank: int) -> "torch.Tensor":
+        return expected_block(tokens, idx, rank, self.kv_factor, self.dtype)
+
+    def _forward(self, meta, req, start_tok: int, end_tok: int, stream=None) -> None:
+        """The forward pass: the model writes the KV of tokens [start_tok, end_tok);
+        the KV it reads for earlier positions is whatever the blocks hold (garbage
+        where nothing was loaded), so a block computed over it differs from the truth."""
         tokens = req.get_tokens(0)
         for w in self.workers:
             w.bind_connector_meta(meta)
-            w.start_load_kv(None)
+            w.start_load_kv(stream)
         for layer in range(LAYERS):
             for rank, w in enumerate(self.workers):
-                w.wait_for_layer_load(layer, None)
+                w.wait_for_layer_load(layer, stream)
+                ok = all(torch.equal(self.pools[rank][self.blocks[req.request_id][i]], self.expected(tokens, i, rank))
+                         for i in range(start_tok // BS))
                 for idx in range(start_tok // BS, (end_tok + BS - 1) // BS):
-                    self.pools[rank][self.blocks[req.request_id][idx], layer] = expected_block(tokens, idx, rank)[layer]
-                w.save_kv_layer(layer, None)
+                    value = self.expected(tokens, idx, rank)[layer]
+                    self.pools[rank][self.blocks[req.request_id][idx], layer] = value if ok else value + 1
+                w.save_kv_layer(layer, stream)
         for w in self.workers:
-            w.wait_for_save(None)
+            w.wait_for_save(stream)
             w._clear_connector_meta()
 
-    def prefill(self, req, device_matched: int = 0) -> int:
+    def prefill(self, req, device_matched: int = 0, accept: int | None = None, stream=None) -> int:
+        """``accept``: tokens the runtime takes of the offer (KVCacheManagerV2 reports a
+        shorter honour through ``cancel_load``); by default all of it."""
         tokens = req.get_tokens(0)
         matched, is_async = self.scheduler.get_num_new_matched_tokens(req, device_matched)
         assert is_async is False
+        self.offered = matched
+        if accept is not None and accept < matched:
+            self.scheduler.cancel_load(req, device_matched + accept, device_matched + matched)
+            matched = accept
         blocks = self.blocks[req.request_id] = [self.free.pop(0) for _ in range((len(tokens) + BS - 1) // BS)]
-        for rank in range(len(self.workers)):     # the device prefix cache already holds these
-            for idx in range(device_matched // BS):
-                self.pools[rank][blocks[idx]] = expected_block(tokens, idx, rank)
+        for rank in range(len(self.workers)):     # the device prefix cache already holds these (partial reuse:
+            for idx in range((device_matched + BS - 1) // BS):    # a partly matched block holds the prefix's KV)
+                self.pools[rank][blocks[idx]] = self.expected(tokens, idx, rank)
         self.scheduler.update_state_after_alloc(req, blocks)
         data = standin.RequestData(req.request_id, list(tokens), list(blocks), computed_position=device_matched,
                                    num_scheduled_tokens=len(tokens) - device_matched - matched,
                                    cache_salt=req.cache_salt)
         meta = self.scheduler.build_connector_meta(standin.SchedulerOutput(new_requests=[data]))
         self.last_meta = meta
-        self._forward(meta, req, device_matched + matched, len(tokens))
+        self._forward(meta, req, device_matched + matched, len(tokens), stream)
         return matched
 
     def decode(self, req, token: int) -> None:
@@ -128,6 +155,18 @@ class MiniEngine:
 
     def block(self, req, idx: int, rank: int = 0) -> "torch.Tensor":
         return self.pools[rank][self.blocks[req.request_id][idx]]
+
+    def stored(self, tokens, rank: int = 0) -> list:
+        """What the store holds for each full block of ``tokens`` on ``rank``: the bytes
+        as a pool entry, or ``None`` where it holds nothing."""
+        sched = self.scheduler
+        layout = self.workers[rank].layout
+        content = [k.digest for k in sched.scheme.content_keys(tokens, None)]
+        out = []
+        for key in sched.scheme.rank_keys(content, rank, layout):
+            dst = torch.empty(LAYERS, self.kv_factor, WIDTH, dtype=self.dtype)
+            out.append(dst if sched.store.load([key], [dst]).result()[0] else None)
+        return out
 
     def close(self) -> None:
         for w in self.workers:
@@ -182,11 +221,11 @@ def test_second_request_loads_the_stored_prefix(engine):
     eng.pools[0].zero_()
     b = standin.LlmRequest(2, PROMPT)
     assert eng.prefill(b) == 4 * BS
-    assert [t.block_id for t in eng.last_meta.loads] == eng.blocks[2][:4]
+    assert loaded_ids(eng.last_meta) == eng.blocks[2][:4]
     assert eng.last_meta.saves == []              # nothing new became full
     for idx in range(4):
         assert torch.equal(eng.block(b, idx), expected_block(PROMPT, idx, 0))
-    assert eng.workers[0].counters["blocks_loaded"] == 4
+    assert trt_stats(eng.scheduler.store)["loaded_tokens"] == 4 * BS
     assert eng.finish(b) is False
 
 
@@ -216,7 +255,7 @@ def test_device_matched_blocks_are_not_reloaded(engine):
     eng.finish(a)
     b = standin.LlmRequest(2, PROMPT)
     assert eng.prefill(b, device_matched=2 * BS) == 2 * BS
-    assert [t.block_id for t in eng.last_meta.loads] == eng.blocks[2][2:4]
+    assert loaded_ids(eng.last_meta) == eng.blocks[2][2:4]
     for idx in range(4):
         assert torch.equal(eng.block(b, idx), expected_block(PROMPT, idx, 0))
 
@@ -234,24 +273,186 @@ def test_decode_blocks_are_saved_when_full(engine):
     assert torch.equal(eng.block(b, 4), expected_block(longer, 4, 0))
 
 
-def test_a_block_lost_after_lookup_fails_loudly(engine):
+def _evict_after_lookup(store, monkeypatch, victims: list) -> None:
+    """Evict ``victims`` right after the connector's lookup, before it loads them: the
+    race leases exist to prevent, forced (a lost NVMe copy, a corrupt block, a dead
+    server behave the same to the connector: the load comes back False)."""
+    lookup = store.lookup
+
+    def lookup_then_evict(keys, lease_s=None):
+        n = lookup(keys, lease_s=lease_s)
+        store.delete(victims)
+        return n
+
+    monkeypatch.setattr(store, "lookup", lookup_then_evict)
+
+
+def test_a_failed_load_is_never_offered_and_never_stored_over(engine, monkeypatch):
+    eng = engine()
+    a = standin.LlmRequest(1, PROMPT)
+    eng.prefill(a)
+    eng.finish(a)
+    store = eng.scheduler.store
+    keys = eng.scheduler.scheme.rank_keys([k.digest for k in eng.scheduler.scheme.content_keys(PROMPT, None)], 0,
+                                          eng.workers[0].layout)
+    _evict_after_lookup(store, monkeypatch, keys[1:2])
+    eng.pools[0].fill_(7)                         # stale bytes in every free block
+    b = standin.LlmRequest(2, PROMPT)
+    assert eng.prefill(b) == 1 * BS               # only block 0 was loaded and verified; no exception
+    monkeypatch.undo()
+    assert loaded_ids(eng.last_meta) == eng.blocks[2][:1]
+    for idx in range(4):                          # the engine computed blocks 1.. itself, over valid KV
+        assert torch.equal(eng.block(b, idx), expected_block(PROMPT, idx, 0))
+    eng.finish(b)
+    assert trt_stats(store)["failed_loads"] == 1
+    for idx, held in enumerate(eng.stored(PROMPT)):
+        assert held is None or torch.equal(held, expected_block(PROMPT, idx, 0))
+    assert store.stats()["leases"] == 0
+
+
+def test_a_rank_that_cannot_load_fails_before_the_forward_not_inside_it(engine, trt):
+    """The path without scheduler staging (each rank loads its own shard, TP>1): a
+    promised block that is gone makes ``start_load_kv`` raise, before the forward pass;
+    the layer hooks, inside it, never raise and nothing is saved."""
+    eng = engine()
+    a = standin.LlmRequest(1, PROMPT)
+    eng.prefill(a)
+    eng.finish(a)
+    w = eng.workers[0]
+    content = [k.digest for k in eng.scheduler.scheme.content_keys(PROMPT, None)]
+    eng.scheduler.store.delete(eng.scheduler.scheme.rank_keys(content, 0, w.layout)[1:2])
+    from connectors._trtllm_plan import ConnectorMeta, LoadGroup, Transfer
+
+    meta = ConnectorMeta(loads=[LoadGroup(2, [Transfer(2, 20 + i, content[i]) for i in range(4)], 4 * BS)])
+    w.bind_connector_meta(meta)
+    with pytest.raises(KVStoreError, match="could not load"):
+        w.start_load_kv(None)
+    w.wait_for_layer_load(0, None)
+    w.save_kv_layer(0, None)
+    w.wait_for_save(None)
+    assert trt_stats(eng.scheduler.store)["failed_loads"] == 1
+
+
+def test_non_aligned_computed_tokens_never_over_report(engine):
     eng = engine()
     a = standin.LlmRequest(1, PROMPT)
     eng.prefill(a)
     eng.finish(a)
     b = standin.LlmRequest(2, PROMPT)
-    matched, _ = eng.scheduler.get_num_new_matched_tokens(b, 0)
-    assert matched == 4 * BS
-    keys = eng.scheduler.scheme.rank_keys(eng.scheduler._pending[2].content, 0)
-    eng.scheduler.store.delete(keys[1:2])
-    blocks = eng.blocks[2] = [eng.free.pop(0) for _ in range(5)]
-    data = standin.RequestData(2, PROMPT, blocks, computed_position=0, num_scheduled_tokens=len(PROMPT) - matched)
-    meta = eng.scheduler.build_connector_meta(standin.SchedulerOutput(new_requests=[data]))
-    w = eng.workers[0]
-    w.bind_connector_meta(meta)
-    w.start_load_kv(None)
-    with pytest.raises(KVStoreError, match="could not be loaded"):
-        w.wait_for_layer_load(0, None)
+    # partial block reuse: the device holds 6 tokens, 1.5 blocks; 4 blocks = 16 are stored
+    assert eng.prefill(b, device_matched=6) == 16 - 6
+    assert loaded_ids(eng.last_meta) == eng.blocks[2][1:4]
+    for idx in range(5):
+        assert torch.equal(eng.block(b, idx), expected_block(PROMPT, idx, 0))
+    assert trt_stats(eng.scheduler.store)["hit_tokens"] == 16 - 6
+    eng.finish(b)
+    c = standin.LlmRequest(3, PROMPT)
+    assert eng.scheduler.get_num_new_matched_tokens(c, 15) == (1, False)
+    assert eng.scheduler.get_num_new_matched_tokens(c, 16) == (0, False)
+    eng.scheduler.request_finished(c, [])
+
+
+def test_an_accepted_count_below_the_offer_is_honoured(engine):
+    eng = engine()
+    a = standin.LlmRequest(1, PROMPT)
+    eng.prefill(a)
+    eng.finish(a)
+    eng.pools[0].fill_(7)
+    b = standin.LlmRequest(2, PROMPT)
+    assert eng.prefill(b, accept=6) == 6          # offered 16, the runtime takes 6 (1.5 blocks)
+    assert eng.offered == 16
+    assert loaded_ids(eng.last_meta) == eng.blocks[2][:2]
+    for idx in range(4):
+        assert torch.equal(eng.block(b, idx), expected_block(PROMPT, idx, 0))
+    assert trt_stats(eng.scheduler.store)["loaded_tokens"] == 6
+    eng.finish(b)
+    for idx, held in enumerate(eng.stored(PROMPT)):
+        assert torch.equal(held, expected_block(PROMPT, idx, 0))
+    assert eng.scheduler.store.stats()["leases"] == 0
+
+
+def test_a_requery_releases_the_lease_it_replaces(engine):
+    eng = engine()
+    a = standin.LlmRequest(1, PROMPT)
+    eng.prefill(a)
+    eng.finish(a)
+    store = eng.scheduler.store
+    b = standin.LlmRequest(2, PROMPT)
+    assert eng.scheduler.get_num_new_matched_tokens(b, 0)[0] == 4 * BS
+    keys = eng.scheduler.scheme.rank_keys([k.digest for k in eng.scheduler.scheme.content_keys(PROMPT, None)], 0,
+                                          eng.workers[0].layout)
+    store.delete(keys[1:2])
+    assert eng.scheduler.get_num_new_matched_tokens(b, 0)[0] == 1 * BS    # asked again: the answer shrank
+    eng.scheduler.request_finished(b, [])
+    assert store.stats()["leases"] == 0
+    from connectors._trtllm_plan import LOCAL
+
+    assert not LOCAL._tickets                     # the staged blocks of both answers went back
+
+
+def test_two_kv_dtypes_never_share_keys(engine, trt):
+    keep = trt._acquire_store(None)               # keep the shared embedded Store across engines
+    try:
+        fp16 = engine(llm_args(kv_dtype="auto"))
+        a = standin.LlmRequest(1, PROMPT)
+        fp16.prefill(a)
+        fp16.finish(a)
+        fp16.close()
+        bf16 = engine(llm_args(kv_dtype="auto"), dtype=torch.bfloat16)
+        assert bf16.prefill(standin.LlmRequest(2, PROMPT)) == 0        # same bytes per block, other dtype
+        bf16.close()
+        fp8 = engine(llm_args(kv_dtype="fp8"))    # a quantised KV cache is another namespace too
+        assert fp8.prefill(standin.LlmRequest(3, PROMPT)) == 0
+        fp8.close()
+        again = engine(llm_args(kv_dtype="auto"))
+        assert again.prefill(standin.LlmRequest(4, PROMPT)) == 4 * BS
+    finally:
+        trt._release_store(None)
+
+
+def test_saves_never_synchronize_the_forward_stream(engine):
+    class Stream:
+        synchronized = 0
+
+        def synchronize(self):
+            Stream.synchronized += 1
+
+    eng = engine()
+    a = standin.LlmRequest(1, PROMPT)
+    eng.prefill(a, stream=Stream())
+    assert Stream.synchronized == 0
+    eng.finish(a)
+    assert all(held is not None for held in eng.stored(PROMPT))
+
+
+def test_counters_reach_store_stats(engine):
+    eng = engine(staging_bytes=3 * LAYERS * 2 * WIDTH * 2)     # room for 3 blocks of staging
+    store = eng.scheduler.store
+    a = standin.LlmRequest(1, PROMPT)
+    eng.prefill(a)                                # 4 full blocks to save, room for 3: dropped
+    eng.finish(a)
+    counts = trt_stats(store)
+    assert counts["dropped_saves"] == 4 and counts["hit_tokens"] == 0
+    b = standin.LlmRequest(2, list(range(9)))     # 2 full blocks fit
+    eng.prefill(b)
+    eng.finish(b)
+    c = standin.LlmRequest(3, list(range(9)))
+    assert eng.prefill(c) == 2 * BS
+    eng.finish(c)
+    counts = trt_stats(store)
+    assert counts["hit_tokens"] == 2 * BS and counts["loaded_tokens"] == 2 * BS
+    assert 0 < counts["staging_bytes"] <= 2 * 3 * LAYERS * 2 * WIDTH * 2     # scheduler + worker, bounded
+
+
+def test_counters_detach_on_close(engine, trt):
+    store = trt._acquire_store(None)
+    try:
+        eng = engine()
+        assert "trtllm" in store.stats()["connectors"]
+        eng.close()
+        assert "trtllm" not in store.stats()["connectors"]
+    finally:
+        trt._release_store(None)
 
 
 def test_tensor_parallel_needs_a_server(trt):
@@ -259,15 +460,19 @@ def test_tensor_parallel_needs_a_server(trt):
         trt.KVStoreConnectorScheduler(llm_args(tp=2))
 
 
-def test_keys_depend_on_rank_and_salt(trt):
-    from connectors._trtllm_plan import KeyScheme
+def test_keys_depend_on_rank_salt_and_layout(trt):
+    from connectors._trtllm_plan import KeyScheme, PoolLayout
 
     scheme = KeyScheme(model="org/tiny", dtype="float16", tokens_per_block=BS, world_size=2)
+    mha = PoolLayout("torch.float16", (LAYERS, 2, WIDTH), LAYERS * 2 * WIDTH * 2)
+    mla = PoolLayout("torch.float16", (LAYERS, 1, WIDTH), LAYERS * WIDTH * 2)
     content = [k.digest for k in scheme.content_keys(PROMPT, None)]
     salted = [k.digest for k in scheme.content_keys(PROMPT, "s")]
     assert len(content) == 4 and not set(content) & set(salted)
-    assert scheme.rank_keys(content, 0)[0] == scheme.rank_keys(content, 0)[0]
-    assert scheme.rank_keys(content, 0)[0] != scheme.rank_keys(content, 1)[0]
+    assert scheme.rank_keys(content, 0, mha)[0] == scheme.rank_keys(content, 0, mha)[0]
+    assert scheme.rank_keys(content, 0, mha)[0] != scheme.rank_keys(content, 1, mha)[0]
+    assert scheme.rank_keys(content, 0, mla)[0] == scheme.rank_keys(content, 1, mla)[0]   # one MLA copy
+    assert scheme.rank_keys(content, 0, mla)[0] != scheme.rank_keys(content, 0, mha)[0]
 
 
 @pytest.mark.skipif(importlib.util.find_spec("kvstore.client") is None
@@ -288,7 +493,8 @@ def test_tensor_parallel_ranks_through_a_server(engine, tmp_path):
         eng.prefill(a)
         eng.finish(a)
         # rank 1 loses its copy of block 2: the scheduler only promises what every rank has
-        keys = eng.scheduler.scheme.rank_keys([k.digest for k in eng.scheduler.scheme.content_keys(PROMPT, None)], 1)
+        keys = eng.scheduler.scheme.rank_keys([k.digest for k in eng.scheduler.scheme.content_keys(PROMPT, None)], 1,
+                                              eng.workers[1].layout)
         eng.scheduler.store.delete(keys[2:3])
         for p in eng.pools:
             p.zero_()
