@@ -58,6 +58,13 @@ class StagingPool:
             return None
         return buf
 
+    def discard(self, buf: torch.Tensor) -> None:
+        """Give up ``buf`` for good (something may still write it): it leaves the budget
+        and is freed once nothing references it."""
+        base = buf._base if buf._base is not None else buf
+        with self._lock:
+            self.allocated_bytes -= base.numel()
+
     def give(self, buf: torch.Tensor, ready: Any = None) -> None:
         """Return ``buf``; with ``ready`` (a CUDA event recorded after the last copy
         that reads or writes it) it is handed out again only once that event is done."""

@@ -30,6 +30,7 @@ class ChunkTransfer:
     # workers report it in ``finished_sending`` (they are still being read).
     hold: bool = False
     per: int = 0                  # blocks per chunk (0: taken from nested block_ids)
+    serial: int = 0               # loads: names this load in the workers' report
 
     def __post_init__(self) -> None:
         if self.block_ids and isinstance(self.block_ids[0], list):
@@ -56,17 +57,18 @@ class KVStoreConnectorMetadata(KVConnectorMetadata):
 
 @dataclass
 class KVStoreWorkerMetadata(KVConnectorWorkerMetadata):
-    """Outcome of the loads a worker finished this step: request id -> the first chunk
-    (request's index) that failed, or ``None`` when every chunk loaded. vLLM aggregates
-    these over all workers, so a load failed on any rank is failed for all."""
+    """Outcome of the loads a worker finished this step, by load serial: the request
+    and the first chunk (request's index) that failed, or ``None`` when every chunk
+    loaded. vLLM aggregates these over all workers, so a load failed on any rank is
+    failed for all."""
 
-    loads: dict[str, int | None] = field(default_factory=dict)
+    loads: dict[int, tuple[str, int | None]] = field(default_factory=dict)
 
     def aggregate(self, other: "KVStoreWorkerMetadata") -> "KVStoreWorkerMetadata":
         merged = dict(self.loads)
-        for req_id, failed in other.loads.items():
-            mine = merged.get(req_id, failed)
-            merged[req_id] = failed if mine is None else mine if failed is None else min(mine, failed)
+        for serial, (req_id, failed) in other.loads.items():
+            mine = merged.get(serial, (req_id, failed))[1]
+            merged[serial] = (req_id, failed if mine is None else mine if failed is None else min(mine, failed))
         return KVStoreWorkerMetadata(merged)
 
 

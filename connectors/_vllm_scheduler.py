@@ -14,7 +14,9 @@ hooks from one thread); not thread-safe by itself.
 
 from __future__ import annotations
 
+import itertools
 import logging
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,7 +30,8 @@ log = logging.getLogger(__name__)
 
 # Request states that end in vLLM's output loop, which never finishes a request whose
 # load failed in the step it reports: its held saves are valid KV.
-_NORMAL_FINISH = {"FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED"}
+_NORMAL_FINISH = {"FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED", "FINISHED_REPETITION"}
+_TAINT_ENTRIES = 4096   # failed loads' unwritten blocks remembered (oldest forgotten first)
 
 
 @dataclass
@@ -46,7 +49,8 @@ class _Req:
     leased: list[list[BlockKey]] | None = None
     loading: ChunkTransfer | None = None  # the last load handed to the workers
     alloc: tuple[Any, int] | None = None  # the planned load's KVCacheBlocks and end block
-    pending: set[str] = field(default_factory=set)  # sync loads whose outcome its saves wait for
+    pending: set[int] = field(default_factory=set)  # serials of sync loads its saves wait for
+    no_save_from: int | None = None   # first chunk computed over a failed load's block: never saved
 
 
 class SchedulerSide:
@@ -64,9 +68,13 @@ class SchedulerSide:
         self._reqs: dict[str, _Req] = {}
         self._planned: list[ChunkTransfer] = []
         self._final_saves: list[ChunkTransfer] = []
-        # Sync loads handed out and not yet reported: request -> (position, block id) of
-        # the first block the load writes.
-        self._unconfirmed: dict[str, tuple[int, int]] = {}
+        # Sync loads handed out and not yet reported, by serial: the loading request and the
+        # request id, position and id of its first written block, per load serial.
+        self._unconfirmed: dict[int, tuple[str, int, int]] = {}
+        # Blocks a failed load left unwritten, (position, block id) -> the request that
+        # owns them; vLLM may keep them in its prefix cache until that request recomputes.
+        self._tainted: OrderedDict[tuple[int, int], str] = OrderedDict()   # (position, block) -> owner
+        self._serials = itertools.count(1)
 
     # -- vLLM hooks -----------------------------------------------------------------------
 
@@ -134,12 +142,16 @@ class SchedulerSide:
         the request waits for a load's outcome."""
         meta = KVStoreConnectorMetadata(loads=self._planned, saves=self._final_saves)
         self._planned, self._final_saves = [], []
-        fresh: list[tuple[str, _Req]] = []        # given their blocks in this step
+        for req_id in getattr(scheduler_output, "preempted_req_ids", None) or ():
+            st = self._reqs.get(req_id)
+            if st is not None:
+                st.block_ids = []               # freed; a resumed request lists its new ones
+        fresh: dict[str, tuple[_Req, int]] = {}   # given their blocks in this step, computed tokens
         for new in scheduler_output.scheduled_new_reqs:
             st = self._reqs.get(new.req_id)
             if st is not None:
                 st.block_ids = list(new.block_ids[0])
-                fresh.append((new.req_id, st))
+                fresh[new.req_id] = (st, new.num_computed_tokens)
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             st = self._reqs.get(req_id)
@@ -148,7 +160,7 @@ class SchedulerSide:
             new_ids = cached.new_block_ids[i]
             if req_id in cached.resumed_req_ids:
                 st.block_ids = list(new_ids[0]) if new_ids else []
-                fresh.append((req_id, st))
+                fresh[req_id] = (st, cached.num_computed_tokens[i])
             elif new_ids:
                 st.block_ids.extend(new_ids[0])
         per = self.shape.blocks_per_chunk
@@ -156,19 +168,24 @@ class SchedulerSide:
             st = self._reqs[spec.req_id]          # request_finished unplans a finished request's load
             blocks, end_block = st.alloc
             lo = spec.first_chunk * per
-            spec.block_ids = (st.block_ids[lo:end_block] if len(st.block_ids) >= end_block
+            # The ids vLLM lists for this step where it lists the request (a sync load's
+            # request is scheduled with it), else the blocks allocated for the load (an
+            # async load waits unscheduled): never ids of an earlier, freed allocation.
+            spec.block_ids = (st.block_ids[lo:end_block] if spec.req_id in fresh and len(st.block_ids) >= end_block
                               else [b.block_id for b in blocks.blocks[0][lo:end_block]])
+            spec.serial = next(self._serials)
             st.load, st.leased, st.alloc = None, None, None   # the worker's load now releases them
             st.loading = spec
             if not spec.is_async:
                 # Async loads finish before the request computes anything; sync ones are
                 # confirmed by the workers' report.
-                st.pending.add(spec.req_id)
-                self._unconfirmed[spec.req_id] = (lo + spec.skip_blocks, spec.block_ids[spec.skip_blocks])
+                st.pending.add(spec.serial)
+                self._unconfirmed[spec.serial] = (spec.req_id, lo + spec.skip_blocks,
+                                                  spec.block_ids[spec.skip_blocks])
         if not self.do_save:
             return meta
-        for req_id, st in fresh:
-            self._note_shared_loads(req_id, st)
+        for req_id, (st, computed) in fresh.items():
+            self._note_shared_loads(req_id, st, computed)
         counts = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
             st = self._reqs.get(new.req_id)
@@ -182,33 +199,45 @@ class SchedulerSide:
 
     def update_connector_output(self, connector_output: Any) -> None:
         """Release the saves waiting on loads that reported back; where a load failed
-        (on any rank), move each affected request's save point back to the first
-        failed chunk, so that only recomputed chunks are stored."""
+        (on any rank), move the loading request's save point back to the first failed
+        chunk (it recomputes from there), stop every request that shares the unwritten
+        blocks from saving past them, and remember those blocks for requests that reach
+        them through vLLM's prefix cache later."""
         bad = connector_output.invalid_block_ids or set()
         worker_meta = connector_output.kv_connector_worker_meta
         outcomes = worker_meta.loads if isinstance(worker_meta, KVStoreWorkerMetadata) else {}
-        for req_id, failed in outcomes.items():
-            self._unconfirmed.pop(req_id, None)
-            st = self._reqs.get(req_id)
-            if st is not None and failed is not None:
-                st.saved_chunks = min(st.saved_chunks, failed)
-        if not outcomes and not bad:
-            return
         per = self.shape.blocks_per_chunk
-        for st in self._reqs.values():
-            if bad and (st.pending or st.loading is not None):
+        failed_at: dict[int, tuple[str, int, int]] = {}    # serial -> owner, position, block
+        for serial, (req_id, failed) in outcomes.items():
+            self._unconfirmed.pop(serial, None)
+            st = self._reqs.get(req_id)
+            if st is None:
+                continue
+            spec = st.loading
+            if spec is not None and spec.serial == serial:
+                if failed is not None:
+                    at = (failed - spec.first_chunk) * per
+                    skip = spec.skip_blocks if failed == spec.first_chunk else 0
+                    if at + skip < len(spec.block_ids):
+                        pos, block = failed * per + skip, spec.block_ids[at + skip]
+                        failed_at[serial] = (req_id, pos, block)
+                        self._taint(pos, block, req_id)
+                st.loading = None
+            if failed is not None:
+                st.saved_chunks = min(st.saved_chunks, failed)
+        for req_id, st in self._reqs.items():
+            if st.pending:
+                for serial in st.pending & outcomes.keys():
+                    owner, pos, block = failed_at.get(serial, (None, 0, 0))
+                    if owner is not None and owner != req_id and pos < len(st.block_ids) and st.block_ids[pos] == block:
+                        self._stop_saves(st, pos // per)
+                st.pending.difference_update(outcomes)
+            if bad and st.block_ids and (st.loading is not None or st.pending or st.no_save_from is not None):
+                # Without worker metadata (an engine that drops it): vLLM's invalid blocks.
                 for i, block in enumerate(st.block_ids):
                     if block in bad:
                         st.saved_chunks = min(st.saved_chunks, i // per)
                         break
-                if st.loading is not None:
-                    spec = st.loading
-                    for i, block in enumerate(spec.block_ids):
-                        if block in bad:
-                            st.saved_chunks = min(st.saved_chunks, spec.first_chunk + i // per)
-                            break
-            if st.pending:
-                st.pending.difference_update(outcomes)
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict | None]:
         """Forget the request. Its blocks are kept (returns True) only while workers
@@ -247,16 +276,34 @@ class SchedulerSide:
             st = self._reqs[request.request_id] = _Req(tokens, keys)
         return st
 
-    def _note_shared_loads(self, req_id: str, st: _Req) -> None:
-        """A request given blocks that a not yet confirmed load writes (a prefix-cache
-        hit on them) computes over that load: its saves wait for the outcome too.
-        vLLM shares cached blocks only at the same position and as a prefix, so a
-        request shares some of a load's blocks exactly when it holds the load's first
-        written block at its position: one comparison per load."""
-        ids = st.block_ids
-        for other, (pos, block) in self._unconfirmed.items():
-            if pos < len(ids) and ids[pos] == block and other != req_id:
-                st.pending.add(other)
+    def _note_shared_loads(self, req_id: str, st: _Req, computed: int) -> None:
+        """A request that starts with ``computed`` tokens counted as computed, over blocks
+        a not yet confirmed load writes (a prefix-cache hit on them), computes over that
+        load: its saves wait for the outcome too; over blocks a failed load left
+        unwritten, it never saves from there on. vLLM shares cached blocks only at the
+        same position and as a prefix, so a request holds some of a load's blocks
+        exactly when it holds the load's first written block at its position, counted
+        as computed: one comparison per load."""
+        ids, bs = st.block_ids, self.shape.block_size
+        for serial, (owner, pos, block) in self._unconfirmed.items():
+            if owner != req_id and pos < len(ids) and ids[pos] == block and computed > pos * bs:
+                st.pending.add(serial)
+        for pos, block in self._tainted:
+            # The owner too: resumed after a preemption, it may get the block back from
+            # vLLM's prefix cache; one that still computes the block itself is not flagged.
+            if pos < len(ids) and ids[pos] == block and computed > pos * bs:
+                self._stop_saves(st, pos // self.shape.blocks_per_chunk)
+
+    def _taint(self, pos: int, block: int, owner: str) -> None:
+        self._tainted[(pos, block)] = owner
+        self._tainted.move_to_end((pos, block))
+        while len(self._tainted) > _TAINT_ENTRIES:
+            self._tainted.popitem(last=False)
+
+    def _stop_saves(self, st: _Req, chunk: int) -> None:
+        """Chunks from ``chunk`` on were computed over a failed load's blocks: never save them."""
+        if st.no_save_from is None or chunk < st.no_save_from:
+            st.no_save_from = chunk
 
     def _plan_save(self, meta: KVStoreConnectorMetadata, req_id: str, st: _Req, computed: int, *,
                    hold: bool = False) -> None:
@@ -265,6 +312,8 @@ class SchedulerSide:
         p = self.shape.blocks_per_chunk
         full = min(computed, len(st.tokens)) // self.shape.chunk_tokens
         full = min(full, len(st.block_ids) // p, len(st.keys[0]))
+        if st.no_save_from is not None:
+            full = min(full, st.no_save_from)
         if full <= st.saved_chunks:
             return
         lo = st.saved_chunks

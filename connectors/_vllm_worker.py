@@ -89,7 +89,7 @@ class WorkerSide:
         self._save_futures: dict[str, list[Future]] = {}
         self._finishing: set[str] = set()        # finished requests whose saves are pending
         self._errors: set[int] = set()
-        self._outcomes: dict[str, int | None] = {}   # this step's loads: first failed chunk
+        self._outcomes: dict[int, tuple[str, int | None]] = {}   # load serial -> request, first failed chunk
         self._poisoned: dict[str, int] = {}          # request -> first chunk that failed to load
         self._hold: dict[str, list[Any]] = {}        # requests whose blocks the scheduler keeps
         self._side: Any = None                       # CUDA: stream for device->host copies
@@ -184,7 +184,7 @@ class WorkerSide:
             return None
         return ChunkTransfer(spec.req_id, [k[good:] for k in spec.keys], spec.block_ids[good * spec.per:],
                              skip_blocks=0 if good else spec.skip_blocks, is_async=spec.is_async,
-                             first_chunk=spec.first_chunk + good, per=spec.per)
+                             first_chunk=spec.first_chunk + good, per=spec.per, serial=spec.serial)
 
     def _submit_load(self, spec: ChunkTransfer) -> _Load:
         """Ask the store for the chunks (in groups for device caches, so that
@@ -259,8 +259,8 @@ class WorkerSide:
         if failed is not None:
             self.metrics.add("failed_loads", n - good)
             self._poisoned[spec.req_id] = min(self._poisoned.get(spec.req_id, failed), failed)
-        before = self._outcomes.get(spec.req_id, failed)
-        self._outcomes[spec.req_id] = (failed if before is None else before if failed is None
+        before = self._outcomes.get(spec.serial, (spec.req_id, failed))[1]
+        self._outcomes[spec.serial] = (spec.req_id, failed if before is None else before if failed is None
                                        else min(before, failed))
 
     def _finish_load(self, load: _Load, layers: list[int] | None) -> None:
@@ -315,6 +315,8 @@ class WorkerSide:
         except FutureTimeout:
             # The store may still write into the buffer: never hand it out again.
             log.warning("request %s: load timed out after %.1f s", load.spec.req_id, self.config.timeout_s)
+            if load.buf is not None:
+                self._pool.discard(load.buf)   # the store may still write it: never handed out again
             load.buf = None
             return [False] * n
         except Exception as exc:  # a store or transport failure: fail closed
@@ -335,6 +337,14 @@ class WorkerSide:
     def take_load_errors(self) -> set[int]:
         errors, self._errors = self._errors, set()
         return errors
+
+    def note_holds(self, meta: KVStoreConnectorMetadata) -> None:
+        """Requests whose blocks the scheduler keeps until reported (``hold`` saves),
+        known as soon as the step's metadata is bound: vLLM may ask for finished
+        requests before ``wait_for_save`` (speculative decoding defers it)."""
+        for spec in meta.saves:
+            if spec.hold:
+                self._hold.setdefault(spec.req_id, [])
 
     def take_load_outcomes(self) -> KVStoreWorkerMetadata | None:
         """The outcome of every load finished since the last call, for the scheduler."""

@@ -143,13 +143,20 @@ class KVStoreConnector(KVConnectorBase_V1):
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         worker = self._work()
+        meta = self._meta()
+        if meta is not None:
+            worker.note_holds(meta)
         return worker.finished_saves(finished_req_ids) or None, worker.finished_loads() or None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        return self._work().take_load_errors()
+        worker = self._work()
+        worker.finish_step_loads()    # after the forward; vLLM may ask before wait_for_save
+        return worker.take_load_errors()
 
     def build_connector_worker_meta(self) -> KVStoreWorkerMetadata | None:
-        return self._work().take_load_outcomes()
+        worker = self._work()
+        worker.finish_step_loads()
+        return worker.take_load_outcomes()
 
     def get_kv_connector_stats(self) -> None:
         return None    # counted in the store's stats()["connectors"]["vllm"]
