@@ -213,6 +213,19 @@ class Client:
         for part in self._chunks(keys):
             self._run(lambda c: c.call(P.Op.RELEASE, P.encode_keys(part)))
 
+    def clear(self, namespaces: Sequence[bytes] | None = None) -> int:
+        """Remove every block on the server (as :meth:`Store.clear`), or, with
+        ``namespaces`` (namespace digests, ``Namespace.digest``), only the blocks whose
+        keys carry one of them. Returns how many blocks were removed."""
+        spaces = list(namespaces or [])
+        if not namespaces and namespaces is not None:
+            return 0
+        total = 0
+        for lo in range(0, max(len(spaces), 1), self._max_batch):
+            body = P.encode_namespaces(spaces[lo:lo + self._max_batch])
+            total += P.decode_u64(self._run(lambda c: c.call(P.Op.CLEAR, body))[1])
+        return total
+
     def stats(self) -> dict[str, Any]:
         """The server's counters, with this process's attached connector counters under
         ``"connectors"`` (the server's own, from connectors embedded in it, are replaced)."""

@@ -235,6 +235,13 @@ class Connection(SameHostOps):
         n = await self.loop.run_in_executor(None, self.server.store.delete, keys)
         await self._reply(P.Op.DELETE, rid, P.encode_u32(n))
 
+    async def _op_clear(self, rid: int, namespaces: list, header: P.Header) -> None:
+        """Remove every block, or those of the given namespaces. Needs only what every
+        op needs: an authenticated connection (the server token, which also guards
+        the admin port's ``/clear``)."""
+        n = await self.loop.run_in_executor(None, _clear, self.server.store, namespaces)
+        await self._reply(P.Op.CLEAR, rid, P.encode_u64(n))
+
     async def _op_put(self, rid: int, args: tuple, header: P.Header) -> None:
         keys, rec = args
         keys = self.server.intern(keys)
@@ -317,3 +324,13 @@ class Connection(SameHostOps):
         ok = await self.loop.run_in_executor(None, self.server.nixl.put, self, args)
         self.server.metrics.bytes.labels("in", "nixl").inc(int(args[3]["nbytes"].sum()))
         await self._reply(P.Op.NIXL_PUT, rid, bytes(ok))
+
+
+def _clear(store: Any, namespaces: list[bytes]) -> int:
+    """``store.clear()``, or delete the blocks whose key carries one of ``namespaces``
+    (keys stored without a namespace match none)."""
+    if not namespaces:
+        return store.clear()
+    wanted = set(namespaces)
+    doomed = {key for tier in store.tiers for key in tier.keys() if key.namespace in wanted}
+    return store.delete(list(doomed)) if doomed else 0

@@ -30,6 +30,7 @@ _LOOKUP = struct.Struct("<dI")
 _U64 = struct.Struct("<Q")
 _COMMIT = struct.Struct("<QB")  # reservation id, 1 = commit / 0 = abort
 _ZERO = bytes(32)
+_NS_BYTES = 32     # a namespace digest
 MISS = -1          # GET reply size: not stored
 SIZE_MISMATCH = -2  # GET reply size: stored with another size than the caller's buffer
 
@@ -64,6 +65,7 @@ class Op(enum.IntEnum):
     NIXL_PUT = 16    # mem kind, device, (key, nbytes, client address)* -> one byte per key (server READs)
     SHM_RESERVE = 24  # (key, nbytes)* -> reservation id, (nbytes, offset, where)* (client writes the arena)
     SHM_COMMIT = 25   # reservation id, commit/abort -> one byte per key
+    CLEAR = 26        # namespace digests (none: all) -> u64 blocks removed
 
 
 NO_REPLY = frozenset({Op.SHM_DONE})
@@ -178,6 +180,18 @@ def decode_keys(body: Any, limits: Limits, offset: int = 0) -> list[BlockKey]:
     n = _count(mv, KEY_WIRE_BYTES, limits, offset)
     raw = np.frombuffer(mv, dtype=f"V{KEY_WIRE_BYTES}", count=n, offset=offset + 4)
     return _keys_from(raw)
+
+
+def encode_namespaces(namespaces: Sequence[bytes]) -> bytes:
+    if any(len(ns) != _NS_BYTES for ns in namespaces):
+        raise ProtocolError(f"a namespace digest is {_NS_BYTES} bytes")
+    return _U32.pack(len(namespaces)) + b"".join(bytes(ns) for ns in namespaces)
+
+
+def decode_namespaces(body: Any, limits: Limits) -> list[bytes]:
+    mv = memoryview(body).cast("B")
+    n = _count(mv, _NS_BYTES, limits)
+    return [bytes(mv[4 + i * _NS_BYTES:4 + (i + 1) * _NS_BYTES]) for i in range(n)]
 
 
 def encode_lookup(keys: Sequence[BlockKey], lease_s: float | None) -> bytes:
@@ -317,6 +331,8 @@ def decode_request(header: Header, body: Any, limits: Limits) -> Any:
         args = decode_lookup(body, limits)
     elif op in (Op.CONTAINS, Op.DELETE, Op.RELEASE):
         args = decode_keys(body, limits)
+    elif op is Op.CLEAR:
+        args = decode_namespaces(body, limits)
     elif op is Op.GET or op is Op.SHM_GET or op is Op.SHM_RESERVE:
         args = decode_records(SIZED, body, limits)
     elif op is Op.PUT:
