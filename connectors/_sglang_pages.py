@@ -5,10 +5,12 @@ Two key spaces, never mixed, because their bytes differ:
 - **v0** (``get``/``set``/``batch_get``/``batch_set``): one block per page holding the
   host pool's *flat page* (``get_data_page(i, flat=True)``), whose element order
   depends on the pool layout.
-- **v1** (``batch_get_v1``/``batch_set_v1``): a page is the list of contiguous
-  segments the pool itself reports (``get_page_buffer_meta``: per layer K and V for
-  ``layer_first``, K and V for the page-major layouts). Each segment is one block,
-  read and written in place in the pool's memory, so the Store does the only copy.
+- **v1** (``batch_get_v1``/``batch_set_v1``): for the page-major layouts a page is
+  the contiguous segments the pool itself reports (``get_page_buffer_meta``: K and
+  V), each one block, read and written in place in the pool's memory, so the Store
+  does the only copy. ``layer_first`` scatters a page over 2 x layers segments; it
+  is stored as ONE block per page (K of every layer, then V of every layer),
+  gathered into and scattered from a bounded staging buffer.
 
 Both namespaces carry the model, dtype, pool class and layout, layer count, page
 size, bytes per token and the shard (TP rank/size; MLA: one shared shard), so a key
@@ -18,8 +20,10 @@ can only ever meet bytes of the same meaning.
 from __future__ import annotations
 
 import json
+import threading
 from collections import OrderedDict
-from typing import Any, Sequence
+from contextlib import contextmanager
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 
@@ -120,7 +124,8 @@ def make_namespace(model: str, dtype: str, layout: str, page_tokens: int, cfg: A
 
 
 class PoolSegments:
-    """In-place views of a host pool's pages, as the pool reports them.
+    """The blocks of a host pool's pages: in-place views, or (``layer_first``) one
+    staged block per page.
 
     Built once at registration from ``pool.kv_buffer`` (one contiguous host tensor).
     Segment offsets of SGLang's MHA/MLA layouts are affine in the page's first token
@@ -128,7 +133,12 @@ class PoolSegments:
     then offsets are computed in bulk (the pool's own per-page Python loop otherwise
     costs as much as a small page's copy). Pools whose offsets are not affine are
     asked page by page. The views alias pool memory: the pool owns it; callers must
-    not keep views past the batch. Thread-safe (read-only state).
+    not keep views past the batch.
+
+    Layer-major pools (``layer_first``, more than 2 segments per page: ``staged``) are
+    moved with :func:`kvstore.paged.gather_pages` / ``scatter_pages`` over
+    ``kv_buffer`` seen as ``(..., pages, page, ...)``: one block of ``page_bytes`` per
+    page, in the buffer's memory order. Thread-safe (read-only state).
     """
 
     def __init__(self, pool: Any) -> None:
@@ -140,20 +150,52 @@ class PoolSegments:
             raise ConfigError(f"interface_v1 needs the host pool in host memory, got {buf.device}")
         self.pool = pool
         self.page_size = int(pool.page_size)
+        self._slots = int(getattr(pool, "size", 0))
         self._arena = host_view(buf, writable=True)
         self._base = int(buf.data_ptr())
         first = self._meta_at(0)
+        self.staged = len(first) > 2 and self._init_staged(buf, first)
+        if self.staged:
+            return
         self.per_page = len(first)
         self._sizes = [size for _, size in first]
+        self.page_bytes = sum(self._sizes)
         self._const = np.array([off for off, _ in first], dtype=np.int64)
         self._slope: np.ndarray | None = None
-        slots = int(getattr(pool, "size", 0))
+        slots = self._slots
         if slots >= 3 * self.page_size:
             second = np.array([off for off, _ in self._meta_at(self.page_size)], dtype=np.int64)
             slope = (second - self._const) // self.page_size
             last = (slots // self.page_size - 1) * self.page_size
             if np.array_equal(np.array([off for off, _ in self._meta_at(last)]), self._const + slope * last):
                 self._slope = slope
+
+    def _init_staged(self, buf: Any, first: list[tuple[int, int]]) -> bool:
+        """Layer-major pools (MHA ``layer_first``: ``(2, layers, slots, heads, dim)``;
+        MLA ``layer_first``: ``(layers, slots, 1, dim)``): see ``kv_buffer`` as
+        ``(..., pages, page, ...)`` and use it when a page there is exactly the
+        segments the pool reports (checked at two pages). Else ``False``: segments."""
+        from kvstore.paged import page_bytes_of
+
+        P, slots = self.page_size, self._slots
+        dims = [d for d, n in enumerate(buf.shape) if n == slots]
+        if not buf.is_contiguous() or len(dims) != 1 or slots % P or slots < 2 * P:
+            return False
+        d = dims[0]
+        paged = buf.unflatten(d, (slots // P, P))
+        elt = buf.element_size()
+        run = P * buf.stride(d) * elt                                    # bytes of one run
+        outer = np.indices(buf.shape[:d]).reshape(d, -1).T if d else np.zeros((1, 0), np.int64)
+        offs = (outer * np.array(buf.stride()[:d], dtype=np.int64)).sum(axis=1) * elt
+        for page in (0, 1):
+            want = sorted((int(o) + page * run, run) for o in offs)
+            if sorted(first if page == 0 else self._meta_at(P)) != want:
+                return False
+        self._paged = paged
+        self.per_page = 1
+        self.page_bytes = page_bytes_of(paged, d)
+        self._page_dim = d
+        return True
 
     def _meta_at(self, slot: int) -> list[tuple[int, int]]:
         return [(off - self._base, size) for off, size in self._meta(np.arange(slot, slot + self.page_size))]
@@ -165,14 +207,30 @@ class PoolSegments:
         ptrs, sizes = self.pool.get_page_buffer_meta(idx)
         return list(zip(ptrs, sizes))
 
+    def page_starts(self, host_indices: Any, n_pages: int) -> np.ndarray:
+        """First token slot of each page, after checking that every page is
+        ``page_size`` consecutive slots starting at a page boundary inside the pool:
+        the pool's own metadata reads only each page's first slot, so any other
+        shape would move bytes of slots SGLang did not name."""
+        P = self.page_size
+        if len(host_indices) != n_pages * P:
+            raise InvalidArgumentError(
+                f"host_indices has {len(host_indices)} slots, expected {n_pages} pages x {P}")
+        idx = np.asarray(host_indices.cpu() if hasattr(host_indices, "cpu") else host_indices,
+                         dtype=np.int64).reshape(n_pages, P)
+        starts = idx[:, 0]
+        if n_pages and ((idx - starts[:, None] != np.arange(P)).any() or (starts % P).any()
+                        or starts.min() < 0 or (self._slots and starts.max() + P > self._slots)
+                        or len(np.unique(starts)) != n_pages):
+            raise InvalidArgumentError(f"host_indices must be whole pages: {P} consecutive slots "
+                                       f"from a multiple of {P}, inside the pool, none twice")
+        return starts
+
     def views(self, host_indices: Any, n_pages: int) -> list[np.ndarray]:
         """Segment views for ``n_pages`` pages starting at each ``page_size``-th entry
-        of ``host_indices`` (SGLang passes token slots), page-major."""
-        if len(host_indices) != n_pages * self.page_size:
-            raise InvalidArgumentError(
-                f"host_indices has {len(host_indices)} slots, expected {n_pages} pages x {self.page_size}")
+        of ``host_indices`` (SGLang passes token slots), page-major. Not for staged pools."""
+        starts = self.page_starts(host_indices, n_pages)
         if self._slope is not None:
-            starts = np.asarray(host_indices[::self.page_size], dtype=np.int64)
             offsets = (self._const[None, :] + starts[:, None] * self._slope[None, :]).ravel().tolist()
             sizes = self._sizes * n_pages
         else:
@@ -190,5 +248,179 @@ class PoolSegments:
             out.append(arena[off:off + size])
         return out
 
+    def gather(self, starts: np.ndarray, out: Any) -> None:
+        """Staged pools: copy the pages at ``starts`` into ``out`` (a contiguous uint8
+        tensor of ``len(starts) * page_bytes``), page after page."""
+        import torch
+        from kvstore.paged import gather_pages
 
-__all__ = ["PageKeys", "PoolSegments", "make_namespace", "pool_signature", "shard_of"]
+        gather_pages(self._paged, self._page_dim, torch.from_numpy(starts // self.page_size), out)
+
+    def scatter(self, starts: np.ndarray, src: Any) -> None:
+        """Staged pools: write consecutive pages of ``src`` into the pages at ``starts``."""
+        import torch
+        from kvstore.paged import scatter_pages
+
+        scatter_pages(self._paged, self._page_dim, torch.from_numpy(starts // self.page_size), src)
+
+
+class Staging:
+    """Reusable host buffers for staged pages, ``nbytes`` each, one per concurrent
+    caller (SGLang's prefetch and backup threads: two). ``held_bytes`` is what it
+    holds; buffers are kept for reuse, never grown. Thread-safe."""
+
+    def __init__(self, nbytes: int, on_change: Any = None) -> None:
+        self.nbytes = nbytes
+        self._free: list[Any] = []
+        self._held = 0
+        self._lock = threading.Lock()
+        self._on_change = on_change
+
+    @property
+    def held_bytes(self) -> int:
+        return self._held
+
+    @contextmanager
+    def buffer(self) -> Iterator[Any]:
+        import torch
+
+        with self._lock:
+            buf = self._free.pop() if self._free else None
+            if buf is None:
+                self._held += self.nbytes
+                held = self._held
+        if buf is None:
+            buf = torch.empty(self.nbytes, dtype=torch.uint8)
+            if self._on_change is not None:
+                self._on_change(held)
+        try:
+            yield buf
+        finally:
+            with self._lock:
+                self._free.append(buf)
+
+    def close(self) -> None:
+        with self._lock:
+            self._free.clear()
+            self._held = 0
+        if self._on_change is not None:
+            self._on_change(0)
+
+
+class LeaseBook:
+    """Store leases that ``batch_exists`` took, per query, until SGLang can no longer
+    read those pages; then they are released.
+
+    SGLang 0.5.23 never tells a backend that a prefetch was skipped (below
+    ``prefetch_threshold``, no host memory, rank vote), truncated or terminated
+    (``best_effort``/``timeout`` stop policies). What its HiCacheController does
+    guarantee: one thread queries, one thread reads, and prefetches are read in the
+    order they were queried; a prefetch reads its pages in order, in batches of
+    ``batch_pages`` (the last one shorter), and stops at the first page that fails.
+    So, on each read of a query's pages:
+
+    - the pages it loads lose their lease (the Store drops it on load);
+    - pages of that query before the read's first page (a head SGLang trimmed) and,
+      when the read fails a page or is shorter than a batch, every page after it,
+      are released: no later read of that prefetch will come;
+    - every older query is released: it was read in full, cut short or skipped.
+
+    What no read follows (the last queries before the engine falls idle) keeps its
+    lease until ``lease_s`` ends; :meth:`release_all` drops everything (clear,
+    close). A key leased by two live queries is released when the last lets go.
+    Thread-safe.
+    """
+
+    def __init__(self, release: Any, batch_pages: int) -> None:
+        self._release = release          # callable(list of BlockKey): drop Store leases
+        self._batch_pages = batch_pages
+        self._queries: "OrderedDict[int, dict[str, int]]" = OrderedDict()  # id -> page -> index
+        self._pages: dict[int, list[list[BlockKey]]] = {}                  # id -> keys per page
+        self._refs: dict[BlockKey, int] = {}
+        self._next = 0
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._queries)
+
+    def add(self, pages: Sequence[str], page_keys: Sequence[list[BlockKey]]) -> None:
+        """Record one query whose leading ``pages`` are leased (keys per page)."""
+        if not pages:
+            return
+        with self._lock:
+            qid = self._next
+            self._next += 1
+            index: dict[str, int] = {}
+            for i, page in enumerate(pages):
+                index.setdefault(page, i)
+            self._queries[qid] = index
+            self._pages[qid] = [list(k) for k in page_keys]
+            refs = self._refs
+            for keys in page_keys:
+                for key in keys:
+                    refs[key] = refs.get(key, 0) + 1
+
+    def read(self, pages: Sequence[str], ok: Sequence[bool]) -> None:
+        """A read of ``pages`` finished with ``ok`` per page; release what no read
+        will use any more."""
+        if not pages:
+            return
+        drop: list[BlockKey] = []
+        with self._lock:
+            qid = next((q for q, index in self._queries.items() if pages[0] in index), None)
+            if qid is None:
+                return   # a read no query of ours announced (SGLang's assume_stored)
+            for older in [q for q in self._queries if q < qid]:
+                drop += self._forget(older, 0, None)
+            first = self._queries[qid][pages[0]]
+            n_pages = len(self._pages[qid])
+            end = min(first + len(pages), n_pages)
+            drop += self._forget(qid, 0, first, keep_query=True)
+            drop += self._forget(qid, first, end, keep_query=True, loaded=ok[:end - first])
+            if not all(ok) or len(pages) < self._batch_pages or end >= n_pages:
+                drop += self._forget(qid, end, None)
+        if drop:
+            self._release(drop)
+
+    def drop_unheld(self, keys: Sequence[BlockKey]) -> None:
+        """Release leases on ``keys`` that no live query holds."""
+        with self._lock:
+            drop = [k for k in keys if k not in self._refs]
+        if drop:
+            self._release(drop)
+
+    def release_all(self) -> None:
+        with self._lock:
+            drop = []
+            for qid in list(self._queries):
+                drop += self._forget(qid, 0, None)
+        if drop:
+            self._release(drop)
+
+    def _forget(self, qid: int, start: int, stop: int | None, *, keep_query: bool = False,
+                loaded: Sequence[bool] | None = None) -> list[BlockKey]:
+        """Let go of query ``qid``'s pages ``[start, stop)``; the keys no live query
+        holds any more, except those of ``loaded`` pages (their lease is gone). Under the lock."""
+        per_page = self._pages[qid]
+        stop = len(per_page) if stop is None else stop
+        out: list[BlockKey] = []
+        refs = self._refs
+        for i in range(start, stop):
+            keys, per_page[i] = per_page[i], []
+            was_loaded = loaded is not None and i - start < len(loaded) and loaded[i - start]
+            for key in keys:
+                n = refs.get(key, 0) - 1
+                if n > 0:
+                    refs[key] = n
+                else:
+                    refs.pop(key, None)
+                    if not was_loaded:
+                        out.append(key)
+        if not keep_query:
+            self._queries.pop(qid, None)
+            self._pages.pop(qid, None)
+        return out
+
+
+__all__ = ["LeaseBook", "PageKeys", "PoolSegments", "Staging", "make_namespace", "pool_signature", "shard_of"]

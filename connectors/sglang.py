@@ -14,8 +14,13 @@ Options in ``extra_config`` (besides SGLang's own ``backend_name``/``module_path
   with an optional ``token``, for a shared ``kvstore serve``;
 - ``namespace``: a tenant / deployment salt mixed into every key;
 - ``model``: overrides SGLang's model name in the keys;
-- ``lease_s``: how long pages counted by ``batch_exists`` are kept from eviction
-  (default 30 s), so a prefetch that follows finds them.
+- ``lease_s``: the longest that pages counted by ``batch_exists`` are kept from
+  eviction (default 30 s), so the prefetch that follows finds them. Leases are
+  released as soon as SGLang can no longer read those pages (see
+  :class:`~connectors._sglang_pages.LeaseBook`); ``lease_s`` bounds only the
+  queries no read ever follows;
+- ``staging_bytes``: host staging for ``layer_first`` pools, per I/O thread
+  (default 64 MiB; at least one page).
 
 Keys are SGLang's page hashes (a SHA-256 chain over token ids) mapped into a
 :class:`~kvstore.keys.Namespace` of model, dtype, pool layout and shard, so a new
@@ -34,14 +39,16 @@ import time
 from typing import Any, List, Optional
 
 try:
-    from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig
+    from sglang.srt.mem_cache.hicache_storage import STORAGE_BATCH_SIZE, HiCacheStorage, HiCacheStorageConfig
 except ImportError as exc:  # pragma: no cover - exercised only without sglang
     raise ImportError("connectors.sglang needs sglang==0.5.23 (install: scripts/deps/50-sglang.sh, "
                       "see docs/sglang.md)") from exc
 
+from connectors._metrics import ConnectorMetrics
 from connectors._open_store import open_store
-from connectors._sglang_pages import PageKeys, PoolSegments, make_namespace, pool_signature
+from connectors._sglang_pages import LeaseBook, PageKeys, PoolSegments, Staging, make_namespace, pool_signature
 from kvstore.buffers import copy_bytes, nbytes_of
+from kvstore.config import parse_size
 from kvstore.errors import (BufferSizeError, ConfigError, InvalidArgumentError, RemoteError,
                             StoreClosedError, TierError)
 
@@ -49,7 +56,8 @@ log = logging.getLogger(__name__)
 
 # SGLang passes its own keys through; file_storage_path is added when --file-storage-path is set.
 _SGLANG_KEYS = {"backend_name", "module_path", "class_name", "interface_v1", "file_storage_path"}
-_OUR_KEYS = {"store", "server", "token", "namespace", "model", "lease_s"}
+_OUR_KEYS = {"store", "server", "token", "namespace", "model", "lease_s", "staging_bytes"}
+DEFAULT_STAGING_BYTES = 64 << 20
 # Failures of the store behind us: reported as misses / failed saves, never raised
 # into SGLang's I/O threads. Bad arguments (InvalidArgumentError) still raise.
 _STORE_FAILURES = (TierError, RemoteError, StoreClosedError, OSError)
@@ -78,10 +86,18 @@ class KVStoreHiCacheStorage(HiCacheStorage):
             self.lease_s = float(extra.get("lease_s", 30.0))
         except (TypeError, ValueError):
             raise ConfigError(f"sglang extra_config 'lease_s' must be a number, got {extra['lease_s']!r}") from None
+        try:
+            self._staging_bytes = parse_size(extra.get("staging_bytes", DEFAULT_STAGING_BYTES))
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"sglang extra_config 'staging_bytes': {exc}") from None
         self.is_writer = storage_config.is_storage_writer
         self._store = open_store(extra, owner="sglang extra_config")
         self._server = extra.get("server")
         self._embedded = self._server is None
+        # hit_tokens, loaded_tokens, failed_loads, dropped_saves, staging_bytes: in store.stats()["connectors"]
+        self.metrics = ConnectorMetrics(self._store, "sglang")
+        self._leases = LeaseBook(self._release, STORAGE_BATCH_SIZE)
+        self._staging: Staging | None = None
         self._lock = threading.Lock()
         self._counters = dict.fromkeys(("pages_loaded", "pages_missed", "pages_saved", "pages_save_failed",
                                         "store_failures"), 0)
@@ -94,6 +110,8 @@ class KVStoreHiCacheStorage(HiCacheStorage):
         self._v0 = PageKeys(make_namespace(self.model, "raw", "sglang-v0:raw", page,
                                            storage_config, self._salt), 1)
         self._v1: PageKeys | None = None
+        self._page_tokens = page
+        self._namespaces = [self._v0.ns.digest]   # every key space this backend used (clear)
         self._closed = False
 
     # -- registration -------------------------------------------------------------------
@@ -103,10 +121,19 @@ class KVStoreHiCacheStorage(HiCacheStorage):
         dtype, layout, page = pool_signature(mem_pool_host)
         cfg = self.storage_config
         self._v0 = PageKeys(make_namespace(self.model, dtype, f"sglang-v0:{layout}", page, cfg, self._salt), 1)
+        self._page_tokens = page
+        self._namespaces.append(self._v0.ns.digest)
         if self.interface_v1:
             self._segments = PoolSegments(mem_pool_host)
-            ns = make_namespace(self.model, dtype, f"sglang-v1:{layout}", page, cfg, self._salt)
+            # "v1" pages are the pool's segments, "v1-page" one staged block per page
+            kind = "sglang-v1-page" if self._segments.staged else "sglang-v1"
+            ns = make_namespace(self.model, dtype, f"{kind}:{layout}", page, cfg, self._salt)
             self._v1 = PageKeys(ns, self._segments.per_page)
+            self._namespaces.append(ns.digest)
+            if self._segments.staged:
+                page_bytes = self._segments.page_bytes
+                nbytes = max(self._staging_bytes // page_bytes, 1) * page_bytes
+                self._staging = Staging(nbytes, lambda held: self.metrics.set("staging_bytes", held))
 
     @property
     def store(self) -> Any:
@@ -131,6 +158,8 @@ class KVStoreHiCacheStorage(HiCacheStorage):
             raise InvalidArgumentError(f"{len(keys)} keys but {len(target_locations)} target locations")
         start = time.perf_counter()
         ok = self._load(self._v0.keys(keys), list(target_locations))
+        if not self.interface_v1:   # else batch_exists leased v1 keys, not these
+            self._leases.read(keys, ok)
         self._count_load(ok, sum(nbytes_of(t) for t, hit in zip(target_locations, ok) if hit), start)
         return [t if hit else None for t, hit in zip(target_locations, ok)]
 
@@ -157,16 +186,25 @@ class KVStoreHiCacheStorage(HiCacheStorage):
         return all(self._store.contains(self._space().keys([key])))
 
     def batch_exists(self, keys: List[str], extra_info: Optional[Any] = None) -> int:
-        """Number of leading pages that are stored. Those pages are leased for
-        ``lease_s`` so the prefetch that follows finds them."""
+        """Number of leading pages that are stored. Those pages are leased until
+        SGLang reads them, cannot read them any more, or ``lease_s`` passes."""
         space = self._space()
         prefix = getattr(extra_info, "prefix_keys", None) if extra_info is not None else None
+        block_keys = space.keys(keys, prefix)
+        lease_s = self.lease_s or None
         try:
-            n = self._store.lookup(space.keys(keys, prefix), lease_s=self.lease_s or None)
+            n = self._store.lookup(block_keys, lease_s=lease_s)
         except _STORE_FAILURES as exc:
             self._failure("lookup", exc)
             return 0
-        return n // space.segments
+        seg = space.segments
+        pages = n // seg
+        if lease_s and n:
+            self._leases.add(keys[:pages], [block_keys[i * seg:(i + 1) * seg] for i in range(pages)])
+            if n % seg:   # leading segments of a page that is not whole: never read
+                self._leases.drop_unheld(block_keys[pages * seg:n])
+        self.metrics.add("hit_tokens", pages * self._page_tokens)
+        return pages
 
     # -- zero-copy (v1) path: segments read and written in place -------------------------
 
@@ -174,11 +212,15 @@ class KVStoreHiCacheStorage(HiCacheStorage):
         """Load pages straight into the host pool at ``host_indices`` (token slots,
         ``page_size`` per key). ``True`` per page only if all of its bytes verified."""
         segs, space = self._require_v1()
-        views = segs.views(host_indices, len(keys))
         prefix = getattr(extra_info, "prefix_keys", None) if extra_info is not None else None
         start = time.perf_counter()
-        ok = self._per_page(self._load(space.keys(keys, prefix), views), space.segments)
-        self._count_load(ok, sum(v.nbytes for v in views) * sum(ok) // max(len(keys), 1), start)
+        if segs.staged:
+            ok = self._staged_load(segs, space.keys(keys, prefix), segs.page_starts(host_indices, len(keys)))
+        else:
+            views = segs.views(host_indices, len(keys))
+            ok = self._per_page(self._load(space.keys(keys, prefix), views), space.segments)
+        self._leases.read(keys, ok)
+        self._count_load(ok, segs.page_bytes * sum(ok), start)
         return ok
 
     def batch_set_v1(self, keys: List[str], host_indices: Any, extra_info: Optional[Any] = None) -> List[bool]:
@@ -187,10 +229,14 @@ class KVStoreHiCacheStorage(HiCacheStorage):
         segs, space = self._require_v1()
         if not self.is_writer:
             return [True] * len(keys)
-        views = segs.views(host_indices, len(keys))
         prefix = getattr(extra_info, "prefix_keys", None) if extra_info is not None else None
         block_keys = space.keys(keys, prefix)
         start = time.perf_counter()
+        if segs.staged:
+            ok = self._staged_save(segs, block_keys, segs.page_starts(host_indices, len(keys)))
+            self._count_save(ok, segs.page_bytes * len(keys), start)
+            return ok
+        views = segs.views(host_indices, len(keys))
         raw = self._save(block_keys, views)
         ok = self._per_page(raw, space.segments)
         stray = [k for i, k in enumerate(block_keys) if raw[i] and not ok[i // space.segments]]
@@ -205,13 +251,18 @@ class KVStoreHiCacheStorage(HiCacheStorage):
     # -- management ---------------------------------------------------------------------
 
     def clear(self) -> None:
-        """Remove every block from an embedded Store (SGLang calls this on
-        ``/flush_cache``). A shared server is left alone: one engine's cache flush
-        must not wipe what other engines and tenants stored there."""
+        """Remove this backend's pages (SGLang calls this on ``/flush_cache``, e.g.
+        after new weights are loaded, when stored KV is stale). An embedded Store is
+        this backend's own and is emptied; on a shared server only the key spaces
+        this backend uses (model, layout, shard, salt) are removed, so other engines'
+        and tenants' pages stay. Raises when the store cannot clear: a flush that
+        silently kept stale KV would serve it later."""
+        self._leases.release_all()
         if self._embedded:
             self._store.clear()
         else:
-            log.info("sglang: clear() leaves the shared kvstore server %s as it is", self._server)
+            removed = self._store.clear(namespaces=self._namespaces)
+            log.info("sglang: cleared %d blocks of this backend from kvstore server %s", removed, self._server)
 
     def get_stats(self) -> Any:
         """SGLang's ``StorageMetrics`` for the batches since the last call (drained),
@@ -245,6 +296,13 @@ class KVStoreHiCacheStorage(HiCacheStorage):
             if self._closed:
                 return
             self._closed = True
+        try:
+            self._leases.release_all()
+        except Exception as exc:  # closing anyway; the leases expire on their own
+            log.warning("sglang: releasing leases on close failed (%s)", exc)
+        self.metrics.close()
+        if self._staging is not None:
+            self._staging.close()
         self._store.close()
 
     # -- internals ----------------------------------------------------------------------
@@ -258,6 +316,44 @@ class KVStoreHiCacheStorage(HiCacheStorage):
         if self._segments is None or self._v1 is None:
             raise InvalidArgumentError("the v1 interface needs extra_config interface_v1=1 and a registered host pool")
         return self._segments, self._v1
+
+    def _release(self, keys: list) -> None:
+        try:
+            self._store.release(keys)
+        except _STORE_FAILURES as exc:
+            self._failure("release", exc)
+
+    def _staged_load(self, segs: PoolSegments, keys: list, starts: Any) -> list[bool]:
+        """Load one block per page into staging, then write into the pool only the
+        pages whose every byte verified."""
+        assert self._staging is not None
+        pb, ok = segs.page_bytes, []
+        per = self._staging.nbytes // pb
+        with self._staging.buffer() as buf:
+            for lo in range(0, len(keys), per):
+                n = min(per, len(keys) - lo)
+                host = buf.numpy()
+                got = self._load(keys[lo:lo + n], [host[i * pb:(i + 1) * pb] for i in range(n)])
+                if all(got):
+                    segs.scatter(starts[lo:lo + n], buf[:n * pb])
+                else:
+                    for i in (i for i in range(n) if got[i]):
+                        segs.scatter(starts[lo + i:lo + i + 1], buf[i * pb:(i + 1) * pb])
+                ok += got
+        return ok
+
+    def _staged_save(self, segs: PoolSegments, keys: list, starts: Any) -> list[bool]:
+        """Gather pages into staging and store one block per page."""
+        assert self._staging is not None
+        pb, ok = segs.page_bytes, []
+        per = self._staging.nbytes // pb
+        with self._staging.buffer() as buf:
+            for lo in range(0, len(keys), per):
+                n = min(per, len(keys) - lo)
+                segs.gather(starts[lo:lo + n], buf[:n * pb])
+                host = buf.numpy()
+                ok += self._save(keys[lo:lo + n], [host[i * pb:(i + 1) * pb] for i in range(n)])
+        return ok
 
     @staticmethod
     def _per_page(ok: list[bool], segments: int) -> list[bool]:
@@ -310,6 +406,8 @@ class KVStoreHiCacheStorage(HiCacheStorage):
 
     def _count_load(self, ok: list[bool], nbytes: int, start: float) -> None:
         hits = sum(ok)
+        self.metrics.add("loaded_tokens", hits * self._page_tokens)
+        self.metrics.add("failed_loads", len(ok) - hits)
         with self._lock:
             self._counters["pages_loaded"] += hits
             self._counters["pages_missed"] += len(ok) - hits
@@ -319,6 +417,7 @@ class KVStoreHiCacheStorage(HiCacheStorage):
 
     def _count_save(self, ok: list[bool], nbytes: int, start: float) -> None:
         good = sum(ok)
+        self.metrics.add("dropped_saves", len(ok) - good)
         with self._lock:
             self._counters["pages_saved"] += good
             self._counters["pages_save_failed"] += len(ok) - good

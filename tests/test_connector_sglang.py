@@ -207,18 +207,81 @@ def test_v1_round_trip_real_pool(make_backend, host_pool_factory, layout):
 
 
 def test_v1_page_with_a_missing_segment_is_not_loaded(make_backend, host_pool_factory):
-    pool = host_pool_factory("layer_first", layers=2)
+    pool = host_pool_factory("page_first", layers=2)
     fill(pool, 3)
-    backend = make_backend(storage_config(store=SMALL_STORE, layout="layer_first", interface_v1=1), pool)
+    backend = make_backend(storage_config(store=SMALL_STORE, interface_v1=1), pool)
     P, keys = pool.page_size, page_hashes(3, "gap")
     backend.batch_set_v1(keys, torch.arange(0, 3 * P))
     block_keys = backend._v1.keys(keys)
     per = backend._v1.segments
-    assert per == 4   # K and V of each of 2 layers
-    backend.store.delete([block_keys[per + 1]])   # one V segment of the second page
+    assert per == 2   # K and V
+    backend.store.delete([block_keys[per + 1]])   # the V segment of the second page
     assert backend.batch_exists(keys) == 1
+    # only whole pages are leased: the second page's K segment is not held
+    assert backend.store.stats()["leases"] == per
     got = backend.batch_get_v1(keys, torch.arange(8 * P, 11 * P))
     assert got == [True, False, True]
+    assert backend.store.stats()["leases"] == 0
+
+
+def test_layer_first_v1_stores_one_block_per_page(make_backend, host_pool_factory):
+    """layer_first scatters a page over 2 x layers segments; it is stored as one
+    block per page, and read back into the pool exactly."""
+    layers = 3
+    pool = host_pool_factory("layer_first", layers=layers)
+    fill(pool, 4)
+    backend = make_backend(storage_config(store=SMALL_STORE, layout="layer_first", interface_v1=1), pool)
+    P, keys = pool.page_size, page_hashes(5, "lf")
+    assert len(pool.get_page_buffer_meta(torch.arange(0, P))[0]) == 2 * layers
+    src = torch.arange(4 * P, 9 * P)
+    expect = [pool.get_data_page(int(s)).clone() for s in src[::P]]
+    assert backend.batch_set_v1(keys, src) == [True] * 5
+    stats = backend.store.stats()
+    assert stats["blocks"] == 5
+    assert stats["tiers"][0]["used_bytes"] >= 5 * pool.get_size_per_token() * P
+    assert backend.batch_exists(keys) == 5
+    pool.kv_buffer.zero_()
+    assert backend.batch_get_v1(keys, torch.arange(12 * P, 17 * P)) == [True] * 5
+    for i in range(5):
+        assert torch.equal(pool.get_data_page((12 + i) * P), expect[i])
+    assert not pool.get_data_page(11 * P).any() and not pool.get_data_page(17 * P).any()
+
+
+def test_layer_first_failed_page_is_never_written_into_the_pool(make_backend, host_pool_factory):
+    pool = host_pool_factory("layer_first", layers=2)
+    fill(pool, 5)
+    # a staging buffer of two pages: the batch is moved in several rounds
+    page_bytes = pool.get_size_per_token() * pool.page_size
+    backend = make_backend(storage_config(store=SMALL_STORE, layout="layer_first", interface_v1=1,
+                                          staging_bytes=2 * page_bytes), pool)
+    P, keys = pool.page_size, page_hashes(5, "lf-gap")
+    assert backend.batch_set_v1(keys, torch.arange(0, 5 * P)) == [True] * 5
+    expect = [pool.get_data_page(i * P).clone() for i in range(5)]
+    backend.store.delete(backend._v1.keys(keys[2:3]))
+    sentinel = torch.full_like(pool.get_data_page(0), 7)
+    for i in range(5):
+        pool.set_from_flat_data_page((10 + i) * P, sentinel)
+    assert backend.batch_get_v1(keys, torch.arange(10 * P, 15 * P)) == [True, True, False, True, True]
+    assert torch.equal(pool.get_data_page(12 * P), sentinel)       # untouched
+    for i in (0, 1, 3, 4):
+        assert torch.equal(pool.get_data_page((10 + i) * P), expect[i])
+    assert backend.store.stats()["connectors"]["sglang"]["staging_bytes"] == 2 * page_bytes
+
+
+@pytest.mark.parametrize("layout", ["layer_first", "page_first"])
+def test_v1_refuses_host_indices_that_are_not_whole_pages(make_backend, host_pool_factory, layout):
+    """The pool's own metadata reads only each page's first slot; indices that are
+    not whole, aligned pages would move other slots' bytes. Refused instead."""
+    pool = host_pool_factory(layout)
+    backend = make_backend(storage_config(store=SMALL_STORE, layout=layout, interface_v1=1), pool)
+    P, keys = pool.page_size, page_hashes(2, "odd")
+    for bad in (torch.arange(1, 2 * P + 1),                                    # not page aligned
+                torch.cat([torch.arange(0, P), torch.arange(3 * P, 4 * P)]).flip(0),  # not consecutive
+                torch.arange(pool.size, pool.size + 2 * P)):                   # outside the pool
+        with pytest.raises(InvalidArgumentError, match="whole pages"):
+            backend.batch_set_v1(keys, bad)
+        with pytest.raises(InvalidArgumentError, match="whole pages"):
+            backend.batch_get_v1(keys, bad)
 
 
 def test_v1_needs_interface_flag(make_backend, host_pool_factory):
@@ -321,7 +384,7 @@ def test_clear_and_close(make_backend):
     backend.close()
 
 
-@pytest.mark.parametrize("layout", ["layer_first", "page_first", "page_first_direct", "page_head"])
+@pytest.mark.parametrize("layout", ["page_first", "page_first_direct", "page_head"])
 def test_segment_views_match_the_pools_own_metadata(host_pool_factory, layout):
     """The bulk offset computation gives exactly the segments SGLang's
     get_page_buffer_meta reports, for scattered pages; so does the per-page fallback."""
@@ -380,3 +443,24 @@ def test_prefetch_and_backup_threads_at_once(make_backend, host_pool_factory):
     for t in threads:
         t.join()
     assert not errors, errors[0]
+
+
+def test_connector_metrics_reach_store_stats(make_backend, host_pool_factory):
+    """hit_tokens, loaded_tokens, failed_loads, dropped_saves and staging_bytes are
+    counted through connectors/_metrics.py and reported in store.stats()."""
+    pool = host_pool_factory("page_first")
+    fill(pool, 8)
+    backend = make_backend(storage_config(store=SMALL_STORE, interface_v1=1), pool)
+    P, keys = pool.page_size, page_hashes(4, "metrics")
+    assert backend.batch_set_v1(keys, torch.arange(0, 4 * P)) == [True] * 4
+    assert backend.batch_exists(keys) == 4
+    backend.store.delete(backend._v1.keys(keys[3:]))
+    assert backend.batch_get_v1(keys, torch.arange(8 * P, 12 * P)) == [True, True, True, False]
+    backend.store.close()                       # a store that fails: the save is dropped
+    assert backend.batch_set_v1(page_hashes(2, "late"), torch.arange(0, 2 * P)) == [False, False]
+    got = backend.store.stats()["connectors"]["sglang"]
+    assert got == {"hit_tokens": 4 * P, "loaded_tokens": 3 * P, "failed_loads": 1, "dropped_saves": 2,
+                   "deleted_saves": 0, "staging_bytes": 0}
+    store = backend.store
+    backend.close()
+    assert "sglang" not in store.stats()["connectors"]
