@@ -55,16 +55,13 @@ class _Req:
 
 class SchedulerSide:
     def __init__(self, config: VllmConnectorConfig, shape: KVShape, store: Any, metrics: ConnectorMetrics, *,
-                 do_load: bool, do_save: bool, hold_blocks: bool) -> None:
+                 do_load: bool, do_save: bool) -> None:
         self.config = config
         self.shape = shape
         self.store = store
         self.metrics = metrics
         self.do_load = do_load
         self.do_save = do_save
-        # Device caches: saves read a finished request's blocks after the step (the
-        # device->host copy runs behind it), so its blocks are kept until reported.
-        self.hold_blocks = hold_blocks
         self._reqs: dict[str, _Req] = {}
         self._planned: list[ChunkTransfer] = []
         self._final_saves: list[ChunkTransfer] = []
@@ -240,9 +237,9 @@ class SchedulerSide:
                         break
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict | None]:
-        """Forget the request. Its blocks are kept (returns True) only while workers
-        still read them: device caches with saves in flight, or saves that were held
-        for a load's outcome and are handed out now."""
+        """Forget the request. Its blocks are kept (returns True) only when saves that
+        were held for a load's outcome are handed out now (the workers gather them in
+        the next step and report the request in ``finished_sending``)."""
         st = self._reqs.pop(request.request_id, None)
         if st is None:
             return False, None
@@ -263,7 +260,9 @@ class SchedulerSide:
             else:
                 held = min(request.num_computed_tokens, len(st.tokens)) // self.shape.chunk_tokens
                 self.metrics.add("dropped_saves", max(0, min(held, len(st.keys[0])) - st.saved_chunks))
-        return final or bool(st.had_saves and self.hold_blocks), None
+        # Other saves need no blocks kept: workers gather a step's chunks in that step, on
+        # the engine's stream, before any later write to those blocks.
+        return final, None
 
     # -- internals ------------------------------------------------------------------------
 
@@ -318,7 +317,7 @@ class SchedulerSide:
             return
         lo = st.saved_chunks
         meta.saves.append(ChunkTransfer(req_id, [k[lo:full] for k in st.keys], st.block_ids[lo * p:full * p],
-                                        first_chunk=lo, hold=hold or self.hold_blocks, per=p))
+                                        first_chunk=lo, hold=hold, per=p))
         st.saved_chunks = full
         st.had_saves = True
 

@@ -87,11 +87,10 @@ class WorkerSide:
         self._async_loads: list[_Load] = []
         self._saves: list[_Save] = []            # saves gathered during this step
         self._save_futures: dict[str, list[Future]] = {}
-        self._finishing: set[str] = set()        # finished requests whose saves are pending
         self._errors: set[int] = set()
         self._outcomes: dict[int, tuple[str, int | None]] = {}   # load serial -> request, first failed chunk
         self._poisoned: dict[str, int] = {}          # request -> first chunk that failed to load
-        self._hold: dict[str, list[Any]] = {}        # requests whose blocks the scheduler keeps
+        self._hold: set[str] = set()                  # requests whose blocks the scheduler keeps
         self._side: Any = None                       # CUDA: stream for device->host copies
         self._copy_out: ThreadPoolExecutor | None = None
 
@@ -344,7 +343,7 @@ class WorkerSide:
         requests before ``wait_for_save`` (speculative decoding defers it)."""
         for spec in meta.saves:
             if spec.hold:
-                self._hold.setdefault(spec.req_id, [])
+                self._hold.add(spec.req_id)
 
     def take_load_outcomes(self) -> KVStoreWorkerMetadata | None:
         """The outcome of every load finished since the last call, for the scheduler."""
@@ -404,8 +403,6 @@ class WorkerSide:
             done = torch.cuda.Event()
             done.record(side)
         save.target.record_stream(side)
-        if save.spec.hold:
-            self._hold.setdefault(save.spec.req_id, []).append(done)
         futures: Future = self._copy_out.submit(self._after_copy, save, done)
         self._save_futures.setdefault(save.spec.req_id, []).append(futures)
         if not self.config.save_async:
@@ -466,17 +463,13 @@ class WorkerSide:
         return res.missing
 
     def finished_saves(self, finished_req_ids: set[str]) -> set[str]:
-        """Finished requests whose blocks the scheduler kept (``hold`` saves) and that
-        no copy reads any more; every other finished request is forgotten."""
-        self._finishing |= {r for r in finished_req_ids if r in self._hold}
+        """Finished requests whose blocks the scheduler kept (``hold`` saves): their
+        chunks are gathered in this step, on the engine's stream, before vLLM reuses the
+        blocks, so they are reported at once. Every other finished request is forgotten."""
+        done = self._hold & finished_req_ids
+        self._hold -= done
         for req_id in finished_req_ids:
             self._poisoned.pop(req_id, None)
-        done = set()
-        for req_id in list(self._finishing):
-            if all(e is None or e.query() for e in self._hold[req_id]):
-                del self._hold[req_id]
-                self._finishing.discard(req_id)
-                done.add(req_id)
         for req_id, futures in list(self._save_futures.items()):
             futures[:] = [f for f in futures if not f.done()]
             if not futures and req_id in finished_req_ids:
@@ -501,7 +494,7 @@ class WorkerSide:
         pages = self._pages()
         for spec in meta.saves:
             if spec.hold:
-                self._hold.setdefault(spec.req_id, [])
+                self._hold.add(spec.req_id)
             spec = self._unpoisoned(spec)
             if spec is None or not self.writes:
                 continue

@@ -71,9 +71,8 @@ class KVStoreConnector(KVConnectorBase_V1):
                 log.warning("kvstore connector: kv_load_failure_policy is 'fail', so a chunk that cannot be "
                             "loaded (evicted, corrupt, unreachable) fails its request; set "
                             "\"kv_load_failure_policy\": \"recompute\" to recompute it instead")
-            device = str(getattr(getattr(vllm_config, "device_config", None), "device_type", "cpu") or "cpu")
             self._scheduler = SchedulerSide(self.config, self.shape, self.store, self.metrics, do_load=do_load,
-                                            do_save=do_save, hold_blocks=device != "cpu")
+                                            do_save=do_save)
         else:
             tp_rank, key_rank = _worker_rank(vllm_config, self.shape)
             self._worker = WorkerSide(self.config, self.shape, self.store, self.metrics, key_rank,

@@ -70,9 +70,9 @@ def engine(tmp_path):
     truth = {}
     made = []
 
-    def make(policy="recompute", **options):
+    def make(policy="recompute", prefix_caching=True, **options):
         extra = {"store": vs.store_config(name=tier), "chunk_tokens": CHUNK, **options}
-        vc = vs.vllm_config(model, extra, policy=policy)
+        vc = vs.vllm_config(model, extra, policy=policy, prefix_caching=prefix_caching)
         kcc = vs.kv_cache_config(vc)
         sched, worker = vs.scheduler(vc, kcc), vs.worker_connector(vc, kcc)
         caches = vs.kv_caches(kcc, "LBHNC")
@@ -90,7 +90,9 @@ def engine(tmp_path):
         sched.connector.shutdown()
 
 
-def step(sched, worker, fwd, *, layerwise=False, out=None):
+def step(sched, worker, fwd, *, layerwise=False, out=None, deferred=False):
+    """One engine step. ``deferred``: vLLM's order with speculative decoding, where the
+    step's results are collected before ``wait_for_save`` (finalize runs after drafting)."""
     from vllm.v1.outputs import KVConnectorOutput
 
     out = out or sched.schedule()
@@ -106,11 +108,14 @@ def step(sched, worker, fwd, *, layerwise=False, out=None):
             worker.save_kv_layer(name, None, object())
     else:
         fwd.compute(out)
-    worker.wait_for_save()
+    if not deferred:
+        worker.wait_for_save()
     sending, recving = worker.get_finished(set(out.finished_req_ids))
     kv_out = KVConnectorOutput(finished_sending=sending, finished_recving=recving,
                                invalid_block_ids=worker.get_block_ids_with_load_errors(),
                                kv_connector_worker_meta=worker.build_connector_worker_meta())
+    if deferred:
+        worker.wait_for_save()
     worker.clear_connector_metadata()
     sched.update_from_output(out, vs.model_output(out, kv_out))
     return out, kv_out
@@ -221,6 +226,8 @@ def test_saves_of_a_request_sharing_a_failed_loads_blocks_are_never_wrong(engine
     out = s2.schedule()
     loads = out.kv_connector_metadata.loads
     assert [t.req_id for t in loads] == ["r2"]
+    r3 = next(n for n in out.scheduled_new_reqs if n.req_id == "r3")
+    assert r3.block_ids[0][:6] == loads[0].block_ids and r3.num_computed_tokens >= 3 * CHUNK   # shares them
     w2.store.delete([loads[0].keys[0][1]])
     for t in c2.values():
         t.fill_(0.5)
@@ -230,7 +237,8 @@ def test_saves_of_a_request_sharing_a_failed_loads_blocks_are_never_wrong(engine
         step(s2, w2, f2)
         assert time.monotonic() < deadline
     settle(w2.store)
-    assert False not in stored_chunks(w2, c2, f2)
+    found = stored_chunks(w2, c2, f2)
+    assert False not in found and found[0] is True
 
 
 def test_fail_policy_fails_the_request_and_stores_nothing_wrong(engine, caplog):
@@ -392,7 +400,8 @@ def test_an_aborted_request_during_an_async_load_frees_its_blocks_and_leases(eng
     assert w2.store.stats()["leases"] == 0
 
 
-def test_saves_held_for_a_load_are_stored_when_the_request_finishes_in_that_step(engine):
+@pytest.mark.parametrize("deferred", [False, True])
+def test_saves_held_for_a_load_are_stored_when_the_request_finishes_in_that_step(engine, deferred):
     """r2 loads chunks 0-2 and computes 3-5 in one step, then finishes (one token):
     its held saves go out at the finish, its blocks are kept until the workers report
     them copied, and then freed."""
@@ -401,13 +410,188 @@ def test_saves_held_for_a_load_are_stored_when_the_request_finishes_in_that_step
     free_before = s2.kv_cache_manager.block_pool.get_num_free_blocks()
     req = vs.request("r2", PROMPT)
     s2.add_request(req)
-    out, kv_out = step(s2, w2, f2)
+    out, kv_out = step(s2, w2, f2, deferred=deferred)
     assert out.kv_connector_metadata.loads and not out.kv_connector_metadata.saves   # held
     assert req.is_finished() and "r2" in s2.requests                               # blocks kept
-    out, kv_out = step(s2, w2, f2)
+    out, kv_out = step(s2, w2, f2, deferred=deferred)
     (final,) = out.kv_connector_metadata.saves
     assert final.first_chunk == 3 and final.num_chunks == 3 and final.hold
     assert kv_out.finished_sending == {"r2"} and "r2" not in s2.requests
     assert s2.kv_cache_manager.block_pool.get_num_free_blocks() == free_before
     settle(w2.store)
     assert stored_chunks(w2, c2, f2) == [True] * CHUNKS
+
+
+# -- two tensor-parallel ranks: a load that fails on one rank only -------------------------------
+
+@pytest.fixture
+def tp2(tmp_path, monkeypatch):
+    """Factory of (scheduler, [worker rank 0, worker rank 1], [caches], truth) over one
+    cache server, as vLLM runs TP=2: one scheduler, a worker per rank, outputs merged
+    by vLLM's own KVOutputAggregator."""
+    import connectors.vllm as vllm_mod
+    from tests._servers import ThreadServer, config_dict
+
+    server = ThreadServer(config_dict("64MiB"))
+    model = vs.model_dir(tmp_path)
+    gen = torch.Generator().manual_seed(11)
+    truth: dict = {}
+    made = []
+
+    def make():
+        vc = vs.vllm_config(model, {"server": server.address, "chunk_tokens": CHUNK})
+        vc.parallel_config.tensor_parallel_size = 2
+        kcc = vs.kv_cache_config(vc)
+        sched = vs.scheduler(vc, kcc)
+        workers, caches = [], []
+        for rank in (0, 1):
+            monkeypatch.setattr(vllm_mod, "_worker_rank", lambda vc, shape, r=rank: (r, shape.key_rank(r)))
+            w = vs.worker_connector(vc, kcc)
+            c = vs.kv_caches(kcc, "LBHNC")
+            for name, t in c.items():
+                truth.setdefault((rank, name), torch.randn((len(PROMPT) // vs.BLOCK, *t.shape[1:]),
+                                                           generator=gen).to(t.dtype))
+            w.register_kv_caches(c)
+            workers.append(w)
+            caches.append(c)
+        made.append((sched, workers))
+        return sched, workers, caches, truth
+
+    yield make
+    for sched, workers in made:
+        for w in workers:
+            w.shutdown()
+        sched.connector.shutdown()
+    server.stop()
+
+
+def tp_step(sched, workers, caches, truth, blocks, out=None):
+    """One step on both ranks; a rank's new KV is true only if every rank's earlier
+    blocks hold true KV (attention outputs are all-reduced across ranks)."""
+    from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
+    from vllm.v1.outputs import KVConnectorOutput
+
+    out = out or sched.schedule()
+    for new in out.scheduled_new_reqs:
+        blocks[new.req_id] = list(new.block_ids[0])
+    cached = out.scheduled_cached_reqs
+    for i, req_id in enumerate(cached.req_ids):
+        if cached.new_block_ids[i]:
+            blocks.setdefault(req_id, []).extend(cached.new_block_ids[i][0])
+    meta = out.kv_connector_metadata
+    for w in workers:
+        w.bind_connector_metadata(meta)
+        w.start_load_kv(None)
+    starts = {new.req_id: new.num_computed_tokens for new in out.scheduled_new_reqs}
+    starts.update(zip(cached.req_ids, cached.num_computed_tokens))
+    for req_id, n in out.num_scheduled_tokens.items():
+        ids, start = blocks[req_id], starts[req_id]
+        lo, hi = start // vs.BLOCK, min(-(-(start + n) // vs.BLOCK), len(PROMPT) // vs.BLOCK)
+        valid = all(torch.equal(caches[r][name][ids[j]], truth[(r, name)][j])
+                    for r in (0, 1) for name in caches[r] for j in range(lo))
+        for r in (0, 1):
+            for name, cache in caches[r].items():
+                for j in range(lo, hi):
+                    cache[ids[j]] = truth[(r, name)][j] if valid else SENTINEL
+    outputs = []
+    for w in workers:
+        w.wait_for_save()
+        sending, recving = w.get_finished(set(out.finished_req_ids))
+        kv_out = KVConnectorOutput(finished_sending=sending, finished_recving=recving,
+                                   invalid_block_ids=w.get_block_ids_with_load_errors(),
+                                   kv_connector_worker_meta=w.build_connector_worker_meta())
+        w.clear_connector_metadata()
+        outputs.append(vs.model_output(out, kv_out))
+    merged = KVOutputAggregator(2).aggregate(outputs)
+    sched.update_from_output(out, merged)
+    return out
+
+
+def tp_stored(workers, caches, truth):
+    """Per rank, per prompt chunk: None (absent), True (true bytes) or False (wrong KV)."""
+    import numpy as np
+
+    found = []
+    for rank, (w, cache) in enumerate(zip(workers, caches)):
+        keys = w.shape.namespace(w._worker.rank, "").chunk_keys(np.array(PROMPT, dtype=np.uint32))
+        pages = w._worker.pages
+        row = []
+        for k, key in enumerate(keys):
+            buf = torch.empty(pages.chunk_bytes, dtype=torch.uint8)
+            if not w.store.load([key], [buf]).result()[0]:
+                row.append(None)
+                continue
+            for name, t in cache.items():
+                t[SCRATCH] = truth[(rank, name)][2 * k:2 * k + 2]
+            want = torch.empty(pages.chunk_bytes, dtype=torch.uint8)
+            pages.gather(torch.tensor([SCRATCH]), want)
+            row.append(bool(torch.equal(buf, want)))
+        found.append(row)
+    return found
+
+
+def tp_run(sched, workers, caches, truth, req, blocks):
+    sched.add_request(req)
+    deadline = time.monotonic() + 30
+    while sched.has_unfinished_requests() or req.request_id in sched.requests:
+        tp_step(sched, workers, caches, truth, blocks)
+        assert time.monotonic() < deadline
+
+
+@pytest.mark.parametrize("lost", [0, 1, 2])
+def test_a_load_failing_on_one_rank_leaves_no_rank_storing_kv_computed_over_it(tp2, lost):
+    """Rank 1 cannot load chunk ``lost``; rank 0 loads everything. Both compute chunks
+    3-5 over rank 1's garbage (all-reduce): neither rank may store them."""
+    s1, w1, c1, truth = tp2()
+    tp_run(s1, w1, c1, truth, vs.request("seed", PROMPT[:3 * CHUNK + 5]), {})
+    s2, w2, c2, _ = tp2()
+    for c in c2:
+        for t in c.values():
+            t.fill_(0.5)
+    s2.add_request(vs.request("r2", PROMPT))
+    out = s2.schedule()
+    (load,) = out.kv_connector_metadata.loads
+    w2[1].store.delete([load.keys[1][lost]])               # lost on rank 1's copy only
+    blocks: dict = {}
+    tp_step(s2, w2, c2, truth, blocks, out=out)
+    deadline = time.monotonic() + 30
+    while s2.has_unfinished_requests() or "r2" in s2.requests:
+        tp_step(s2, w2, c2, truth, blocks)
+        assert time.monotonic() < deadline
+    settle_deadline = time.monotonic() + 30
+    while True:
+        found = tp_stored(w2, c2, truth)
+        if found == [[True] * CHUNKS] * 2 or time.monotonic() > settle_deadline:
+            break
+        time.sleep(0.05)
+    assert False not in found[0] + found[1]
+    assert found == [[True] * CHUNKS] * 2                   # recomputed, then stored
+
+
+def test_an_async_load_after_a_preemption_writes_the_new_blocks_never_the_freed_ones(engine):
+    """R runs (and saves), is preempted (its blocks freed), and comes back with an async
+    load of what it saved: the load must target the blocks vLLM allocated now."""
+    s2, w2, c2, f2 = engine(load_async=True, prefix_caching=False)
+    req = vs.request("r", PROMPT, max_tokens=50)
+    s2.add_request(req)
+    out, _ = step(s2, w2, f2)
+    old = list(out.scheduled_new_reqs[0].block_ids[0])
+    step(s2, w2, f2)
+    settle(w2.store)
+    assert all(w2.store.contains(prompt_keys(w2)))
+    s2.running.remove(req)
+    s2._preempt_request(req, time.monotonic())           # what memory pressure does
+    for t in c2.values():
+        t.fill_(0.5)
+    out, _ = step(s2, w2, f2)
+    (load,) = out.kv_connector_metadata.loads
+    n = len(load.block_ids)
+    now = list(s2.kv_cache_manager.get_block_ids("r")[0][:n])
+    assert load.is_async and now != old[:n]              # the scenario: other blocks this time
+    assert load.block_ids == now
+    deadline = time.monotonic() + 30
+    while req.status.name == "WAITING_FOR_REMOTE_KVS":
+        step(s2, w2, f2)
+        assert time.monotonic() < deadline
+    for name, t in c2.items():                           # the loaded KV is where vLLM reads it
+        assert torch.equal(t[now], f2.truth[name][:n])
