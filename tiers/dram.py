@@ -9,9 +9,11 @@ block.
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import mmap
 import os
+import stat
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -23,7 +25,7 @@ from kvstore._copy import copy_runs, plan
 from kvstore._pinning import HostPin, _torch_cudart
 from kvstore._transfer import copy_device_pairs
 from kvstore.buffers import nbytes_of
-from kvstore.errors import BufferSizeError, InvalidArgumentError
+from kvstore.errors import BufferSizeError, ConfigError, InvalidArgumentError
 from kvstore.keys import BlockKey
 from tiers._arena import ArenaTier, SlotIndex
 from tiers.base import TierCapabilities
@@ -40,9 +42,10 @@ _copy_pool_lock = threading.Lock()
 _cudart = _torch_cudart   # how the DRAM tier finds CUDA's runtime (tests swap in a stand-in)
 
 
-def _map_arena(size: int, shm_path: str | None) -> mmap.mmap:
-    """The arena: anonymous memory, or a shared file at ``shm_path``, backed by
-    transparent huge pages where the kernel allows them, and faulted in now.
+def _map_arena(size: int, shm_path: str | None) -> tuple[mmap.mmap, int | None]:
+    """The arena: anonymous memory, or a shared file at ``shm_path`` (see
+    :func:`_claim_shared`, whose descriptor, holding the file's lock, comes back too),
+    backed by transparent huge pages where the kernel allows them, and faulted in now.
 
     Huge pages are asked for before the first touch (a page faulted in small stays small
     until khugepaged gets to it). They matter for NVMe I/O, not only for TLB misses: an
@@ -52,13 +55,14 @@ def _map_arena(size: int, shm_path: str | None) -> mmap.mmap:
     2.2 GB/s (``benchmarks/nvme_dram.py``). Shared files get them only where
     ``/sys/kernel/mm/transparent_hugepage/shmem_enabled`` allows.
     """
+    lock_fd = None
     if shm_path:
-        fd = os.open(shm_path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        lock_fd = _claim_shared(shm_path, size)
         try:
-            os.ftruncate(fd, size)
-            mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
-        finally:
-            os.close(fd)
+            mm = mmap.mmap(lock_fd, size, flags=mmap.MAP_SHARED)
+        except BaseException:
+            os.close(lock_fd)
+            raise
     else:
         mm = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     try:
@@ -66,7 +70,44 @@ def _map_arena(size: int, shm_path: str | None) -> mmap.mmap:
     except (AttributeError, OSError):  # no transparent huge pages here: small pages work too
         pass
     np.frombuffer(mm, dtype=np.uint8)[::PAGE] = 0  # fault every page in now, not on first use
-    return mm
+    return mm, lock_fd
+
+
+def _claim_shared(path: str, size: int) -> int:
+    """Open (creating it when absent) the arena file at ``path`` for this process alone
+    and size it: never through a symlink, only a regular file this user owns that no
+    one else may read or write, never one another live process holds (an exclusive
+    ``flock`` held until the tier closes; a file left by a dead process is reused), and
+    only when the file system has room (tmpfs would otherwise kill the process with
+    SIGBUS on first touch). Returns the descriptor, which holds the lock."""
+    flags = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC
+    try:
+        fd = os.open(path, flags | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        try:
+            fd = os.open(path, flags)
+        except OSError as exc:   # ELOOP: a symlink
+            raise ConfigError(f"shm_path {path!r} cannot be used: {exc.strerror} (symlinks are refused)") from exc
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
+            raise ConfigError(f"shm_path {path!r} is not a private file of this user (mode {st.st_mode & 0o777:o}, "
+                              f"owner {st.st_uid}); remove it or choose another path")
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise ConfigError(f"shm_path {path!r} is in use by another live kvstore process") from None
+        vfs = os.statvfs(os.path.dirname(os.path.abspath(path)))
+        free = vfs.f_bavail * vfs.f_frsize + st.st_size
+        if free < size:
+            raise ConfigError(f"shm_path {path!r}: the arena needs {size} bytes but its file system has {free} "
+                              "free; lower the tier's capacity or grow the tmpfs")
+        os.ftruncate(fd, 0)           # a dead process's bytes are never served
+        os.ftruncate(fd, size)
+        return fd
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 def _pool() -> ThreadPoolExecutor:
@@ -94,7 +135,7 @@ class DramTier(ArenaTier):
         self._capacity = int(capacity_bytes)
         size = -(-self._capacity // PAGE) * PAGE
         self.shm_path = shm_path
-        self._mmap = _map_arena(size, shm_path)
+        self._mmap, self._lock_fd = _map_arena(size, shm_path)
         self.arena = np.frombuffer(self._mmap, dtype=np.uint8)
         self._readonly = self.arena.view()
         self._readonly.flags.writeable = False
@@ -219,9 +260,12 @@ class DramTier(ArenaTier):
             pass
         if self.shm_path:
             try:
-                os.unlink(self.shm_path)
+                os.unlink(self.shm_path)      # still ours: we hold its lock
             except FileNotFoundError:
                 pass
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
 
 
 class Reservation:

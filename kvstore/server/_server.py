@@ -9,12 +9,14 @@ other than :meth:`request_shutdown` must be called on the loop thread.
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import ipaddress
 import logging
 import os
 import secrets
 import signal
 import socket
+import stat
 import tempfile
 import time
 from contextlib import nullcontext
@@ -45,7 +47,8 @@ def build_store(config: StoreConfig) -> Any:
 
     first = config.tiers[0]
     if config.server.transport in ("auto", "shm") and isinstance(first, DramTierConfig) and not first.shm_path:
-        path = f"/dev/shm/kvstore-{os.getpid()}-{secrets.token_hex(4)}"
+        remove_stale_arenas()
+        path = f"{_SHM_DIR}/{_ARENA_PREFIX}{os.getpid()}-{secrets.token_hex(4)}"
         tiers = [DramTier(first.capacity, name=first.name, shm_path=path, pin=first.pin)]
         try:
             tiers += [build_tier(c) for c in config.tiers[1:]]
@@ -57,6 +60,70 @@ def build_store(config: StoreConfig) -> Any:
     if config.server.transport == "shm" and not isinstance(first, DramTierConfig):
         raise ConfigError("server.transport: 'shm' needs a first tier of kind dram")
     return Store(config)
+
+
+_SHM_DIR = "/dev/shm"
+_ARENA_PREFIX = "kvstore-"
+
+
+def remove_stale_arenas() -> int:
+    """Remove the arenas that servers killed before they could clean up left under
+    ``/dev/shm``: this user's ``kvstore-*`` files that no live process holds (a live
+    server keeps an exclusive lock on its arena). Returns how many were removed."""
+    removed = 0
+    try:
+        names = os.listdir(_SHM_DIR)
+    except OSError:
+        return 0
+    for name in names:
+        if not name.startswith(_ARENA_PREFIX):
+            continue
+        path = os.path.join(_SHM_DIR, name)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:
+            continue
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                continue                       # a live server's
+            os.unlink(path)
+            removed += 1
+        except OSError:
+            continue
+        finally:
+            os.close(fd)
+    if removed:
+        log.info("removed %d arena(s) left under %s by servers that died", removed, _SHM_DIR)
+    return removed
+
+
+def _take_socket_path(path: str) -> None:
+    """Make ``path`` free for this server's socket: a socket no server answers on (left by
+    a crashed one) is removed; a live server's socket, or anything that is not a socket,
+    is never touched."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(st.st_mode):
+        raise ConfigError(f"server.socket_path {path!r} exists and is not a socket; remove it or choose another")
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.settimeout(1.0)
+        probe.connect(path)
+    except (ConnectionRefusedError, FileNotFoundError):
+        os.unlink(path)                 # nobody listens: stale
+        return
+    except OSError as exc:
+        raise ConfigError(f"server.socket_path {path!r} cannot be checked: {exc}") from exc
+    finally:
+        probe.close()
+    raise ConfigError(f"server.socket_path {path!r} belongs to another live server; give each server its own")
 
 
 def _is_loopback(host: str) -> bool:
@@ -115,8 +182,7 @@ class Server:
         self._tasks.append(asyncio.create_task(self._accept(tcp, unix=False)))
         if cfg.socket_path or self.arena is not None:
             path = cfg.socket_path or os.path.join(tempfile.gettempdir(), f"kvstore-{self.port}-{os.getpid()}.sock")
-            if os.path.exists(path):
-                os.unlink(path)  # a stale socket from a crashed server
+            _take_socket_path(path)
             unix = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             unix.bind(path)
             os.chmod(path, 0o600)
@@ -267,6 +333,70 @@ class Server:
 
 def _family(host: str) -> int:
     return socket.AF_INET6 if ":" in host else socket.AF_INET
+
+
+_SHM_DIR = "/dev/shm"
+_ARENA_PREFIX = "kvstore-"
+
+
+def remove_stale_arenas() -> int:
+    """Remove the arenas that servers killed before they could clean up left under
+    ``/dev/shm``: this user's ``kvstore-*`` files that no live process holds (a live
+    server keeps an exclusive lock on its arena). Returns how many were removed."""
+    removed = 0
+    try:
+        names = os.listdir(_SHM_DIR)
+    except OSError:
+        return 0
+    for name in names:
+        if not name.startswith(_ARENA_PREFIX):
+            continue
+        path = os.path.join(_SHM_DIR, name)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:
+            continue
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                continue                       # a live server's
+            os.unlink(path)
+            removed += 1
+        except OSError:
+            continue
+        finally:
+            os.close(fd)
+    if removed:
+        log.info("removed %d arena(s) left under %s by servers that died", removed, _SHM_DIR)
+    return removed
+
+
+def _take_socket_path(path: str) -> None:
+    """Make ``path`` free for this server's socket: a socket no server answers on (left by
+    a crashed one) is removed; a live server's socket, or anything that is not a socket,
+    is never touched."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(st.st_mode):
+        raise ConfigError(f"server.socket_path {path!r} exists and is not a socket; remove it or choose another")
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.settimeout(1.0)
+        probe.connect(path)
+    except (ConnectionRefusedError, FileNotFoundError):
+        os.unlink(path)                 # nobody listens: stale
+        return
+    except OSError as exc:
+        raise ConfigError(f"server.socket_path {path!r} cannot be checked: {exc}") from exc
+    finally:
+        probe.close()
+    raise ConfigError(f"server.socket_path {path!r} belongs to another live server; give each server its own")
 
 
 def _is_loopback(host: str) -> bool:
