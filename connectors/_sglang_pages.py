@@ -327,8 +327,9 @@ class LeaseBook:
 
     What no read follows (the last queries before the engine falls idle) keeps its
     lease until ``lease_s`` ends; :meth:`release_all` drops everything (clear,
-    close). A key leased by two live queries is released when the last lets go.
-    Thread-safe.
+    close). The Store counts leases per holder: each query's lease on a key is
+    released once, by that query (or consumed by the load that reads it), so a key two
+    live queries lease stays protected until both let go. Thread-safe.
     """
 
     def __init__(self, release: Any, batch_pages: int) -> None:
@@ -336,7 +337,6 @@ class LeaseBook:
         self._batch_pages = batch_pages
         self._queries: "OrderedDict[int, dict[str, int]]" = OrderedDict()  # id -> page -> index
         self._pages: dict[int, list[list[BlockKey]]] = {}                  # id -> keys per page
-        self._refs: dict[BlockKey, int] = {}
         self._next = 0
         self._lock = threading.Lock()
 
@@ -356,10 +356,6 @@ class LeaseBook:
                 index.setdefault(page, i)
             self._queries[qid] = index
             self._pages[qid] = [list(k) for k in page_keys]
-            refs = self._refs
-            for keys in page_keys:
-                for key in keys:
-                    refs[key] = refs.get(key, 0) + 1
 
     def read(self, pages: Sequence[str], ok: Sequence[bool]) -> None:
         """A read of ``pages`` finished with ``ok`` per page; release what no read
@@ -384,11 +380,10 @@ class LeaseBook:
             self._release(drop)
 
     def drop_unheld(self, keys: Sequence[BlockKey]) -> None:
-        """Release leases on ``keys`` that no live query holds."""
-        with self._lock:
-            drop = [k for k in keys if k not in self._refs]
-        if drop:
-            self._release(drop)
+        """Release the leases a query took on ``keys`` that it does not keep (segments
+        of a page that is only partly stored)."""
+        if keys:
+            self._release(list(keys))
 
     def release_all(self) -> None:
         with self._lock:
@@ -400,23 +395,16 @@ class LeaseBook:
 
     def _forget(self, qid: int, start: int, stop: int | None, *, keep_query: bool = False,
                 loaded: Sequence[bool] | None = None) -> list[BlockKey]:
-        """Let go of query ``qid``'s pages ``[start, stop)``; the keys no live query
-        holds any more, except those of ``loaded`` pages (their lease is gone). Under the lock."""
+        """Let go of query ``qid``'s pages ``[start, stop)``: their keys, to release
+        once each, except those of ``loaded`` pages (the load consumed this query's
+        lease). Under the lock."""
         per_page = self._pages[qid]
         stop = len(per_page) if stop is None else stop
         out: list[BlockKey] = []
-        refs = self._refs
         for i in range(start, stop):
             keys, per_page[i] = per_page[i], []
-            was_loaded = loaded is not None and i - start < len(loaded) and loaded[i - start]
-            for key in keys:
-                n = refs.get(key, 0) - 1
-                if n > 0:
-                    refs[key] = n
-                else:
-                    refs.pop(key, None)
-                    if not was_loaded:
-                        out.append(key)
+            if not (loaded is not None and i - start < len(loaded) and loaded[i - start]):
+                out += keys
         if not keep_query:
             self._queries.pop(qid, None)
             self._pages.pop(qid, None)

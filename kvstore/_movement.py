@@ -203,7 +203,8 @@ class TierMovement:
         # Stop right after the victim that makes room: pulling one more candidate would
         # tell the policy it was skipped (S3-FIFO and SIEVE move such keys on).
         for key in lvl.policy.victims():
-            if self._pins.get(key) or self._leases.get(key, 0.0) > now:
+            lease = self._leases.get(key)
+            if self._pins.get(key) or (lease is not None and lease[1] > now):
                 continue
             if protect and key.digest in protect:
                 continue

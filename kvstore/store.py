@@ -51,7 +51,7 @@ class Store(TierMovement):
                         for t, c in zip(built, config.tiers)]
         self._where: dict[BlockKey, int] = {}     # key -> bitmask of levels holding it
         self._sizes: dict[BlockKey, int] = {}
-        self._leases: dict[BlockKey, float] = {}  # key -> monotonic expiry
+        self._leases: dict[BlockKey, list] = {}   # key -> [holders, monotonic expiry]
         self._pins: dict[BlockKey, int] = {}
         self._hit_counts: dict[BlockKey, int] = {}  # selective write-through only
         self._stat_sources: list[tuple[str, Any]] = []  # (name, callable) from attach_stats
@@ -119,8 +119,13 @@ class Store(TierMovement):
                 expiry = time.monotonic() + lease_s
                 leases = self._leases
                 for key in keys[:n]:
-                    if leases.get(key, 0.0) < expiry:
-                        leases[key] = expiry
+                    entry = leases.get(key)
+                    if entry is None:
+                        leases[key] = [1, expiry]
+                    else:                       # another holder: counted, the later expiry kept
+                        entry[0] += 1
+                        if entry[1] < expiry:
+                            entry[1] = expiry
             depth = self.placement.prefetch_depth
             lower = [k for k in keys[:n][:depth] if not where[k] & 1] if depth else []
         if lower:
@@ -128,10 +133,20 @@ class Store(TierMovement):
         return n
 
     def release(self, keys: Sequence[BlockKey]) -> None:
-        """Drop leases taken by :meth:`lookup` without loading (e.g. a cancelled request)."""
+        """Drop one lease taken by :meth:`lookup` on each key without loading (e.g. a
+        cancelled request). Leases are counted: a key leased by two callers stays
+        protected until both released (or loaded) it, or the lease expired."""
         with self._lock:
             for key in keys:
-                self._leases.pop(key, None)
+                self._drop_lease(key)
+
+    def _drop_lease(self, key: BlockKey) -> None:
+        """One holder of ``key``'s lease is done with it. Caller holds the lock."""
+        entry = self._leases.get(key)
+        if entry is not None:
+            entry[0] -= 1
+            if entry[0] <= 0:
+                del self._leases[key]
 
     @contextmanager
     def borrow(self, keys: Sequence[BlockKey], *, offsets: bool = False) -> Iterator[list[Any]]:
@@ -158,13 +173,13 @@ class Store(TierMovement):
             views = [next(it) if k is not None else None for k in held]
             with self._lock:
                 self._ops["loads"] += len(keys)
-                counters, leases, policy = lvl.counters, self._leases, lvl.policy
+                counters, policy = lvl.counters, lvl.policy
                 for key, view in zip(keys, views):
                     if view is None:
                         continue
                     counters["hits"] += 1
                     counters["bytes_read"] += view[1] if offsets else view.nbytes
-                    leases.pop(key, None)
+                    self._drop_lease(key)
                     if where.get(key, 0) & 1:
                         policy.on_access(key)
             yield views
@@ -376,7 +391,7 @@ class Store(TierMovement):
         with self._lock:
             for j, key in enumerate(keys):
                 if done[j]:
-                    self._leases.pop(key, None)
+                    self._drop_lease(key)
                 else:
                     self._levels[0].counters["misses"] += 1
             promote = [j for j in range(n) if source[j] > 0] if self.placement.promote_on_hit else []

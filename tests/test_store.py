@@ -162,3 +162,25 @@ def test_concurrent_callers_never_see_wrong_bytes():
         t.join()
     store.close()
     assert not errors, errors[:3]
+
+
+def test_leases_are_counted_per_holder():
+    """Two callers lease the same block: one releasing (or loading) it leaves the other's
+    lease in force; the block is evictable again only when both are done."""
+    from kvstore.keys import Namespace
+
+    store = Store.from_config({"tiers": [{"name": "hot", "kind": "dram", "capacity": "64KiB"}]})
+    try:
+        ns = Namespace("m", "f16", 16)
+        keys = ns.chunk_keys(np.arange(16 * 16, dtype=np.uint32))
+        store.save(keys[:1], [np.full(16384, 1, np.uint8)]).result()
+        assert store.lookup(keys[:1], lease_s=60) == 1 and store.lookup(keys[:1], lease_s=60) == 1
+        dst = np.empty(16384, np.uint8)
+        assert store.load(keys[:1], [dst]).result() == [True]          # consumes one lease
+        store.save(keys[1:8], [np.full(16384, 2, np.uint8)] * 7).result()  # pressure: evict what it can
+        assert store.contains(keys[:1]) == [True]                       # the other holder's lease held
+        assert store.stats()["leases"] == 1
+        store.release(keys[:1])
+        assert store.stats()["leases"] == 0
+    finally:
+        store.close()
