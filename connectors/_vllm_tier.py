@@ -184,7 +184,8 @@ class KVStoreTier(SecondaryTierManager):
         success = all(ok)
         if job.is_promotion:
             failed = [k for k, hit in zip(keys, ok) if not hit]
-            self._lookups.loaded(job.req_context.req_id, self._held.pop(job.job_id, []), failed)
+            self._lookups.loaded(job.req_context.req_id, self._held.pop(job.job_id, []),
+                                 [k for k, hit in zip(keys, ok) if hit], failed)
             self.metrics.add("loaded_tokens", sum(self._tokens(k) for k, hit in zip(keys, ok) if hit))
             self.metrics.add("failed_loads", len(failed))
             # Only keys whose every byte was verified in the row count as loaded; vLLM
@@ -215,17 +216,18 @@ class _LeasedLookups:
 
     The scheduler-side methods run under vLLM's manager lock; the store is called only
     from this object's thread, one queued item per pass (lease releases, then the
-    pass's lookups). Each lease this tier took is counted by its holders (requests
-    that were told HIT or may be, load jobs) and released when the count drops to zero
-    and no lookup that could retake it is in flight.
+    pass's lookups). The store counts leases per holder, so this tier gives back
+    exactly the leases it took: ``_owned`` counts them per chunk (a lookup adds one, a
+    successful load drops one, as the store does), and they are released once no holder
+    here (a request told HIT or about to be, a load job) needs the chunk.
     """
 
     def __init__(self, store: Any, to_block: Callable[[OffloadKey], BlockKey], lease_s: float) -> None:
         self._store, self._to_block, self._lease_s = store, to_block, lease_s
         self._reqs: dict[str, _Probe] = {}
-        self._holders: dict[OffloadKey, int] = {}
-        self._probing: dict[OffloadKey, int] = {}    # chunk -> lookups in flight that ask it
-        self._to_release: set[OffloadKey] = set()
+        self._holders: dict[OffloadKey, int] = {}    # chunk -> holders here
+        self._owned: dict[OffloadKey, int] = {}      # chunk -> store leases this tier took
+        self._to_release: set[OffloadKey] = set()    # chunks whose holders are all gone
         self._in_flight = 0
         self._need_drain = False
         self._work: queue.SimpleQueue = queue.SimpleQueue()
@@ -278,9 +280,17 @@ class _LeasedLookups:
             self._holders[key] += 1
         return held
 
-    def loaded(self, req_id: str, held: list[OffloadKey], failed: list[OffloadKey]) -> None:
-        """A load finished: its leases go; a chunk that failed is a miss for this
-        request from now on (offering it again would fail again)."""
+    def loaded(self, req_id: str, held: list[OffloadKey], loaded: list[OffloadKey],
+               failed: list[OffloadKey]) -> None:
+        """A load finished: the store dropped one lease of each chunk it loaded, and the
+        job's holds go; a chunk that failed is a miss for this request from now on
+        (offering it again would fail again)."""
+        for key in loaded:
+            left = self._owned.get(key, 0) - 1
+            if left > 0:
+                self._owned[key] = left
+            else:
+                self._owned.pop(key, None)
         for key in held:
             self._unhold(key)
         probe = self._reqs.get(req_id)
@@ -314,8 +324,9 @@ class _LeasedLookups:
         self._drain()
         for req_id in list(self._reqs):
             self.finish(req_id)
-        keys = sorted(self._to_release | set(self._holders))
+        keys = [k for k, n in self._owned.items() for _ in range(n)]
         self._holders.clear()
+        self._owned.clear()
         self._to_release.clear()
         if keys:
             try:
@@ -332,15 +343,13 @@ class _LeasedLookups:
             self._to_release.add(key)
 
     def _post(self) -> None:
-        self._to_release.difference_update(self._holders)
-        releases = [k for k in self._to_release if k not in self._probing]
-        self._to_release.difference_update(releases)
+        releases = [k for k in self._to_release if k not in self._holders
+                    for _ in range(self._owned.pop(k, 0))]
+        self._to_release.clear()
         probes = []
         for probe in self._reqs.values():
             if probe.asked:
                 probes.append((probe, probe.asked))
-                for key in probe.asked:
-                    self._probing[key] = self._probing.get(key, 0) + 1
                 probe.asked = []
         if releases or probes:
             self._in_flight += 1
@@ -353,13 +362,11 @@ class _LeasedLookups:
             except queue.Empty:
                 return
             self._in_flight -= 1
+            # One lease per chunk per lookup call, however many requests asked it.
+            for key in {k for _, keys, hits in answers for k, hit in zip(keys, hits) if hit}:
+                self._owned[key] = self._owned.get(key, 0) + 1
             for probe, keys, hits in answers:
                 for key, hit in zip(keys, hits):
-                    left = self._probing[key] - 1
-                    if left:
-                        self._probing[key] = left
-                    else:
-                        del self._probing[key]
                     if probe.live and key in probe.verdicts and probe.verdicts[key] is None:
                         probe.verdicts[key] = hit
                         if hit:
