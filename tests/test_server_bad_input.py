@@ -287,3 +287,30 @@ def test_serving_beyond_loopback_needs_a_token_or_an_explicit_opt_out():
                    config_dict("1MiB", host="::1"), config_dict("1MiB", host="localhost")):
         s = ThreadServer(server)
         s.stop()
+
+
+@pytest.mark.parametrize("body", [b'{"token": "\\ud800"}', b"[" * 2000 + b"]" * 2000, b"\xff\xfe"],
+                         ids=["lone-surrogate", "deep", "not-utf8"])
+def test_malformed_hellos_are_protocol_errors_not_internal_errors(server, body, caplog):
+    sock = _raw(server, hello=False)
+    sock.sendall(P.pack_header(P.Op.HELLO, 1, len(body)) + body)
+    message = _expect_error_and_close(sock, P.Status.PROTOCOL)
+    assert "internal" not in message
+    assert "Traceback" not in caplog.text
+    base = make_keys(4, salt="base")
+    with Client(server.address, transport="tcp") as c:          # still serving
+        assert c.load(base[:1], [np.zeros(BLOCK, np.uint8)]).result(10) == [True]
+
+
+def test_the_admin_port_wants_the_bearer_scheme(secured):
+    port = secured.server.admin_port
+    assert _http(port, "/stats", token=None)[0] == 401
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/stats")
+    req.add_header("Authorization", TOKEN)                      # the token without "Bearer "
+    try:
+        urllib.request.urlopen(req, timeout=5)
+        status = 200
+    except urllib.error.HTTPError as exc:
+        status = exc.code
+    assert status == 401
+    assert _http(port, "/stats", token=TOKEN)[0] == 200

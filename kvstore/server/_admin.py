@@ -63,8 +63,9 @@ async def _route(server: "Server", head: bytes) -> tuple[int, str, bytes]:
         return 404, "text/plain", b"not found; try /healthz, /metrics, /stats, POST /clear\n"
     token = server.config.server.token
     if token is not None:
-        given = headers.get("authorization", "").removeprefix("Bearer ").strip()
-        if not hmac.compare_digest(given.encode(), token.encode()):
+        header = headers.get("authorization", "")
+        given = header[len("Bearer "):].strip() if header.startswith("Bearer ") else ""
+        if not given or not hmac.compare_digest(given.encode("utf-8", "replace"), token.encode()):
             return 401, "text/plain", b"missing or wrong bearer token\n"
     if path == "/stats":
         if method != "GET":

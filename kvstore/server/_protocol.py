@@ -141,8 +141,9 @@ def encode_json(obj: Any) -> bytes:
 def decode_json(body: Any) -> Any:
     try:
         value = json.loads(bytes(body).decode())
-    except (UnicodeDecodeError, ValueError) as exc:
-        raise ProtocolError(f"body is not valid JSON: {exc}") from None
+        json.dumps(value, ensure_ascii=False).encode("utf-8")   # lone surrogates fail here, not later
+    except (UnicodeError, ValueError, RecursionError) as exc:
+        raise ProtocolError(f"body is not valid JSON: {type(exc).__name__}") from None
     if not isinstance(value, dict):
         raise ProtocolError(f"JSON body must be an object, got {type(value).__name__}")
     return value
