@@ -74,8 +74,17 @@ class Client:
         self._arena: ArenaMap | None = None
         self._conn_addr = self.address
         if transport in ("auto", "shm") and ArenaMap.is_local(self.info.get("shm")):
-            self._arena = ArenaMap(self.info["shm"])
-            if self.info.get("socket_path") and not self.address.path:
+            try:
+                self._arena = ArenaMap(self.info["shm"])
+            except PermissionError as exc:
+                # The server's arena is private to its user (mode 0600): another user's
+                # client talks TCP instead.
+                if transport == "shm":
+                    first.close()
+                    raise RemoteError(f"server {self.address}: its shared memory is not readable by this "
+                                      f"user ({exc.strerror}); run as the server's user or use TCP") from exc
+                log.info("server %s: shared memory not readable by this user; using TCP", self.address)
+            if self._arena is not None and self.info.get("socket_path") and not self.address.path:
                 self._conn_addr = Address(None, None, self.info["socket_path"])
         elif transport == "shm":
             first.close()

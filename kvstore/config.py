@@ -102,6 +102,8 @@ class NvmeTierConfig(_TierBase):
         paths = [path] if isinstance(path, str) else path
         if not paths or any(not p for p in paths):
             raise ValueError("give one directory or a non-empty list of directories")
+        if any(os.path.realpath(p) == os.path.sep for p in paths):
+            raise ValueError("the root directory cannot hold a tier; give it a directory of its own")
         return path
 
     @property

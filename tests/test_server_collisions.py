@@ -120,3 +120,39 @@ def test_arenas_left_by_killed_servers_are_removed_at_start_and_live_ones_kept(t
         assert not os.path.exists(dead) and os.path.exists(live.shm_path)
     finally:
         live.close()
+
+
+def test_a_client_of_another_user_falls_back_to_tcp(tmp_path):
+    """The arena is private to the server's user: a client running as another user uses
+    TCP instead of failing with PermissionError."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to run a client as another user (nobody)")
+    server = ThreadServer(config_dict("4MiB"))
+    try:
+        with Client(server.address) as c:                  # loads every module the child needs
+            assert c.transport == "shm"
+        keys = make_keys(1, salt="other-user")
+        data = payload(9, 8192)                            # before the fork: nothing left to import
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                os.setgroups([])
+                os.setgid(65534)
+                os.setuid(65534)                          # nobody
+                with Client(server.address) as c:
+                    ok = c.save(keys, [data]).result(10) == [True]
+                    dst = np.zeros(8192, np.uint8)
+                    ok = ok and c.load(keys, [dst]).result(10) == [True] and np.array_equal(dst, data)
+                    code = 0 if ok and c.transport == "tcp" else 2
+            except BaseException as exc:
+                import traceback
+                with open(f"/tmp/kvstore-child-{os.getpid()}.err", "w") as f:
+                    traceback.print_exc(file=f)
+                code = 3
+            os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        assert server.store.contains(keys) == [True]
+    finally:
+        server.stop()

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvstore.errors import TierFullError, TierIOError, TierUnavailableError
+from kvstore.errors import ConfigError, TierFullError, TierIOError, TierUnavailableError
 from tiers._extents import ExtentAllocator
 from tiers._nvme_index import BlockIndex
 from tiers._nvme_io import PAGE, aligned_empty, extent_bytes, open_data_file
@@ -214,13 +214,33 @@ class DataDir:
         self.files.clear()
 
 
+def check_directory(path: str, capacity: int) -> None:
+    """Refuse, with a message naming the problem, a tier directory that cannot work: a
+    path that exists and is not a directory, the file system's root, or a capacity
+    larger than the whole file system it lives on."""
+    real = os.path.realpath(path)
+    if os.path.exists(real) and not os.path.isdir(real):
+        raise ConfigError(f"nvme tier path {path!r} exists and is not a directory")
+    if real == os.path.sep:
+        raise ConfigError(f"nvme tier path {path!r} is the root directory; give the tier a directory of its own")
+    probe = real
+    while not os.path.exists(probe):
+        probe = os.path.dirname(probe)
+    vfs = os.statvfs(probe)
+    total = vfs.f_blocks * vfs.f_frsize
+    if capacity > total:
+        raise ConfigError(f"nvme tier path {path!r}: capacity {capacity} bytes is more than its whole file "
+                          f"system ({total} bytes)")
+
+
 class Shard:
     """One directory of a tier: its lock, index, data files and byte accounting."""
 
     def __init__(self, no: int, path: str, capacity: int, *, direct: bool, file_bytes: int,
                  sync: bool) -> None:
         self.no, self.path, self.capacity, self.used = no, path, capacity, 0
-        os.makedirs(path, exist_ok=True)
+        check_directory(path, capacity)
+        os.makedirs(path, mode=0o700, exist_ok=True)
         self.lock_fd = lock_directory(path)
         try:
             self.direct = direct and probe_direct_io(path)

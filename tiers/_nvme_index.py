@@ -98,9 +98,10 @@ class BlockIndex:
                  readonly: bool = False) -> None:
         path = os.path.join(directory, "index")
         try:
+            # Key digests are the cache's table of contents: readable by this user only.
             self.env = lmdb.open(path, map_size=map_size, max_dbs=4, subdir=True, sync=sync,
                                  metasync=False, readahead=False, lock=True, readonly=readonly,
-                                 create=not readonly)
+                                 create=not readonly, mode=0o600)
             self._blocks = self.env.open_db(b"blocks", create=not readonly)
             self._access = self.env.open_db(b"access", create=not readonly)
             self._meta = self.env.open_db(b"meta", create=not readonly)
