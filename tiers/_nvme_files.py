@@ -216,8 +216,9 @@ class DataDir:
 
 def check_directory(path: str, capacity: int) -> None:
     """Refuse, with a message naming the problem, a tier directory that cannot work: a
-    path that exists and is not a directory, the file system's root, or a capacity
-    larger than the whole file system it lives on."""
+    path that exists and is not a directory, or the file system's root. A capacity
+    larger than the whole file system it lives on is flagged (a full disk is a counted
+    refusal of writes, not a failure, so the tier still runs)."""
     real = os.path.realpath(path)
     if os.path.exists(real) and not os.path.isdir(real):
         raise ConfigError(f"nvme tier path {path!r} exists and is not a directory")
@@ -228,9 +229,9 @@ def check_directory(path: str, capacity: int) -> None:
         probe = os.path.dirname(probe)
     vfs = os.statvfs(probe)
     total = vfs.f_blocks * vfs.f_frsize
-    if capacity > total:
-        raise ConfigError(f"nvme tier path {path!r}: capacity {capacity} bytes is more than its whole file "
-                          f"system ({total} bytes)")
+    if total and capacity > total:
+        log.warning("nvme tier path %r: capacity %d bytes is more than its whole file system (%d bytes); "
+                    "writes will be refused as the disk fills", path, capacity, total)
 
 
 class Shard:
