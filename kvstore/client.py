@@ -32,7 +32,7 @@ from typing import Any, Callable, Iterator, Sequence
 import numpy as np
 
 from kvstore.buffers import copy_bytes, host_view, is_device, nbytes_of
-from kvstore.errors import (BufferSizeError, ConfigError, InvalidArgumentError, RemoteError, StoreClosedError,
+from kvstore.errors import (BufferSizeError, ConfigError, InvalidArgumentError, KVStoreError, RemoteError, StoreClosedError,
                             TierUnavailableError, TransportError)
 from kvstore.keys import BlockKey
 from kvstore.server import _protocol as P
@@ -85,7 +85,10 @@ class Client:
                                       f"user ({exc.strerror}); run as the server's user or use TCP") from exc
                 log.info("server %s: shared memory not readable by this user; using TCP", self.address)
             if self._arena is not None and self.info.get("socket_path") and not self.address.path:
-                self._conn_addr = Address(None, None, self.info["socket_path"])
+                self._conn_addr = self._same_server_socket(self.info["socket_path"])
+                if self._conn_addr is None:     # another server answers there: not its arena either
+                    self._arena.close()
+                    self._arena, self._conn_addr = None, self.address
         elif transport == "shm":
             first.close()
             raise RemoteError(f"server {self.address} offers no shared memory to this host")
@@ -105,6 +108,27 @@ class Client:
         self._nixl: Any = None
         if self._arena is None and transport in ("auto", "nixl"):
             self._start_nixl(transport)
+
+    def _same_server_socket(self, path: str) -> Address | None:
+        """The Unix socket at ``path`` when the server answering there is the one this
+        client's HELLO came from (same instance id), else ``None``."""
+        addr = Address(None, None, path)
+        try:
+            probe = Conn(addr, self._token, self._timeout_s)
+        except (OSError, KVStoreError) as exc:
+            log.info("server %s: its socket %s is not usable (%s); using TCP", self.address, path, exc)
+            return None
+        try:
+            if probe.info.get("instance") != self.info.get("instance"):
+                log.warning("server %s: another server answers on its socket %s; using TCP", self.address, path)
+                return None
+            with self._lock:
+                self._idle.append(probe)
+                probe = None
+            return addr
+        finally:
+            if probe is not None:
+                probe.close()
 
     def _start_nixl(self, transport: str) -> None:
         ok, why = nixl_available()

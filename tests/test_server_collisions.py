@@ -156,3 +156,25 @@ def test_a_client_of_another_user_falls_back_to_tcp(tmp_path):
         assert server.store.contains(keys) == [True]
     finally:
         server.stop()
+
+
+def test_a_client_never_pairs_one_servers_arena_with_another_servers_socket(tmp_path):
+    """The server a client said HELLO to over TCP offers its arena and a socket path; if
+    another server answers on that socket, the client uses the network path for
+    everything."""
+    first = ThreadServer(config_dict("4MiB"))
+    other = ThreadServer(config_dict("4MiB"))
+    try:
+        with Client(first.address) as c:
+            assert c.transport == "shm"
+        real_path = first.server.socket_path
+        first.server.socket_path = other.server.socket_path    # the first now advertises the other's socket
+        keys = make_keys(1, salt="paired")
+        with Client(first.address) as c:
+            assert c.transport != "shm"                        # network path, to the first server only
+            assert c.save(keys, [payload(4, 8192)]).result(10) == [True]
+        assert first.store.contains(keys) == [True] and other.store.contains(keys) == [False]
+        first.server.socket_path = real_path
+    finally:
+        first.stop()
+        other.stop()

@@ -167,6 +167,9 @@ class Server:
         self._stopped: asyncio.Event | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self.started = time.time()
+        # Names this server instance in every HELLO: a same-host client checks that the
+        # server behind the Unix socket is the one whose arena it mapped.
+        self.instance_id = secrets.token_hex(8)
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -313,7 +316,7 @@ class Server:
         return nullcontext([None] * len(keys))
 
     def hello_info(self, local: bool) -> dict[str, Any]:
-        return {"server": "kvstore", "version": __version__, "protocol": P.VERSION,
+        return {"server": "kvstore", "version": __version__, "protocol": P.VERSION, "instance": self.instance_id,
                 "max_frame_bytes": self.limits.max_frame_bytes, "max_batch": self.limits.max_batch,
                 "max_inflight_bytes": self.config.server.max_inflight_bytes,
                 "shm": self.arena.describe() if self.arena is not None and local else None,
