@@ -178,3 +178,21 @@ def test_a_client_never_pairs_one_servers_arena_with_another_servers_socket(tmp_
     finally:
         first.stop()
         other.stop()
+
+
+def test_sockets_left_by_killed_servers_are_removed_and_live_ones_kept(tmp_path):
+    from kvstore.server import _server
+
+    dead = str(tmp_path / "kvstore-1-1.sock")
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.bind(dead)
+    s.close()
+    live_path = str(tmp_path / "kvstore-2-2.sock")
+    live = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    live.bind(live_path)
+    live.listen(1)
+    try:
+        assert _server.remove_stale_sockets(str(tmp_path)) == 1
+        assert not os.path.exists(dead) and os.path.exists(live_path)
+    finally:
+        live.close()

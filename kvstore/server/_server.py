@@ -102,6 +102,30 @@ def remove_stale_arenas() -> int:
     return removed
 
 
+def remove_stale_sockets(directory: str) -> int:
+    """Remove the ``kvstore-*.sock`` sockets of this user in ``directory`` that no server
+    answers on any more (left by servers that were killed). Returns how many."""
+    removed = 0
+    try:
+        names = [n for n in os.listdir(directory) if n.startswith(_ARENA_PREFIX) and n.endswith(".sock")]
+    except OSError:
+        return 0
+    for name in names:
+        path = os.path.join(directory, name)
+        try:
+            st = os.lstat(path)
+        except OSError:
+            continue
+        if not stat.S_ISSOCK(st.st_mode) or st.st_uid != os.geteuid():
+            continue
+        try:
+            _take_socket_path(path)
+            removed += not os.path.exists(path)
+        except ConfigError:
+            continue                       # a live server's
+    return removed
+
+
 def _take_socket_path(path: str) -> None:
     """Make ``path`` free for this server's socket: a socket no server answers on (left by
     a crashed one) is removed; a live server's socket, or anything that is not a socket,
@@ -184,6 +208,8 @@ class Server:
         self._listeners.append(tcp)
         self._tasks.append(asyncio.create_task(self._accept(tcp, unix=False)))
         if cfg.socket_path or self.arena is not None:
+            if not cfg.socket_path:
+                remove_stale_sockets(tempfile.gettempdir())
             path = cfg.socket_path or os.path.join(tempfile.gettempdir(), f"kvstore-{self.port}-{os.getpid()}.sock")
             _take_socket_path(path)
             unix = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -375,6 +401,30 @@ def remove_stale_arenas() -> int:
             os.close(fd)
     if removed:
         log.info("removed %d arena(s) left under %s by servers that died", removed, _SHM_DIR)
+    return removed
+
+
+def remove_stale_sockets(directory: str) -> int:
+    """Remove the ``kvstore-*.sock`` sockets of this user in ``directory`` that no server
+    answers on any more (left by servers that were killed). Returns how many."""
+    removed = 0
+    try:
+        names = [n for n in os.listdir(directory) if n.startswith(_ARENA_PREFIX) and n.endswith(".sock")]
+    except OSError:
+        return 0
+    for name in names:
+        path = os.path.join(directory, name)
+        try:
+            st = os.lstat(path)
+        except OSError:
+            continue
+        if not stat.S_ISSOCK(st.st_mode) or st.st_uid != os.geteuid():
+            continue
+        try:
+            _take_socket_path(path)
+            removed += not os.path.exists(path)
+        except ConfigError:
+            continue                       # a live server's
     return removed
 
 
