@@ -273,7 +273,6 @@ class KVStoreConnectorScheduler(KvCacheConnectorScheduler):
 
     def build_connector_meta(self, scheduler_output: Any) -> ConnectorMeta:
         meta = ConnectorMeta()
-        bs = self.scheme.tokens_per_block
         for data in scheduler_output.new_requests:
             rid = data.request_id
             pending = self._pending.pop(rid, None)

@@ -25,7 +25,7 @@ import numpy as np
 
 from kvstore._pinning import HostPin
 from kvstore._transfer import copy_device_pairs
-from kvstore.buffers import copy_bytes, host_view, is_device
+from kvstore.buffers import host_view, is_device
 from kvstore.errors import BufferSizeError
 
 PARALLEL_BYTES = 8 << 20   # below this a batch is copied by the calling thread alone

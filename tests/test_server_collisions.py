@@ -109,14 +109,14 @@ def test_a_stale_socket_is_taken_over_and_a_non_socket_is_refused(tmp_path):
 
 
 def test_arenas_left_by_killed_servers_are_removed_at_start_and_live_ones_kept(tmp_path):
-    from kvstore.server import _server
+    from kvstore.server import _paths
 
     dead = f"/dev/shm/kvstore-test-dead-{os.getpid()}"
     with open(dead, "wb") as f:
         f.write(b"x" * 4096)
     live = DramTier(1 << 20, name="live", shm_path=f"/dev/shm/kvstore-test-live-{os.getpid()}")
     try:
-        assert _server.remove_stale_arenas() >= 1
+        assert _paths.remove_stale_arenas() >= 1
         assert not os.path.exists(dead) and os.path.exists(live.shm_path)
     finally:
         live.close()
@@ -145,7 +145,7 @@ def test_a_client_of_another_user_falls_back_to_tcp(tmp_path):
                     dst = np.zeros(8192, np.uint8)
                     ok = ok and c.load(keys, [dst]).result(10) == [True] and np.array_equal(dst, data)
                     code = 0 if ok and c.transport == "tcp" else 2
-            except BaseException as exc:
+            except BaseException:
                 import traceback
                 with open(f"/tmp/kvstore-child-{os.getpid()}.err", "w") as f:
                     traceback.print_exc(file=f)
@@ -181,7 +181,7 @@ def test_a_client_never_pairs_one_servers_arena_with_another_servers_socket(tmp_
 
 
 def test_sockets_left_by_killed_servers_are_removed_and_live_ones_kept(tmp_path):
-    from kvstore.server import _server
+    from kvstore.server import _paths
 
     dead = str(tmp_path / "kvstore-1-1.sock")
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -192,7 +192,7 @@ def test_sockets_left_by_killed_servers_are_removed_and_live_ones_kept(tmp_path)
     live.bind(live_path)
     live.listen(1)
     try:
-        assert _server.remove_stale_sockets(str(tmp_path)) == 1
+        assert _paths.remove_stale_sockets(str(tmp_path)) == 1
         assert not os.path.exists(dead) and os.path.exists(live_path)
     finally:
         live.close()

@@ -9,14 +9,11 @@ other than :meth:`request_shutdown` must be called on the loop thread.
 from __future__ import annotations
 
 import asyncio
-import fcntl
-import ipaddress
 import logging
 import os
 import secrets
 import signal
 import socket
-import stat
 import tempfile
 import time
 from contextlib import nullcontext
@@ -29,6 +26,8 @@ from kvstore.server import _protocol as P
 from kvstore.server._admin import handle_admin
 from kvstore.server._conn import Connection
 from kvstore.server._metrics import ServerMetrics
+from kvstore.server._paths import (ARENA_PREFIX, SHM_DIR, is_loopback, remove_stale_arenas, remove_stale_sockets,
+                                   take_socket_path)
 from kvstore.server._nixl import NixlService
 from kvstore.server._send import Sender
 from kvstore.server._shm import Arena
@@ -48,7 +47,7 @@ def build_store(config: StoreConfig) -> Any:
     first = config.tiers[0]
     if config.server.transport in ("auto", "shm") and isinstance(first, DramTierConfig) and not first.shm_path:
         remove_stale_arenas()
-        path = f"{_SHM_DIR}/{_ARENA_PREFIX}{os.getpid()}-{secrets.token_hex(4)}"
+        path = f"{SHM_DIR}/{ARENA_PREFIX}{os.getpid()}-{secrets.token_hex(4)}"
         tiers = [DramTier(first.capacity, name=first.name, shm_path=path, pin=first.pin)]
         try:
             tiers += [build_tier(c) for c in config.tiers[1:]]
@@ -62,110 +61,13 @@ def build_store(config: StoreConfig) -> Any:
     return Store(config)
 
 
-_SHM_DIR = "/dev/shm"
-_ARENA_PREFIX = "kvstore-"
-
-
-def remove_stale_arenas() -> int:
-    """Remove the arenas that servers killed before they could clean up left under
-    ``/dev/shm``: this user's ``kvstore-*`` files that no live process holds (a live
-    server keeps an exclusive lock on its arena). Returns how many were removed."""
-    removed = 0
-    try:
-        names = os.listdir(_SHM_DIR)
-    except OSError:
-        return 0
-    for name in names:
-        if not name.startswith(_ARENA_PREFIX):
-            continue
-        path = os.path.join(_SHM_DIR, name)
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        except OSError:
-            continue
-        try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
-                continue
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                continue                       # a live server's
-            os.unlink(path)
-            removed += 1
-        except OSError:
-            continue
-        finally:
-            os.close(fd)
-    if removed:
-        log.info("removed %d arena(s) left under %s by servers that died", removed, _SHM_DIR)
-    return removed
-
-
-def remove_stale_sockets(directory: str) -> int:
-    """Remove the ``kvstore-*.sock`` sockets of this user in ``directory`` that no server
-    answers on any more (left by servers that were killed). Returns how many."""
-    removed = 0
-    try:
-        names = [n for n in os.listdir(directory) if n.startswith(_ARENA_PREFIX) and n.endswith(".sock")]
-    except OSError:
-        return 0
-    for name in names:
-        path = os.path.join(directory, name)
-        try:
-            st = os.lstat(path)
-        except OSError:
-            continue
-        if not stat.S_ISSOCK(st.st_mode) or st.st_uid != os.geteuid():
-            continue
-        try:
-            _take_socket_path(path)
-            removed += not os.path.exists(path)
-        except ConfigError:
-            continue                       # a live server's
-    return removed
-
-
-def _take_socket_path(path: str) -> None:
-    """Make ``path`` free for this server's socket: a socket no server answers on (left by
-    a crashed one) is removed; a live server's socket, or anything that is not a socket,
-    is never touched."""
-    try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        return
-    if not stat.S_ISSOCK(st.st_mode):
-        raise ConfigError(f"server.socket_path {path!r} exists and is not a socket; remove it or choose another")
-    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        probe.settimeout(1.0)
-        probe.connect(path)
-    except (ConnectionRefusedError, FileNotFoundError):
-        os.unlink(path)                 # nobody listens: stale
-        return
-    except OSError as exc:
-        raise ConfigError(f"server.socket_path {path!r} cannot be checked: {exc}") from exc
-    finally:
-        probe.close()
-    raise ConfigError(f"server.socket_path {path!r} belongs to another live server; give each server its own")
-
-
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False      # a name other than localhost may resolve anywhere
-
-
 class Server:
     """Serves ``store`` (built from ``config`` when not given; the server then owns it)."""
 
     def __init__(self, config: StoreConfig, *, store: Any = None) -> None:
         self.config = config
         cfg = config.server
-        if cfg.token is None and not cfg.allow_unauthenticated and not _is_loopback(cfg.host):
+        if cfg.token is None and not cfg.allow_unauthenticated and not is_loopback(cfg.host):
             raise ConfigError(f"server.host {cfg.host!r} serves beyond this machine, and no server.token is "
                               "set: anyone who reaches the port could read and write the cache; set a token, "
                               "or set server.allow_unauthenticated: true to serve without one")
@@ -211,7 +113,7 @@ class Server:
             if not cfg.socket_path:
                 remove_stale_sockets(tempfile.gettempdir())
             path = cfg.socket_path or os.path.join(tempfile.gettempdir(), f"kvstore-{self.port}-{os.getpid()}.sock")
-            _take_socket_path(path)
+            take_socket_path(path)
             unix = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             unix.bind(path)
             os.chmod(path, 0o600)
@@ -297,7 +199,7 @@ class Server:
             if not unix:
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             peer = "unix" if unix else f"{addr[0]}:{addr[1]}"
-            local = unix or _is_loopback(addr[0])
+            local = unix or is_loopback(addr[0])
             conn = Connection(self, sock, peer, local)
             self.conns.add(conn)
             conn.task = asyncio.create_task(conn.run())
@@ -362,98 +264,6 @@ class Server:
 
 def _family(host: str) -> int:
     return socket.AF_INET6 if ":" in host else socket.AF_INET
-
-
-_SHM_DIR = "/dev/shm"
-_ARENA_PREFIX = "kvstore-"
-
-
-def remove_stale_arenas() -> int:
-    """Remove the arenas that servers killed before they could clean up left under
-    ``/dev/shm``: this user's ``kvstore-*`` files that no live process holds (a live
-    server keeps an exclusive lock on its arena). Returns how many were removed."""
-    removed = 0
-    try:
-        names = os.listdir(_SHM_DIR)
-    except OSError:
-        return 0
-    for name in names:
-        if not name.startswith(_ARENA_PREFIX):
-            continue
-        path = os.path.join(_SHM_DIR, name)
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        except OSError:
-            continue
-        try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
-                continue
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                continue                       # a live server's
-            os.unlink(path)
-            removed += 1
-        except OSError:
-            continue
-        finally:
-            os.close(fd)
-    if removed:
-        log.info("removed %d arena(s) left under %s by servers that died", removed, _SHM_DIR)
-    return removed
-
-
-def remove_stale_sockets(directory: str) -> int:
-    """Remove the ``kvstore-*.sock`` sockets of this user in ``directory`` that no server
-    answers on any more (left by servers that were killed). Returns how many."""
-    removed = 0
-    try:
-        names = [n for n in os.listdir(directory) if n.startswith(_ARENA_PREFIX) and n.endswith(".sock")]
-    except OSError:
-        return 0
-    for name in names:
-        path = os.path.join(directory, name)
-        try:
-            st = os.lstat(path)
-        except OSError:
-            continue
-        if not stat.S_ISSOCK(st.st_mode) or st.st_uid != os.geteuid():
-            continue
-        try:
-            _take_socket_path(path)
-            removed += not os.path.exists(path)
-        except ConfigError:
-            continue                       # a live server's
-    return removed
-
-
-def _take_socket_path(path: str) -> None:
-    """Make ``path`` free for this server's socket: a socket no server answers on (left by
-    a crashed one) is removed; a live server's socket, or anything that is not a socket,
-    is never touched."""
-    try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        return
-    if not stat.S_ISSOCK(st.st_mode):
-        raise ConfigError(f"server.socket_path {path!r} exists and is not a socket; remove it or choose another")
-    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        probe.settimeout(1.0)
-        probe.connect(path)
-    except (ConnectionRefusedError, FileNotFoundError):
-        os.unlink(path)                 # nobody listens: stale
-        return
-    except OSError as exc:
-        raise ConfigError(f"server.socket_path {path!r} cannot be checked: {exc}") from exc
-    finally:
-        probe.close()
-    raise ConfigError(f"server.socket_path {path!r} belongs to another live server; give each server its own")
-
-
-def _is_loopback(host: str) -> bool:
-    return host.startswith("127.") or host in ("::1", "localhost") or host.startswith("::ffff:127.")
 
 
 async def _main(config: StoreConfig, ready: Any) -> None:
