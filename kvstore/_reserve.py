@@ -62,7 +62,7 @@ class Reservation:
         if store.placement.write is WriteMode.THROUGH and len(store._levels) > 1:
             written = [k for k, good in zip(fkeys, plan.result) if good]
             if written:
-                store._pool.submit(store._write_below, written)
+                store._background(store._write_below, written)
         self.stored = stored
         return stored
 

@@ -55,7 +55,7 @@ class Store(TierMovement):
         self._pins: dict[BlockKey, int] = {}
         self._hit_counts: dict[BlockKey, int] = {}  # selective write-through only
         self._stat_sources: list[tuple[str, Any]] = []  # (name, callable) from attach_stats
-        self._ops = dict.fromkeys(("saves", "loads", "lookups", "lookup_hits", "prefetches"), 0)
+        self._ops = dict.fromkeys(("saves", "loads", "lookups", "lookup_hits", "prefetches", "background_errors"), 0)
         self._lock = threading.Lock()
         self._local = threading.local()
         self._closed = False
@@ -129,7 +129,7 @@ class Store(TierMovement):
             depth = self.placement.prefetch_depth
             lower = [k for k in keys[:n][:depth] if not where[k] & 1] if depth else []
         if lower:
-            self._pool.submit(self._prefetch, lower, 0)
+            self._background(self._prefetch, lower, 0)
         return n
 
     def release(self, keys: Sequence[BlockKey]) -> None:
@@ -281,6 +281,21 @@ class Store(TierMovement):
 
         out["connectors"] = sum_stat_sources(self._stat_sources)
         return out
+
+    def _background(self, fn: Any, *args: Any) -> None:
+        """Run ``fn`` on the pool with nobody waiting for it: its failure is logged and
+        counted (``background_errors``), never lost with its future."""
+        def report(future: Future) -> None:
+            exc = future.exception()
+            if exc is not None:
+                with self._lock:
+                    self._ops["background_errors"] += 1
+                log.warning("background %s failed: %s", getattr(fn, "__name__", fn), exc)
+
+        try:
+            self._pool.submit(fn, *args).add_done_callback(report)
+        except RuntimeError:       # the pool is shut down: the Store is closing
+            pass
 
     def attach_stats(self, name: str, source: Any) -> None:
         """Report ``source()`` (a dict of counters) in :meth:`stats` under

@@ -184,3 +184,29 @@ def test_leases_are_counted_per_holder():
         assert store.stats()["leases"] == 0
     finally:
         store.close()
+
+
+def test_a_failing_background_prefetch_is_logged_and_counted(caplog):
+    """Work nobody waits for (a lookup's prefetch, a reservation's write-through) must not
+    lose its exception with its future."""
+    from kvstore.keys import Namespace
+
+    store = Store.from_config({"tiers": [{"name": "hot", "kind": "dram", "capacity": "64KiB"},
+                                         {"name": "low", "kind": "dram", "capacity": "1MiB"}],
+                               "placement": {"prefetch_depth": 4}})
+    try:
+        keys = Namespace("m", "f16", 16).chunk_keys(np.arange(16 * 8, dtype=np.uint32))
+        store.save(keys, [np.full(16384, i, np.uint8) for i in range(8)]).result()   # spills some below
+
+        def broken(*args):
+            raise OSError("disk gone")
+
+        store._prefetch = broken
+        with caplog.at_level("WARNING"):
+            store.lookup(keys[4:])                                    # held by the lower tier only
+            deadline = time.monotonic() + 10
+            while store.stats()["background_errors"] == 0 and time.monotonic() < deadline:
+                time.sleep(0.01)
+        assert store.stats()["background_errors"] >= 1 and "disk gone" in caplog.text
+    finally:
+        store.close()
