@@ -23,8 +23,6 @@ from concurrent.futures import Executor, Future
 from contextvars import ContextVar, copy_context
 from typing import Any, Callable, Iterable
 
-from kvstore.buffers import is_device
-
 _caller: ContextVar["CallerOrder | None"] = ContextVar("kvstore_caller_order", default=None)
 
 
@@ -49,10 +47,13 @@ class CallerOrder:
 
 def capture(buffers: Iterable[Any]) -> CallerOrder | None:
     """Record the caller's stream position on each CUDA device among ``buffers``."""
-    devices = {buf.device for buf in buffers if is_device(buf)}
+    if not any(kind.__module__.startswith("torch") for kind in set(map(type, buffers))):
+        return None                   # no tensors at all: the common host-only call, at C speed
+    import torch
+
+    devices = {buf.device for buf in buffers if isinstance(buf, torch.Tensor) and buf.is_cuda}
     if not devices:
         return None
-    import torch
 
     events = {}
     for device in devices:
