@@ -179,6 +179,7 @@ class ServerConfig(_Frozen):
     handshake_timeout_s: float = Field(5.0, gt=0)  # a connection must authenticate (HELLO) within this
     read_timeout_s: float = Field(30.0, gt=0)      # a frame's body or payload may stall this long at most
     max_connections: int = Field(1024, ge=1)       # open client connections; more are closed at accept
+    max_connections_per_ip: int = Field(512, ge=1)  # open TCP connections from one address
     shm_lease_s: float = Field(30.0, gt=0)       # a same-host read lease ends after this at most
     shutdown_grace_s: float = Field(10.0, ge=0)  # requests in flight get this long at shutdown
     send_threads: int = Field(4, ge=0)           # threads sending large TCP GET replies (0: the event loop)

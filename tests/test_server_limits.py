@@ -115,3 +115,24 @@ def test_connections_past_max_connections_are_closed_at_accept(server):
             import time
             time.sleep(0.05)
     assert deadline_ok
+
+
+def test_one_address_cannot_take_every_connection():
+    s = ThreadServer(config_dict("4MiB", max_connections=8, max_connections_per_ip=3))
+    try:
+        held = [_connect(s, hello=True) for _ in range(3)]
+        try:
+            assert _closed_by_server(_connect(s))          # a fourth from 127.0.0.1
+            unix = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)  # the Unix socket is not an address
+            unix.settimeout(WAIT_S)
+            unix.connect(s.server.socket_path)
+            body = P.encode_json({"client": "unix"})
+            unix.sendall(P.pack_header(P.Op.HELLO, 1, len(body)) + body)
+            head = _recv(unix, P.HEADER_BYTES)
+            assert P.parse_header(head, P.Limits(1 << 40, 1 << 30), reply=True).status == 0
+            unix.close()
+        finally:
+            for h in held:
+                h.close()
+    finally:
+        s.stop()

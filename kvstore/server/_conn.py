@@ -42,6 +42,7 @@ class Connection(SameHostOps):
 
     def __init__(self, server: "Server", sock: socket.socket, peer: str, local: bool) -> None:
         self.server, self.sock, self.peer, self.local = server, sock, peer, local
+        self.peer_ip: str | None = None     # the TCP peer's address (None on the Unix socket)
         self.loop = asyncio.get_running_loop()
         self.head = bytearray(P.HEADER_BYTES)
         self.body = bytearray(4096)

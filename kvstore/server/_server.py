@@ -191,9 +191,15 @@ class Server:
                 log.warning("accept failed: %s", exc)
                 await asyncio.sleep(0.05)
                 continue
+            reason = None
             if len(self.conns) >= self.config.server.max_connections:
+                reason = "max_connections"
+            elif not unix and sum(c.peer_ip == addr[0] for c in self.conns) >= \
+                    self.config.server.max_connections_per_ip:
+                reason = "max_connections_per_ip"   # one address cannot take every slot
+            if reason is not None:
                 sock.close()                 # closed before anything is read or allocated
-                self.metrics.refused.labels("max_connections").inc()
+                self.metrics.refused.labels(reason).inc()
                 continue
             sock.setblocking(False)
             if not unix:
@@ -201,6 +207,7 @@ class Server:
             peer = "unix" if unix else f"{addr[0]}:{addr[1]}"
             local = unix or is_loopback(addr[0])
             conn = Connection(self, sock, peer, local)
+            conn.peer_ip = None if unix else addr[0]
             self.conns.add(conn)
             conn.task = asyncio.create_task(conn.run())
 
