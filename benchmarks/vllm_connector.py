@@ -184,7 +184,7 @@ def bench_worker(model: str, layout: str, reps: int, quick: bool) -> dict:
         t = time.perf_counter()
         worker.wait_for_save()
         blocked = time.perf_counter() - t
-        for f in inner._save_futures.pop("s", []):
+        for f in inner.saves.futures.pop("s", []):
             f.result()
         took = time.perf_counter() - t
         worker.clear_connector_metadata()

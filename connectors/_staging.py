@@ -3,6 +3,7 @@ and the store. Thread-safe: buffers come back from store threads."""
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import threading
 from concurrent.futures import Future
@@ -91,4 +92,34 @@ def give_when_done(futures: list[Future], buf: torch.Tensor, pool: StagingPool, 
         future.add_done_callback(done)
 
 
-__all__ = ["StagingPool", "give_when_done"]
+def groups(n: int, parts: int = 4) -> list[tuple[int, int]]:
+    """``n`` chunks split into up to ``parts`` consecutive groups (store calls the store
+    runs in parallel)."""
+    size = max(1, -(-n // parts))
+    return [(lo, min(n, lo + size)) for lo in range(0, n, size)]
+
+
+def spans(views: list) -> list[tuple[int, int, torch.Tensor]]:
+    """Runs of numpy views that lie back to back in memory, each as ``(lo, hi, tensor)``
+    over views ``lo..hi`` (a batch of slots reserved together is usually one run, so
+    it moves with one index op). The tensors alias the views' memory."""
+    out, lo = [], 0
+    ptrs = [v.ctypes.data for v in views]
+    for i in range(1, len(views) + 1):
+        if i < len(views) and ptrs[i] == ptrs[i - 1] + views[i - 1].nbytes:
+            continue
+        total = ptrs[i - 1] + views[i - 1].nbytes - ptrs[lo]
+        out.append((lo, i, torch.frombuffer((ctypes.c_uint8 * total).from_address(ptrs[lo]), dtype=torch.uint8)))
+        lo = i
+    return out
+
+
+def wait_quietly(future: Future, timeout_s: float, what: str) -> None:
+    """Wait for a save; a failure is logged (a failed save is only a lost hit)."""
+    try:
+        future.result(timeout=timeout_s)
+    except Exception as exc:
+        log.warning("%s: save did not complete: %s", what, exc)
+
+
+__all__ = ["StagingPool", "give_when_done", "groups", "spans", "wait_quietly"]

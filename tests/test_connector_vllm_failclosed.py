@@ -294,7 +294,7 @@ def test_staging_stays_under_staging_bytes_while_batches_grow(engine):
     s2, w2, c2, f2 = engine(staging_bytes=3 * 4096 * 2 * 2 * vs.LAYERS, save_async=True)
     pages = w2._worker.pages
     budget = w2._worker.config.staging_bytes
-    w2._worker._in_place = False                  # the staging path itself
+    w2._worker.in_place = False                   # the staging path itself
     import numpy as np
 
     ns = w2._worker.shape.namespace(0, "staging")
@@ -339,7 +339,7 @@ def test_mla_across_two_ranks_stores_one_copy_read_by_both(tmp_path):
                            writes=shape.writes(tp_rank))
             cache = {n: torch.randn(64, vs.BLOCK, 64).to(torch.float16) for n in names}
             w.register_kv_caches(cache, 64)
-            w._in_place = False
+            w.in_place = False
             workers.append(w)
             caches.append(cache)
         keys = shape.namespace(0, "").chunk_keys(np.arange(500, 500 + 2 * CHUNK, dtype=np.uint32))

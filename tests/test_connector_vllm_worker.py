@@ -129,7 +129,7 @@ def test_missing_chunk_fails_closed(make_worker, is_async, groups):
     it are reported as load errors and not a byte of them is written; chunk 0 loads.
     (``groups``: the store is asked in one batch, or per chunk as for device caches.)"""
     worker, caches, *_ = make_worker(load_async=is_async)
-    worker._worker._load_parts = groups
+    worker._worker.load_parts = groups
     keys = keys_for(worker, 3)
     src, dst = [[1, 2], [3, 4], [5, 6]], [[20, 21], [22, 23], [24, 25]]
     save(worker, keys, src)
