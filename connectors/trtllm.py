@@ -35,118 +35,17 @@ from __future__ import annotations
 
 import logging
 import math
-import threading
-from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import nullcontext
-from typing import Any, List, Sequence, Tuple
-
-try:
-    from tensorrt_llm._torch.pyexecutor.connectors.kv_cache_connector import (
-        KvCacheConnectorScheduler, KvCacheConnectorWorker)
-except ImportError:
-    try:  # TensorRT-LLM <= 1.2.x
-        from tensorrt_llm._torch.pyexecutor.kv_cache_connector import (KvCacheConnectorScheduler,
-                                                                       KvCacheConnectorWorker)
-    except ImportError as exc:  # pragma: no cover - exercised only without TensorRT-LLM
-        raise ImportError("connectors.trtllm needs TensorRT-LLM (PyTorch backend) with the KV cache "
-                          "connector API; see docs/trtllm.md") from exc
+from typing import Any, List, Tuple
 
 from connectors._metrics import ConnectorMetrics
-from connectors._open_store import open_store
-from connectors._trtllm_plan import (LOCAL, ConnectorMeta, HostStaging, KeyScheme, LoadGroup, PendingMatch, PoolLayout,
+from connectors._trtllm_base import (LEASE_S, STAGING_BYTES, STORE_FAILURES, KvCacheConnectorScheduler, acquire_store,
+                                     check_store_reach, leading, release_store, scheme_of)
+from connectors._trtllm_plan import (LOCAL, ConnectorMeta, HostStaging, LoadGroup, PendingMatch, PoolLayout,
                                      RequestState, Transfer)
-from kvstore.errors import BufferSizeError, ConfigError, KVStoreError, RemoteError, StoreClosedError, TierError
+from connectors._trtllm_worker import KVStoreConnectorWorker
+from kvstore.errors import BufferSizeError
 
 log = logging.getLogger(__name__)
-_STORE_FAILURES = (TierError, RemoteError, StoreClosedError, OSError)
-_LEASE_S = 60.0
-STAGING_BYTES = 256 << 20   # host staging per connector object (scheduler, each worker)
-
-_shared_lock = threading.Lock()
-_shared: dict[str, list] = {}   # server url or "" -> [store, refcount]
-
-
-def _connector_config(llm_args: Any) -> Any:
-    return getattr(llm_args, "kv_connector_config", None) or getattr(llm_args, "connector_config", None)
-
-
-def _server_url(llm_args: Any) -> str | None:
-    url = getattr(_connector_config(llm_args), "server_url", None)
-    if not url:
-        return None
-    return url.split("://", 1)[-1].rstrip("/")
-
-
-def _acquire_store(url: str | None) -> Any:
-    """One Store/Client per process and server URL, shared by scheduler and worker."""
-    with _shared_lock:
-        entry = _shared.get(url or "")
-        if entry is None:
-            entry = _shared[url or ""] = [open_store({"server": url} if url else {}, owner="trtllm connector"), 0]
-        entry[1] += 1
-        return entry[0]
-
-
-def _release_store(url: str | None) -> None:
-    with _shared_lock:
-        entry = _shared.get(url or "")
-        if entry is None:
-            return
-        entry[1] -= 1
-        if entry[1] <= 0:
-            del _shared[url or ""]
-            entry[0].close()
-
-
-def _text(value: Any) -> str:
-    """A setting as key text: enums by name, ``None`` as empty."""
-    if value is None:
-        return ""
-    return str(getattr(value, "name", None) or getattr(value, "value", None) or value)
-
-
-def _scheme(llm_args: Any) -> KeyScheme:
-    """Every setting in ``llm_args`` that changes a block's bytes; the pool's resolved
-    dtype and shape are added per rank (``PoolLayout``)."""
-    kv_cfg = getattr(llm_args, "kv_cache_config", None)
-    tokens_per_block = int(getattr(kv_cfg, "tokens_per_block", None) or 32)
-    kv_dtype = _text(getattr(kv_cfg, "dtype", None)) or "auto"
-    tp = getattr(llm_args, "tensor_parallel_size", None)
-    if tp is None:
-        tp = getattr(getattr(llm_args, "parallel_config", None), "tp_size", 1)
-    pp = int(getattr(llm_args, "pipeline_parallel_size", None) or 1)
-    if pp > 1:
-        raise ConfigError("trtllm connector: pipeline parallelism is not supported (TensorRT-LLM's KV cache "
-                          "connector does not support it either)")
-    model = str(getattr(llm_args, "model", "") or "")
-    if not model:
-        raise ConfigError("trtllm connector: llm_args.model is empty; keys need a model name")
-    quant = getattr(llm_args, "quant_config", None)
-    fields = (("revision", _text(getattr(llm_args, "revision", None))),
-              ("model_dtype", _text(getattr(llm_args, "dtype", None)) or "auto"),
-              ("quant_algo", _text(getattr(quant, "quant_algo", None))),
-              ("kv_cache_quant_algo", _text(getattr(quant, "kv_cache_quant_algo", None))),
-              ("tp", str(int(tp or 1))), ("pp", str(pp)))
-    return KeyScheme(model=model, dtype=kv_dtype, tokens_per_block=tokens_per_block, world_size=int(tp or 1),
-                     fields=fields)
-
-
-def _check_store_reach(llm_args: Any, scheme: KeyScheme) -> str | None:
-    url = _server_url(llm_args)
-    if url is None and scheme.world_size > 1:
-        raise ConfigError("trtllm connector: with tensor parallelism the scheduler and the workers live in "
-                          "different processes and must share a kvstore server; set "
-                          "kv_connector_config.server_url")
-    return url
-
-
-def _leading(ok: Sequence[bool]) -> int:
-    n = 0
-    for good in ok:
-        if not good:
-            break
-        n += 1
-    return n
 
 
 class KVStoreConnectorScheduler(KvCacheConnectorScheduler):
@@ -157,9 +56,9 @@ class KVStoreConnectorScheduler(KvCacheConnectorScheduler):
 
     def __init__(self, llm_args: Any, *, staging_bytes: int = STAGING_BYTES) -> None:
         super().__init__(llm_args)
-        self.scheme = _scheme(llm_args)
-        self._url = _check_store_reach(llm_args, self.scheme)
-        self.store = _acquire_store(self._url)
+        self.scheme = scheme_of(llm_args)
+        self._url = check_store_reach(llm_args, self.scheme)
+        self.store = acquire_store(self._url)
         self.metrics = ConnectorMetrics(self.store, "trtllm")
         self.staging = HostStaging(staging_bytes, on_change=lambda n: self.metrics.set("staging_bytes", n))
         self._pending: dict[int, PendingMatch] = {}
@@ -191,10 +90,10 @@ class KVStoreConnectorScheduler(KvCacheConnectorScheduler):
         try:
             for rank in self.scheme.storing_ranks(layout):
                 keys = self.scheme.rank_keys(content[:stored], rank, layout)
-                found = self.store.lookup(keys, lease_s=_LEASE_S)
+                found = self.store.lookup(keys, lease_s=LEASE_S)
                 leased.append(keys[:found])
                 stored = min(stored, found)
-        except _STORE_FAILURES as exc:
+        except STORE_FAILURES as exc:
             log.warning("trtllm: kvstore lookup failed (%s); no tokens matched", exc)
             stored = 0
         ticket = None
@@ -233,10 +132,10 @@ class KVStoreConnectorScheduler(KvCacheConnectorScheduler):
         except BufferSizeError as exc:
             log.error("trtllm: stored blocks do not match this engine's pool layout (%s); not offered", exc)
             ok = [False] * count
-        except _STORE_FAILURES as exc:
+        except STORE_FAILURES as exc:
             log.warning("trtllm: loading %d blocks failed (%s); they are recomputed", count, exc)
             ok = [False] * count
-        good = _leading(ok)
+        good = leading(ok)
         self.metrics.add("failed_loads", ok.count(False))
         self.staging.give(bufs[good:])
         if good == 0:
@@ -357,7 +256,7 @@ class KVStoreConnectorScheduler(KvCacheConnectorScheduler):
                 continue
             try:
                 self.store.release(keys)
-            except _STORE_FAILURES:
+            except STORE_FAILURES:
                 pass
 
     def close(self) -> None:
@@ -370,246 +269,10 @@ class KVStoreConnectorScheduler(KvCacheConnectorScheduler):
         self.staging.clear()
         self.metrics.close()
         self.store = None
-        _release_store(self._url)
+        release_store(self._url)
 
     shutdown = close
 
 
-class KVStoreConnectorWorker(KvCacheConnectorWorker):
-    """Every rank: moves whole blocks between the engine's KV pool and kvstore.
-
-    ``staging_bytes`` bounds this worker's host staging (pinned where CUDA is
-    available); a save that does not fit is dropped and counted, never allocated."""
-
-    def __init__(self, llm_args: Any, *, rank: int | None = None, staging_bytes: int = STAGING_BYTES) -> None:
-        super().__init__(llm_args)
-        self.scheme = _scheme(llm_args)
-        self._url = _check_store_reach(llm_args, self.scheme)
-        if rank is None:
-            from tensorrt_llm._utils import mpi_rank
-
-            rank = mpi_rank()
-        self.rank = int(rank) % self.scheme.world_size
-        self.store = _acquire_store(self._url)
-        self.metrics = ConnectorMetrics(self.store, "trtllm")
-        self.staging = HostStaging(staging_bytes, on_change=lambda n: self.metrics.set("staging_bytes", n))
-        self.kv_cache: Any = None
-        self.layout: PoolLayout | None = None
-        self._saves: dict[int, list[Future]] = {}
-        self._finishing: set[int] = set()
-        self._in_flight: list[tuple[Any, HostStaging, list]] = []   # (event, staging, buffers)
-        self._saver: ThreadPoolExecutor | None = None
-
-    def register_kv_caches(self, kv_cache_tensor: Any) -> None:
-        """``kv_cache_tensor``: the primary pool, ``(num_blocks, layers, kv_factor,
-        tokens_per_block * heads * head_dim)``; the engine owns it."""
-        if kv_cache_tensor.dim() < 2 or not kv_cache_tensor.is_contiguous():
-            raise ConfigError(f"trtllm connector: expected one contiguous KV pool indexed by block id, got "
-                              f"shape {tuple(kv_cache_tensor.shape)}")
-        self.kv_cache = kv_cache_tensor
-        block = kv_cache_tensor[0]
-        self.layout = PoolLayout(str(kv_cache_tensor.dtype), tuple(int(d) for d in block.shape),
-                                 block.numel() * block.element_size())
-        LOCAL.set_layout(self._url or "", self.rank, self.layout)
-
-    def _keys(self, transfers: Sequence[Transfer]) -> list:
-        return self.scheme.rank_keys([t.content for t in transfers], self.rank, self.layout)
-
-    # -- loads --------------------------------------------------------------------------
-
-    def start_load_kv(self, stream: Any) -> None:
-        """Copy this pass's loads into their blocks, ordered on ``stream`` (the forward
-        pass's), before the forward pass is enqueued. Blocks the scheduler staged
-        (TP=1) are already verified; otherwise this rank loads its shard here and,
-        if a promised block cannot be loaded and verified, raises before the forward
-        pass: TensorRT-LLM has no channel to report it (docs/trtllm.md)."""
-        meta = self.get_connector_meta()
-        if meta is None or not meta.loads:
-            return
-        self._reap()
-        for group in meta.loads:
-            dsts = [self.kv_cache[t.block_id] for t in group.transfers]
-            if group.ticket is not None:
-                claimed = LOCAL.claim(group.ticket)
-                if claimed is None:
-                    raise KVStoreError("trtllm connector: staged blocks for request "
-                                       f"{group.request_id} are gone; refusing to run on unloaded KV")
-                staging, bufs = claimed
-            else:
-                staging, bufs = self.staging, self._load_shard(group)
-            self._copy_in(stream, staging, bufs, dsts)
-            self.metrics.add("loaded_tokens", group.tokens)
-
-    def _load_shard(self, group: LoadGroup) -> list:
-        n = len(group.transfers)
-        bufs = self.staging.take(self.layout.block_nbytes, n)
-        if bufs is None:
-            self.metrics.add("failed_loads", n)
-            raise KVStoreError(f"trtllm connector: no staging room for {n} promised blocks; raise staging_bytes")
-        try:
-            ok = list(self.store.load(self._keys(group.transfers), bufs).result())
-        except (BufferSizeError, *_STORE_FAILURES) as exc:
-            ok, cause = [False] * n, exc
-        else:
-            cause = None
-        if not all(ok):
-            self.staging.give(bufs)
-            self.metrics.add("failed_loads", ok.count(False))
-            raise KVStoreError(f"trtllm connector: rank {self.rank} could not load and verify "
-                               f"{ok.count(False)} promised blocks of request {group.request_id}; refusing to "
-                               "run the forward pass on unloaded KV") from cause
-        return bufs
-
-    def _copy_in(self, stream: Any, staging: HostStaging, bufs: list, dsts: list) -> None:
-        import torch
-
-        with _on(stream):
-            for buf, dst in zip(bufs, dsts):
-                dst.view(torch.uint8).view(-1).copy_(buf, non_blocking=True)
-            event = _record(stream, dsts)
-        self._in_flight.append((event, staging, bufs))
-
-    def _reap(self) -> None:
-        """Hand back staging buffers whose copies have completed."""
-        keep = []
-        for event, staging, bufs in self._in_flight:
-            if event is None or event.query():
-                staging.give(bufs)
-            else:
-                keep.append((event, staging, bufs))
-        self._in_flight = keep
-
-    def wait_for_layer_load(self, layer_idx: int, stream: Any) -> None:
-        """Nothing to wait for: loads were enqueued on the forward stream before it."""
-
-    # -- saves --------------------------------------------------------------------------
-
-    def save_kv_layer(self, layer_idx: int, stream: Any) -> None:
-        """Nothing per layer: whole blocks are saved once the forward pass is done."""
-
-    def wait_for_save(self, stream: Any) -> None:
-        """Copy this pass's full blocks into host staging, ordered after the forward
-        pass on ``stream`` (no host synchronisation), and store them from a saver
-        thread once the copy's event completes. Under MLA only rank 0 writes."""
-        meta = self.get_connector_meta()
-        if meta is None or not meta.saves:
-            return
-        self._reap()
-        if self.layout.mla and self.rank != 0:
-            return
-        by_request: dict[int, list[Transfer]] = {}
-        for t in meta.saves:
-            by_request.setdefault(t.request_id, []).append(t)
-        for request_id, transfers in by_request.items():
-            bufs = self.staging.take(self.layout.block_nbytes, len(transfers))
-            if bufs is None:
-                self.metrics.add("dropped_saves", len(transfers))
-                continue
-            srcs = [self.kv_cache[t.block_id] for t in transfers]
-            event = self._copy_out(stream, srcs, bufs)
-            self._saves.setdefault(request_id, []).append(self._submit_save(self._keys(transfers), bufs, event))
-
-    def _copy_out(self, stream: Any, srcs: list, bufs: list) -> Any:
-        import torch
-
-        with _on(stream):
-            for src, buf in zip(srcs, bufs):
-                buf.copy_(src.view(torch.uint8).view(-1), non_blocking=True)
-            event = _record(stream, srcs)
-        return event
-
-    def _submit_save(self, keys: list, bufs: list, event: Any) -> Future:
-        def run() -> list[bool]:
-            try:
-                if event is not None:
-                    event.synchronize()
-                return list(self.store.save(keys, bufs).result())
-            finally:
-                self.staging.give(bufs)
-
-        if event is None:              # the copy is done (host tensors): no thread needed
-            try:
-                future = self.store.save(keys, bufs)
-            except _STORE_FAILURES as exc:
-                self.staging.give(bufs)
-                failed: Future = Future()
-                failed.set_exception(exc)
-                return failed
-            future.add_done_callback(lambda _f: self.staging.give(bufs))
-            return future
-        if self._saver is None:
-            self._saver = ThreadPoolExecutor(1, thread_name_prefix="kvstore-trtllm-save")
-        return self._saver.submit(run)
-
-    def get_finished(self, finished_gen_req_ids: List[int],
-                     started_loading_req_ids: List[int]) -> Tuple[List[int], List[int]]:
-        """(requests whose saves are done, requests whose async loads are done). Loads
-        are never asynchronous here, so any request said to be loading is done."""
-        self._reap()
-        self._finishing.update(finished_gen_req_ids)
-        done = []
-        for request_id in sorted(self._finishing):
-            futures = self._saves.get(request_id, [])
-            if all(f.done() for f in futures):
-                for f in futures:
-                    self._count_save(f)
-                self._saves.pop(request_id, None)
-                done.append(request_id)
-        self._finishing.difference_update(done)
-        return done, list(started_loading_req_ids)
-
-    def _count_save(self, future: Future) -> None:
-        try:
-            ok = future.result()
-        except (KVStoreError, *_STORE_FAILURES) as exc:
-            log.warning("trtllm: a block save failed: %s", exc)
-            self.metrics.add("dropped_saves", 1)
-            return
-        self.metrics.add("dropped_saves", len(ok) - sum(ok))
-
-    def close(self) -> None:
-        """Wait for saves in flight, then drop this worker's reference to the Store."""
-        if self.store is None:
-            return
-        for futures in self._saves.values():
-            for f in futures:
-                self._count_save(f)
-        self._saves.clear()
-        if self._saver is not None:
-            self._saver.shutdown(wait=True)
-        for event, staging, bufs in self._in_flight:
-            if event is not None:
-                event.synchronize()
-            staging.give(bufs)
-        self._in_flight = []
-        LOCAL.set_layout(self._url or "", self.rank, None)
-        self.staging.clear()
-        self.metrics.close()
-        self.store = None
-        _release_store(self._url)
-
-    shutdown = close
-
-
-def _on(stream: Any) -> Any:
-    """Issue copies on ``stream`` when it is a CUDA stream; host copies need none."""
-    import torch
-
-    if stream is not None and torch.cuda.is_available() and isinstance(stream, torch.cuda.Stream):
-        return torch.cuda.stream(stream)
-    return nullcontext()
-
-
-def _record(stream: Any, tensors: list) -> Any:
-    """An event after the copies just issued, or ``None`` when they were host copies
-    (already complete)."""
-    import torch
-
-    if not tensors or tensors[0].device.type != "cuda":
-        return None
-    event = torch.cuda.Event()
-    event.record(stream if isinstance(stream, torch.cuda.Stream) else torch.cuda.current_stream())
-    return event
-
-
-__all__ = ["ConnectorMeta", "KVStoreConnectorScheduler", "KVStoreConnectorWorker", "STAGING_BYTES"]
+__all__ = ["ConnectorMeta", "KVStoreConnectorScheduler", "KVStoreConnectorWorker", "STAGING_BYTES", "acquire_store",
+           "release_store"]

@@ -44,6 +44,21 @@ def llm_args(tp: int = 1, server_url: str | None = None, kv_dtype: str = "float1
             connector_module="connectors.trtllm", connector_scheduler_class="KVStoreConnectorScheduler",
             connector_worker_class="KVStoreConnectorWorker", server_url=server_url))
 
+@pytest.fixture
+def kvstore_url(tmp_path):
+    """A ``kvstore serve`` process on a free loopback port (TP>1 needs a server)."""
+    from tests._serve import start_server, stop_server
+    from kvstore.testing import free_port
+
+    port = free_port()
+    cfg = tmp_path / "serve.yaml"
+    cfg.write_text(f"server: {{host: 127.0.0.1, port: {port}, admin_port: null}}\n"
+                   "tiers:\n  - {name: hot, kind: dram, capacity: 16MiB}\n")
+    proc = start_server(str(cfg), port, tmp_path / "serve.log")
+    yield f"kvstore://127.0.0.1:{port}"
+    stop_server(proc)
+
+
 
 def expected_block(tokens: list[int], idx: int, rank: int, kv_factor: int = 2,
                    dtype: "torch.dtype | None" = None) -> "torch.Tensor":
@@ -395,7 +410,7 @@ def test_a_requery_releases_the_lease_it_replaces(engine):
 
 
 def test_two_kv_dtypes_never_share_keys(engine, trt):
-    keep = trt._acquire_store(None)               # keep the shared embedded Store across engines
+    trt.acquire_store(None)                      # keep the shared embedded Store across engines
     try:
         fp16 = engine(llm_args(kv_dtype="auto"))
         a = standin.LlmRequest(1, PROMPT)
@@ -411,7 +426,7 @@ def test_two_kv_dtypes_never_share_keys(engine, trt):
         again = engine(llm_args(kv_dtype="auto"))
         assert again.prefill(standin.LlmRequest(4, PROMPT)) == 4 * BS
     finally:
-        trt._release_store(None)
+        trt.release_store(None)
 
 
 def test_saves_never_synchronize_the_forward_stream(engine):
@@ -449,14 +464,14 @@ def test_counters_reach_store_stats(engine):
 
 
 def test_counters_detach_on_close(engine, trt):
-    store = trt._acquire_store(None)
+    store = trt.acquire_store(None)
     try:
         eng = engine()
         assert "trtllm" in store.stats()["connectors"]
         eng.close()
         assert "trtllm" not in store.stats()["connectors"]
     finally:
-        trt._release_store(None)
+        trt.release_store(None)
 
 
 def test_tensor_parallel_needs_a_server(trt):
@@ -482,60 +497,38 @@ def test_keys_depend_on_rank_salt_and_layout(trt):
 @pytest.mark.skipif(importlib.util.find_spec("kvstore.client") is None
                     or importlib.util.find_spec("kvstore.server") is None,
                     reason="tensor parallelism needs the kvstore cache server (kvstore.client/server)")
-def test_tensor_parallel_ranks_through_a_server(engine, tmp_path):
-    from tests._serve import start_server as _start, stop_server as _stop
-    from kvstore.testing import free_port
-
-    port = free_port()
-    cfg = tmp_path / "serve.yaml"
-    cfg.write_text(f"server: {{host: 127.0.0.1, port: {port}, admin_port: null}}\n"
-                   "tiers:\n  - {name: hot, kind: dram, capacity: 16MiB}\n")
-    proc = _start(str(cfg), port, tmp_path / "serve.log")
-    try:
-        eng = engine(llm_args(tp=2, server_url=f"kvstore://127.0.0.1:{port}"))
-        a = standin.LlmRequest(1, PROMPT)
-        eng.prefill(a)
-        eng.finish(a)
-        # rank 1 loses its copy of block 2: the scheduler only promises what every rank has
-        keys = rank_keys(eng, PROMPT, 1)
-        eng.scheduler.store.delete(keys[2:3])
-        for p in eng.pools:
-            p.zero_()
-        b = standin.LlmRequest(2, PROMPT)
-        assert eng.prefill(b) == 2 * BS
-        for rank in (0, 1):
-            for idx in range(4):
-                assert torch.equal(eng.block(b, idx, rank), expected_block(PROMPT, idx, rank))
-    finally:
-        _stop(proc)
+def test_tensor_parallel_ranks_through_a_server(engine, kvstore_url):
+    eng = engine(llm_args(tp=2, server_url=kvstore_url))
+    a = standin.LlmRequest(1, PROMPT)
+    eng.prefill(a)
+    eng.finish(a)
+    # rank 1 loses its copy of block 2: the scheduler only promises what every rank has
+    keys = rank_keys(eng, PROMPT, 1)
+    eng.scheduler.store.delete(keys[2:3])
+    for p in eng.pools:
+        p.zero_()
+    b = standin.LlmRequest(2, PROMPT)
+    assert eng.prefill(b) == 2 * BS
+    for rank in (0, 1):
+        for idx in range(4):
+            assert torch.equal(eng.block(b, idx, rank), expected_block(PROMPT, idx, rank))
 
 
 @pytest.mark.skipif(importlib.util.find_spec("kvstore.client") is None
                     or importlib.util.find_spec("kvstore.server") is None,
                     reason="tensor parallelism needs the kvstore cache server (kvstore.client/server)")
-def test_mla_two_ranks_store_one_copy_and_both_read_it(engine, tmp_path):
-    from tests._serve import start_server as _start, stop_server as _stop
-    from kvstore.testing import free_port
-
-    port = free_port()
-    cfg = tmp_path / "serve.yaml"
-    cfg.write_text(f"server: {{host: 127.0.0.1, port: {port}, admin_port: null}}\n"
-                   "tiers:\n  - {name: hot, kind: dram, capacity: 16MiB}\n")
-    proc = _start(str(cfg), port, tmp_path / "serve.log")
-    try:
-        eng = engine(llm_args(tp=2, server_url=f"kvstore://127.0.0.1:{port}"), kv_factor=1)
-        a = standin.LlmRequest(1, PROMPT)
-        eng.prefill(a)
-        eng.finish(a)
-        assert eng.scheduler.store.stats()["blocks"] == 4          # one replicated copy, not one per rank
-        for p in eng.pools:
-            p.zero_()
-        b = standin.LlmRequest(2, PROMPT)
-        assert eng.prefill(b) == 4 * BS
-        for rank in (0, 1):
-            for idx in range(4):
-                assert torch.equal(eng.block(b, idx, rank), expected_block(PROMPT, idx, 0, kv_factor=1))
-        eng.finish(b)
-        assert eng.scheduler.store.stats()["leases"] == 0
-    finally:
-        _stop(proc)
+def test_mla_two_ranks_store_one_copy_and_both_read_it(engine, kvstore_url):
+    eng = engine(llm_args(tp=2, server_url=kvstore_url), kv_factor=1)
+    a = standin.LlmRequest(1, PROMPT)
+    eng.prefill(a)
+    eng.finish(a)
+    assert eng.scheduler.store.stats()["blocks"] == 4          # one replicated copy, not one per rank
+    for p in eng.pools:
+        p.zero_()
+    b = standin.LlmRequest(2, PROMPT)
+    assert eng.prefill(b) == 4 * BS
+    for rank in (0, 1):
+        for idx in range(4):
+            assert torch.equal(eng.block(b, idx, rank), expected_block(PROMPT, idx, 0, kv_factor=1))
+    eng.finish(b)
+    assert eng.scheduler.store.stats()["leases"] == 0
