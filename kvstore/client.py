@@ -29,14 +29,13 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator, Sequence
 
-import numpy as np
-
-from kvstore.buffers import copy_bytes, host_view, is_device, nbytes_of
-from kvstore.errors import (BufferSizeError, ConfigError, InvalidArgumentError, KVStoreError, RemoteError, StoreClosedError,
+from kvstore.buffers import nbytes_of
+from kvstore.errors import (ConfigError, InvalidArgumentError, KVStoreError, RemoteError, StoreClosedError,
                             TierUnavailableError, TransportError)
 from kvstore.keys import BlockKey
 from kvstore.server import _protocol as P
-from kvstore._copy import copy_batch
+from kvstore._client_shm import SameHostPath
+from kvstore._client_tcp import tcp_get, tcp_put
 from kvstore._stats import sum_stat_sources
 from kvstore._streams import capture, submit
 from kvstore._wire import Address, ArenaMap, Conn
@@ -104,6 +103,9 @@ class Client:
         self._copy_threads = max(1, copy_threads) if self._arena is not None else 1
         self._copier = ThreadPoolExecutor(self._copy_threads - 1, thread_name_prefix="kvstore-copy") \
             if self._copy_threads > 1 else None
+        self._shm = (SameHostPath(self._arena, copier=self._copier, copy_threads=self._copy_threads,
+                                  staging_bytes=self._staging_bytes, max_batch=self._max_batch)
+                     if self._arena is not None else None)
         self.fallbacks = FallbackCounter()
         self._nixl: Any = None
         if self._arena is None and transport in ("auto", "nixl"):
@@ -298,7 +300,7 @@ class Client:
             return out
         limit = min(self._max_payload, self._staging_bytes) if self._arena is not None else self._max_payload
         for lo, hi in self._batches(srcs, limit):
-            put = self._shm_put if self._arena is not None else self._nixl_put if self._nixl else self._tcp_put
+            put = self._shm.put if self._shm is not None else self._nixl_put if self._nixl else tcp_put
             out += self._run(lambda c: put(c, keys[lo:hi], srcs[lo:hi]))
         return out
 
@@ -306,30 +308,10 @@ class Client:
         out: list[bool] = []
         if not keys:
             return out
-        get = self._shm_get if self._arena is not None else self._nixl_get if self._nixl else self._tcp_get
+        get = self._shm.get if self._shm is not None else self._nixl_get if self._nixl else tcp_get
         for lo, hi in self._batches(dsts, self._max_payload):
             out += self._run(lambda c: get(c, keys[lo:hi], dsts[lo:hi]))
         return out
-
-    def _tcp_put(self, conn: Conn, keys: list[BlockKey], srcs: list[Any]) -> list[bool]:
-        sizes = [nbytes_of(s) for s in srcs]
-        views = [memoryview(_host_copy(s)) for s in srcs]
-        _, body = conn.call(P.Op.PUT, P.encode_records(P.SIZED, keys, sizes), views)
-        return P.decode_flags(body, len(keys))
-
-    def _tcp_get(self, conn: Conn, keys: list[BlockKey], dsts: list[Any]) -> list[bool]:
-        sizes = [nbytes_of(d) for d in dsts]
-        hdr, body = conn.call(P.Op.GET, P.encode_records(P.SIZED, keys, sizes))
-        got = P.decode_sizes(body, len(keys)).tolist()
-        expected = sum(s for s in got if s > 0)
-        if hdr.payload_len != expected or any(s >= 0 and s != w for s, w in zip(got, sizes)):
-            conn.close()
-            raise RemoteError(f"server {conn.addr}: GET reply sizes do not match the request")
-        for dst, size in zip(dsts, got):
-            if size > 0:
-                _recv_block(conn, dst, size)
-        _raise_mismatch(keys, got, sizes)
-        return [s >= 0 for s in got]
 
     def _nixl_call(self, conn: Conn, fn: Callable[[], Any]) -> Any:
         """Run a NIXL operation; on a NIXL/UCX failure (the connection itself intact)
@@ -348,96 +330,17 @@ class Client:
     def _nixl_get(self, conn: Conn, keys: list[BlockKey], dsts: list[Any]) -> list[bool]:
         res = self._nixl_call(conn, lambda p: p.get(conn, keys, dsts))
         if res is None:
-            return self._tcp_get(conn, keys, dsts)
+            return tcp_get(conn, keys, dsts)
         out, later = res
         if later:  # held in a slower tier on the server: fetched over TCP
-            got = self._tcp_get(conn, [keys[i] for i in later], [dsts[i] for i in later])
+            got = tcp_get(conn, [keys[i] for i in later], [dsts[i] for i in later])
             for i, ok in zip(later, got):
                 out[i] = ok
         return out
 
     def _nixl_put(self, conn: Conn, keys: list[BlockKey], srcs: list[Any]) -> list[bool]:
         res = self._nixl_call(conn, lambda p: p.put(conn, keys, srcs))
-        return self._tcp_put(conn, keys, srcs) if res is None else res
-
-    def _shm_put(self, conn: Conn, keys: list[BlockKey], srcs: list[Any]) -> list[bool]:
-        if not self._arena.writable:
-            return self._staged_put(conn, keys, srcs)
-        # Reserve slots in the server's arena, write the blocks straight into them,
-        # commit: one copy, no staging. Blocks it found no room for go through staging.
-        sizes = [nbytes_of(s) for s in srcs]
-        _, body = conn.call(P.Op.SHM_RESERVE, P.encode_records(P.SIZED, keys, sizes))
-        rid, placed = P.decode_placed(body, len(keys))
-        got = placed["nbytes"]
-        take = np.flatnonzero(got >= 0)
-        try:
-            if len(take):
-                off = placed["offset"][take]
-                if (got[take] != np.asarray(sizes)[take]).any() or int((off + got[take]).max()) > self._arena.nbytes:
-                    raise RemoteError(f"server {conn.addr}: SHM_RESERVE placement outside the arena "
-                                      "or of the wrong size")
-                idx = take.tolist()
-                copy_batch([srcs[i] for i in idx], [sizes[i] for i in idx], self._arena.array, self._arena.address,
-                           off.tolist(), True, self._copier, self._copy_threads, self._arena.pin)
-        except BaseException:
-            if rid and not conn.broken:
-                conn.call(P.Op.SHM_COMMIT, P.encode_commit(rid, False))
-            raise
-        out = P.decode_flags(conn.call(P.Op.SHM_COMMIT, P.encode_commit(rid, True))[1], len(keys)) if rid \
-            else [False] * len(keys)
-        for i in np.flatnonzero(got == P.PRESENT).tolist():
-            out[i] = True
-        rest = np.flatnonzero(got == P.MISS).tolist()
-        if rest:
-            for i, ok in zip(rest, self._staged_put(conn, [keys[i] for i in rest], [srcs[i] for i in rest])):
-                out[i] = ok
-        return out
-
-    def _staged_put(self, conn: Conn, keys: list[BlockKey], srcs: list[Any]) -> list[bool]:
-        staging = conn.attach_staging(self._staging_bytes)
-        sizes, offsets, pos = [], [], 0
-        for src in srcs:
-            n = nbytes_of(src)
-            sizes.append(n)
-            offsets.append(pos)
-            pos += n
-        copy_batch(srcs, sizes, staging.array, staging.address, offsets, True, self._copier, self._copy_threads)
-        _, body = conn.call(P.Op.SHM_PUT, P.encode_records(P.STAGED, keys, sizes, offsets))
-        return P.decode_flags(body, len(keys))
-
-    def _shm_get(self, conn: Conn, keys: list[BlockKey], dsts: list[Any]) -> list[bool]:
-        sizes = [nbytes_of(d) for d in dsts]
-        _, body = conn.call(P.Op.SHM_GET, P.encode_records(P.SIZED, keys, sizes))
-        lid, placed = P.decode_placed(body, len(keys))
-        got, where = placed["nbytes"], placed["where"]
-        try:
-            want = np.asarray(sizes, dtype=np.int64)
-            if ((got >= 0) & (got != want)).any():
-                raise RemoteError(f"server {conn.addr}: SHM_GET placed a block of another size than its buffer")
-            out = (got >= 0).tolist()
-            for code, region in ((P.WHERE_ARENA, self._arena), (P.WHERE_STAGING, conn.staging)):
-                idx = np.flatnonzero((got >= 0) & (where == code))
-                if not len(idx):
-                    continue
-                off = placed["offset"][idx]
-                if region is None or int((off + got[idx]).max()) > region.nbytes:
-                    raise RemoteError(f"server {conn.addr}: SHM_GET placement outside the shared regions")
-                ii = idx.tolist()
-                copy_batch([dsts[i] for i in ii], [sizes[i] for i in ii], region.array, region.address,
-                           off.tolist(), False, self._copier, self._copy_threads,
-                           self._arena.pin if code == P.WHERE_ARENA else None)
-        finally:
-            if lid:
-                conn.send(P.Op.SHM_DONE, P.encode_u64(lid))
-        _raise_mismatch(keys, got.tolist(), sizes)
-        socket_idx = np.flatnonzero((got >= 0) & (where == P.WHERE_SOCKET)).tolist()
-        if socket_idx:
-            if conn.staging is None:  # next time the server loads such blocks into staging
-                conn.attach_staging(self._staging_bytes)
-            res = self._tcp_get(conn, [keys[i] for i in socket_idx], [dsts[i] for i in socket_idx])
-            for i, ok in zip(socket_idx, res):
-                out[i] = ok
-        return out
+        return tcp_put(conn, keys, srcs) if res is None else res
 
     # -- batching ---------------------------------------------------------------------------------
 
@@ -497,30 +400,6 @@ def _check_pairs(keys: Sequence[BlockKey], bufs: Sequence[Any]) -> tuple[list, l
     if len(set(keys)) != len(keys):
         raise InvalidArgumentError("a key appears twice in one batch")
     return list(keys), list(bufs)
-
-
-def _host_copy(buf: Any) -> np.ndarray:
-    """A host view of ``buf`` (a staged copy only for device tensors)."""
-    if is_device(buf):
-        out = np.empty(nbytes_of(buf), np.uint8)
-        copy_bytes(out, buf)
-        return out
-    return host_view(buf)
-
-
-def _recv_block(conn: Conn, dst: Any, size: int) -> None:
-    if is_device(dst):
-        tmp = np.empty(size, np.uint8)
-        conn.recv_into(memoryview(tmp))
-        copy_bytes(dst, tmp)
-    else:
-        conn.recv_into(memoryview(host_view(dst, writable=True)))
-
-
-def _raise_mismatch(keys: list[BlockKey], got: list[int], sizes: list[int]) -> None:
-    for key, g, want in zip(keys, got, sizes):
-        if g == P.SIZE_MISMATCH:
-            raise BufferSizeError(f"buffer for {key!r} has {want} bytes; the stored block differs")
 
 
 __all__ = ["Client"]

@@ -1,0 +1,114 @@
+"""The cache client's same-host data path: blocks move through the server's DRAM arena,
+mapped into this process (reserve, fill in place, commit; or read a leased slot), or
+through a staging region the client owns when it may only read the arena. Blocks the
+server holds only below its first tier come over the socket (:mod:`kvstore._client_tcp`).
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Executor
+from typing import Any
+
+import numpy as np
+
+from kvstore._client_tcp import raise_mismatch, tcp_get
+from kvstore._copy import copy_batch
+from kvstore._wire import ArenaMap, Conn
+from kvstore.buffers import nbytes_of
+from kvstore.errors import RemoteError
+from kvstore.keys import BlockKey
+from kvstore.server import _protocol as P
+
+
+class SameHostPath:
+    """Puts and gets through ``arena`` (the server's, mapped here). ``copier`` and
+    ``copy_threads`` split large copies; ``staging_bytes`` sizes the staging region."""
+
+    def __init__(self, arena: ArenaMap, *, copier: Executor | None, copy_threads: int, staging_bytes: int,
+                 max_batch: int) -> None:
+        self._arena = arena
+        self._copier, self._copy_threads = copier, copy_threads
+        self._staging_bytes = staging_bytes
+        self.max_batch = max_batch
+
+    def put(self, conn: Conn, keys: list[BlockKey], srcs: list[Any]) -> list[bool]:
+        if not self._arena.writable:
+            return self._staged_put(conn, keys, srcs)
+        # Reserve slots in the server's arena, write the blocks straight into them,
+        # commit: one copy, no staging. Blocks it found no room for go through staging.
+        sizes = [nbytes_of(s) for s in srcs]
+        _, body = conn.call(P.Op.SHM_RESERVE, P.encode_records(P.SIZED, keys, sizes))
+        rid, placed = P.decode_placed(body, len(keys))
+        got = placed["nbytes"]
+        take = np.flatnonzero(got >= 0)
+        try:
+            if len(take):
+                off = placed["offset"][take]
+                if (got[take] != np.asarray(sizes)[take]).any() or int((off + got[take]).max()) > self._arena.nbytes:
+                    raise RemoteError(f"server {conn.addr}: SHM_RESERVE placement outside the arena "
+                                      "or of the wrong size")
+                idx = take.tolist()
+                copy_batch([srcs[i] for i in idx], [sizes[i] for i in idx], self._arena.array, self._arena.address,
+                           off.tolist(), True, self._copier, self._copy_threads, self._arena.pin)
+        except BaseException:
+            if rid and not conn.broken:
+                conn.call(P.Op.SHM_COMMIT, P.encode_commit(rid, False))
+            raise
+        out = P.decode_flags(conn.call(P.Op.SHM_COMMIT, P.encode_commit(rid, True))[1], len(keys)) if rid \
+            else [False] * len(keys)
+        for i in np.flatnonzero(got == P.PRESENT).tolist():
+            out[i] = True
+        rest = np.flatnonzero(got == P.MISS).tolist()
+        if rest:
+            for i, ok in zip(rest, self._staged_put(conn, [keys[i] for i in rest], [srcs[i] for i in rest])):
+                out[i] = ok
+        return out
+
+    def _staged_put(self, conn: Conn, keys: list[BlockKey], srcs: list[Any]) -> list[bool]:
+        staging = conn.attach_staging(self._staging_bytes)
+        sizes, offsets, pos = [], [], 0
+        for src in srcs:
+            n = nbytes_of(src)
+            sizes.append(n)
+            offsets.append(pos)
+            pos += n
+        copy_batch(srcs, sizes, staging.array, staging.address, offsets, True, self._copier, self._copy_threads)
+        _, body = conn.call(P.Op.SHM_PUT, P.encode_records(P.STAGED, keys, sizes, offsets))
+        return P.decode_flags(body, len(keys))
+
+    def get(self, conn: Conn, keys: list[BlockKey], dsts: list[Any]) -> list[bool]:
+        sizes = [nbytes_of(d) for d in dsts]
+        _, body = conn.call(P.Op.SHM_GET, P.encode_records(P.SIZED, keys, sizes))
+        lid, placed = P.decode_placed(body, len(keys))
+        got, where = placed["nbytes"], placed["where"]
+        try:
+            want = np.asarray(sizes, dtype=np.int64)
+            if ((got >= 0) & (got != want)).any():
+                raise RemoteError(f"server {conn.addr}: SHM_GET placed a block of another size than its buffer")
+            out = (got >= 0).tolist()
+            for code, region in ((P.WHERE_ARENA, self._arena), (P.WHERE_STAGING, conn.staging)):
+                idx = np.flatnonzero((got >= 0) & (where == code))
+                if not len(idx):
+                    continue
+                off = placed["offset"][idx]
+                if region is None or int((off + got[idx]).max()) > region.nbytes:
+                    raise RemoteError(f"server {conn.addr}: SHM_GET placement outside the shared regions")
+                ii = idx.tolist()
+                copy_batch([dsts[i] for i in ii], [sizes[i] for i in ii], region.array, region.address,
+                           off.tolist(), False, self._copier, self._copy_threads,
+                           self._arena.pin if code == P.WHERE_ARENA else None)
+        finally:
+            if lid:
+                conn.send(P.Op.SHM_DONE, P.encode_u64(lid))
+        raise_mismatch(keys, got.tolist(), sizes)
+        socket_idx = np.flatnonzero((got >= 0) & (where == P.WHERE_SOCKET)).tolist()
+        if socket_idx:
+            if conn.staging is None:  # next time the server loads such blocks into staging
+                conn.attach_staging(self._staging_bytes)
+            res = tcp_get(conn, [keys[i] for i in socket_idx], [dsts[i] for i in socket_idx])
+            for i, ok in zip(socket_idx, res):
+                out[i] = ok
+        return out
+
+
+__all__ = ["SameHostPath"]
