@@ -326,34 +326,35 @@ class KVStoreHiCacheStorage(HiCacheStorage):
     def _staged_load(self, segs: PoolSegments, keys: list, starts: Any) -> list[bool]:
         """Load one block per page into staging, then write into the pool only the
         pages whose every byte verified."""
-        assert self._staging is not None
         pb, ok = segs.page_bytes, []
-        per = self._staging.nbytes // pb
-        with self._staging.buffer() as buf:
-            for lo in range(0, len(keys), per):
-                n = min(per, len(keys) - lo)
-                host = buf.numpy()
-                got = self._load(keys[lo:lo + n], [host[i * pb:(i + 1) * pb] for i in range(n)])
-                if all(got):
-                    segs.scatter(starts[lo:lo + n], buf[:n * pb])
-                else:
-                    for i in (i for i in range(n) if got[i]):
-                        segs.scatter(starts[lo + i:lo + i + 1], buf[i * pb:(i + 1) * pb])
-                ok += got
+        for lo, n, buf in self._staged_batches(len(keys), pb):
+            host = buf.numpy()
+            got = self._load(keys[lo:lo + n], [host[i * pb:(i + 1) * pb] for i in range(n)])
+            if all(got):
+                segs.scatter(starts[lo:lo + n], buf[:n * pb])
+            else:
+                for i in (i for i in range(n) if got[i]):
+                    segs.scatter(starts[lo + i:lo + i + 1], buf[i * pb:(i + 1) * pb])
+            ok += got
         return ok
 
     def _staged_save(self, segs: PoolSegments, keys: list, starts: Any) -> list[bool]:
         """Gather pages into staging and store one block per page."""
-        assert self._staging is not None
         pb, ok = segs.page_bytes, []
-        per = self._staging.nbytes // pb
-        with self._staging.buffer() as buf:
-            for lo in range(0, len(keys), per):
-                n = min(per, len(keys) - lo)
-                segs.gather(starts[lo:lo + n], buf[:n * pb])
-                host = buf.numpy()
-                ok += self._save(keys[lo:lo + n], [host[i * pb:(i + 1) * pb] for i in range(n)])
+        for lo, n, buf in self._staged_batches(len(keys), pb):
+            segs.gather(starts[lo:lo + n], buf[:n * pb])
+            host = buf.numpy()
+            ok += self._save(keys[lo:lo + n], [host[i * pb:(i + 1) * pb] for i in range(n)])
         return ok
+
+    def _staged_batches(self, count: int, page_bytes: int) -> Any:
+        """``(first, n, buffer)`` for each run of pages that fits the staging buffer
+        (held for the whole iteration)."""
+        assert self._staging is not None
+        per = self._staging.nbytes // page_bytes
+        with self._staging.buffer() as buf:
+            for lo in range(0, count, per):
+                yield lo, min(per, count - lo), buf
 
     @staticmethod
     def _per_page(ok: list[bool], segments: int) -> list[bool]:
