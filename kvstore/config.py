@@ -173,7 +173,7 @@ class ServerConfig(_Frozen):
     _token_given = model_validator(mode="before")(_no_empty_token)
     transport: Literal["auto", "tcp", "shm", "nixl"] = "auto"
     max_frame_bytes: Size = Field(256 << 20, gt=0)
-    max_batch: int = Field(4096, ge=1)
+    max_batch: int = Field(4096, ge=1, le=1 << 20)   # records per request (bounded: size sums stay exact)
     max_inflight_bytes: Size = Field(1 << 30, gt=0)
     idle_timeout_s: float = Field(300.0, gt=0)
     handshake_timeout_s: float = Field(5.0, gt=0)  # a connection must authenticate (HELLO) within this

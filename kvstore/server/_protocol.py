@@ -43,7 +43,7 @@ NOT_SENT = -3       # NIXL_GET reply size: stored in a slower tier; fetch it wit
 PRESENT = -4        # SHM_RESERVE reply size: already stored, nothing to write
 NIXL_REC = np.dtype([("key", f"V{KEY_WIRE_BYTES}"), ("nbytes", "<u8"), ("addr", "<u8")])
 _NIXL_HEAD = struct.Struct("<BxxxI")  # memory kind (0 host, 1 GPU), device id
-MAX_FIELD = 1 << 40   # largest block size or offset a record may carry (1 TiB)
+MAX_FIELD = 1 << 40   # largest block size or offset a record may carry (1 TiB; x 2**23 records < 2**64)
 
 
 class Op(enum.IntEnum):
@@ -338,7 +338,9 @@ def decode_request(header: Header, body: Any, limits: Limits) -> Any:
         args = decode_records(SIZED, body, limits)
     elif op is Op.PUT:
         args = decode_records(SIZED, body, limits)
-        total = sum(args[1]["nbytes"].tolist())     # exact: Python integers never wrap
+        # Exact: decode_records capped every size at MAX_FIELD (2**40) and a batch at
+        # max_batch records, so this unsigned sum cannot wrap.
+        total = int(args[1]["nbytes"].sum(dtype=np.uint64)) if len(args[0]) else 0
         if total != header.payload_len:
             raise ProtocolError(f"PUT announces {total} block bytes but carries {header.payload_len}")
     elif op is Op.SHM_PUT:
