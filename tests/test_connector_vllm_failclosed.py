@@ -595,3 +595,21 @@ def test_an_async_load_after_a_preemption_writes_the_new_blocks_never_the_freed_
         assert time.monotonic() < deadline
     for name, t in c2.items():                           # the loaded KV is where vLLM reads it
         assert torch.equal(t[now], f2.truth[name][:n])
+
+
+def test_a_load_over_the_staging_budget_fails_closed(engine):
+    """A load that does not fit in staging_bytes writes nothing and reports every block
+    for recompute (never a partial or stale staging buffer as KV)."""
+    seed_first_chunks(engine)
+    s2, w2, c2, f2 = engine(staging_bytes=4096)            # smaller than one chunk
+    w2._worker.in_place = False                            # the staging path itself
+    s2.add_request(vs.request("r2", PROMPT))
+    out = s2.schedule()
+    (load,) = out.kv_connector_metadata.loads
+    for t in c2.values():
+        t.fill_(0.5)
+    before = {n: t.clone() for n, t in c2.items()}
+    kv_out = vs.run_worker_step(w2, out.kv_connector_metadata)
+    assert kv_out.invalid_block_ids == set(load.block_ids)
+    assert all(torch.equal(c2[n], before[n]) for n in c2)
+    assert w2.store.stats()["connectors"]["vllm"]["failed_loads"] == 3
