@@ -124,6 +124,15 @@ def test_client_without_arena_write_access_puts_through_staging(server):
         c._arena.writable = False  # as for a process of another user: read-only map
         keys = make_keys(6, salt="staged")
         _saves_and_loads_back(c, keys)
+    # the server's request counters show which path the bytes took: staging, never a reservation
+    assert _requests(server, "SHM_PUT") >= 1
+    assert _requests(server, "SHM_RESERVE") == 0 and _requests(server, "SHM_COMMIT") == 0
+
+
+def _requests(server, op: str) -> float:
+    """Requests of ``op`` the server answered OK (its ``kvstore_requests`` counter)."""
+    value = server.server.metrics.registry.get_sample_value("kvstore_requests_total", {"op": op, "status": "OK"})
+    return value or 0.0
 
 
 def test_client_put_larger_than_the_limit_is_split_and_stored(server):
