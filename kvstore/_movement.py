@@ -2,7 +2,7 @@
 victim choice and spill on the way out, copies between tiers, and the mapping of tier
 failures into counted misses. A mixin of :class:`kvstore.store.Store`, which owns the
 state these methods use (``_levels``, ``_where``, ``_sizes``, ``_leases``, ``_pins``,
-``_lock``, ``_local``); kept apart so each module holds one job.
+``_lock``, ``_local``, ``_clock``); kept apart so each module holds one job.
 
 Locking: methods documented "caller holds the lock" run under ``Store._lock``; the others
 take it briefly and never hold it across tier I/O.
@@ -11,7 +11,6 @@ take it briefly and never hold it across tier I/O.
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -196,7 +195,7 @@ class TierMovement:
             return []
         if force:
             free = min(free, 0)
-        now = time.monotonic()
+        now = self._clock()
         victims = []
         if free >= need:
             return []

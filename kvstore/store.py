@@ -16,7 +16,7 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager, nullcontext
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 from kvstore._build import build_admission, build_eviction, build_tier
 from kvstore._movement import Level, TierMovement, parent_of
@@ -32,10 +32,14 @@ from tiers.base import Tier
 
 log = logging.getLogger(__name__)
 class Store(TierMovement):
-    """A hierarchy of tiers, fastest first. Build it with :meth:`from_config`."""
+    """A hierarchy of tiers, fastest first. Build it with :meth:`from_config`.
 
-    def __init__(self, config: StoreConfig, *, tiers: Sequence[Tier] | None = None) -> None:
+    ``clock`` (seconds, monotonic) times lease expiry; tests inject their own."""
+
+    def __init__(self, config: StoreConfig, *, tiers: Sequence[Tier] | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
+        self._clock = clock
         p = config.placement
         self.placement = Placement(WriteMode(p.write), p.promote_on_hit, p.prefetch_depth)
         self._selective_threshold = p.selective_threshold
@@ -51,7 +55,7 @@ class Store(TierMovement):
                         for t, c in zip(built, config.tiers)]
         self._where: dict[BlockKey, int] = {}     # key -> bitmask of levels holding it
         self._sizes: dict[BlockKey, int] = {}
-        self._leases: dict[BlockKey, list] = {}   # key -> [holders, monotonic expiry]
+        self._leases: dict[BlockKey, list] = {}   # key -> [holders, expiry on self._clock]
         self._pins: dict[BlockKey, int] = {}
         self._hit_counts: dict[BlockKey, int] = {}  # selective write-through only
         self._stat_sources: list[tuple[str, Any]] = []  # (name, callable) from attach_stats
@@ -116,7 +120,7 @@ class Store(TierMovement):
                 n += 1
             self._ops["lookup_hits"] += n
             if lease_s and n:
-                expiry = time.monotonic() + lease_s
+                expiry = self._clock() + lease_s
                 leases = self._leases
                 for key in keys[:n]:
                     entry = leases.get(key)

@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 from kvstore import Namespace, Store
+from kvstore.config import load_config
 from kvstore.errors import BufferSizeError, InvalidArgumentError, StoreClosedError
 
 BLOCK = 4096
@@ -72,7 +73,9 @@ def test_selective_write_through_after_repeated_hits():
 
 
 def test_lease_blocks_eviction_until_loaded_or_expired():
-    with Store.from_config({"tiers": [{"name": "only", "kind": "dram", "capacity": 2 * BLOCK}]}) as store:
+    now = [1000.0]                            # an injected clock: expiry without sleeping
+    config = load_config({"tiers": [{"name": "only", "kind": "dram", "capacity": 2 * BLOCK}]})
+    with Store(config, clock=lambda: now[0]) as store:
         keys, srcs = blocks(4)
         store.save(keys[:2], srcs[:2]).result()
         assert store.lookup(keys[:2], lease_s=30) == 2
@@ -81,9 +84,13 @@ def test_lease_blocks_eviction_until_loaded_or_expired():
         store.load(keys[:1], [np.zeros(BLOCK, np.uint8)]).result()  # loading releases that lease
         assert store.save(keys[2:3], srcs[2:3]).result() == [True]
         assert store.contains(keys[:3]) == [False, True, True]
-        assert store.lookup(keys[1:2], lease_s=0.05) == 1
-        time.sleep(0.1)
-        assert store.save(keys[3:], srcs[3:]).result() == [True]  # expired lease no longer protects
+        now[0] += 30.1                        # keys[1]'s 30 s lease has expired
+        assert store.lookup(keys[1:3], lease_s=5) == 2
+        now[0] += 4.9
+        assert store.save(keys[3:], srcs[3:]).result() == [False]  # both still leased
+        now[0] += 0.2
+        assert store.save(keys[3:], srcs[3:]).result() == [True]  # expired leases no longer protect
+        assert store.contains(keys)[3] and sum(store.contains(keys)) == 2
 
 
 def test_pin_and_delete():
