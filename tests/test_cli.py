@@ -37,7 +37,10 @@ def test_public_exports():
     import kvstore
     import kvstore.errors as errors
 
-    assert {"BlockKey", "Namespace", "Store", "KVStoreError"} <= set(kvstore.__all__)
+    # the exact public surface: a name added or dropped is a deliberate change made here too
+    assert sorted(kvstore.__all__) == ["BlockKey", "Client", "KVStoreError", "Namespace", "Store", "__version__"]
+    for name in kvstore.__all__:
+        assert getattr(kvstore, name) is not None
     assert kvstore.Store.__name__ == "Store"
     for name in errors.__all__:
         assert issubclass(getattr(errors, name), errors.KVStoreError)
