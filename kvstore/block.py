@@ -5,9 +5,9 @@ A stored block is ``HEADER_BYTES`` of header followed by the payload::
     offset size field
     0      4    magic  b"KVSB"
     4      2    format version (1)
-    6      2    flags (0)
+    6      2    flags: 0, or FLAG_SEGMENTED (bit 0)
     8      8    payload length in bytes
-    16     8    payload checksum: XXH3-64
+    16     8    payload checksum: XXH3-64, or with FLAG_SEGMENTED the segmented checksum
     24     32   key digest
     56     8    header checksum: XXH3-64 of bytes 0..56
 
@@ -29,6 +29,13 @@ A block of version 2 has ``EXT_HEADER_BYTES`` of header before its payload. Read
 that only know version 1 (:func:`parse_header`) reject it as unsupported instead of
 misplacing the payload.
 
+``FLAG_SEGMENTED`` (either version) says the payload checksum is the segmented one of
+:mod:`kvstore._segsum`: XXH3-64 of each 64 KiB segment (the last one takes the
+remainder), and XXH3-64 of those digests as little-endian 64-bit integers when there is
+more than one segment. A GPU computes it where the payload landed
+(:mod:`kvstore._segsum_cuda`). Writers set it only when asked (the NVMe tier's
+``device_verify``); readers accept both. Other flag bits are rejected as unsupported.
+
 Encoding writes the header into a caller-supplied buffer; verifying reads it from one.
 Neither copies the payload. All integers are little-endian.
 """
@@ -36,9 +43,11 @@ Neither copies the payload. All integers are little-endian.
 from __future__ import annotations
 
 import struct
+from typing import NamedTuple
 
 import xxhash
 
+from kvstore._segsum import segmented_checksum
 from kvstore.errors import CorruptBlockError
 
 MAGIC = b"KVSB"
@@ -47,33 +56,49 @@ HEADER_BYTES = 64
 EXT_VERSION = 2
 EXT_MAGIC = b"KVSX"
 EXT_HEADER_BYTES = 128
+FLAG_SEGMENTED = 0x1
+KNOWN_FLAGS = FLAG_SEGMENTED
 _HEAD = struct.Struct("<4sHHQQ32s")  # 56 bytes, then the header checksum
 _CHECK = struct.Struct("<Q")
 _EXT = struct.Struct("<4sB3x32s16x")  # 56 bytes, then the extension checksum
 
 
-def checksum(payload) -> int:
-    """XXH3-64 of a buffer (bytes, memoryview, numpy array); releases the GIL."""
+class BlockHeader(NamedTuple):
+    """What a verified header says: format version, flags, payload length and checksum."""
+
+    version: int
+    flags: int
+    length: int
+    checksum: int
+
+
+def checksum(payload, flags: int = 0) -> int:
+    """The payload checksum of a buffer (bytes, memoryview, numpy array) for a block
+    with ``flags``: XXH3-64, or the segmented checksum under :data:`FLAG_SEGMENTED`.
+    Releases the GIL while hashing."""
+    if flags & FLAG_SEGMENTED:
+        return segmented_checksum(payload)
     return xxhash.xxh3_64_intdigest(payload)
 
 
-def encode_header(digest: bytes, payload, out, *, payload_checksum: int | None = None) -> int:
+def encode_header(digest: bytes, payload, out, *, payload_checksum: int | None = None, flags: int = 0) -> int:
     """Write the header for ``payload`` (any contiguous buffer) into ``out[:HEADER_BYTES]``.
 
-    ``out`` is a writable buffer owned by the caller. Returns the payload checksum so
-    callers can index it without hashing twice.
+    ``out`` is a writable buffer owned by the caller. ``flags``: 0 or
+    :data:`FLAG_SEGMENTED` (``payload_checksum``, when given, must be the matching
+    kind). Returns the payload checksum so callers can index it without hashing twice.
     """
-    return _encode_base(VERSION, digest, payload, out, payload_checksum)
+    return _encode_base(VERSION, digest, payload, out, payload_checksum, flags)
 
 
 def encode_ext_header(digest: bytes, parent: bytes | None, payload, out, *,
-                      payload_checksum: int | None = None) -> int:
+                      payload_checksum: int | None = None, flags: int = 0) -> int:
     """Write a version-2 header (header + parent extension) for ``payload`` into
     ``out[:EXT_HEADER_BYTES]``; ``parent`` is the parent digest or ``None``. Returns the
     payload checksum."""
     if parent is not None and len(parent) != len(digest):
         raise ValueError(f"parent digest has {len(parent)} bytes, expected {len(digest)}")
-    csum = _encode_base(EXT_VERSION, digest, payload, out, payload_checksum)
+    csum = _encode_base(EXT_VERSION, digest, payload, out, payload_checksum, flags)
     target = memoryview(out).cast("B")
     _EXT.pack_into(target, HEADER_BYTES, EXT_MAGIC, parent is not None, parent or bytes(len(digest)))
     seed = _CHECK.unpack_from(target, 56)[0]
@@ -81,11 +106,13 @@ def encode_ext_header(digest: bytes, parent: bytes | None, payload, out, *,
     return csum
 
 
-def _encode_base(version: int, digest: bytes, payload, out, payload_checksum: int | None) -> int:
+def _encode_base(version: int, digest: bytes, payload, out, payload_checksum: int | None, flags: int) -> int:
+    if flags & ~KNOWN_FLAGS:
+        raise ValueError(f"unknown block flags {flags:#x}")
     mv = memoryview(payload).cast("B")
-    csum = checksum(mv) if payload_checksum is None else payload_checksum
+    csum = checksum(mv, flags) if payload_checksum is None else payload_checksum
     target = memoryview(out).cast("B")
-    _HEAD.pack_into(target, 0, MAGIC, version, 0, mv.nbytes, csum, digest)
+    _HEAD.pack_into(target, 0, MAGIC, version, flags, mv.nbytes, csum, digest)
     _CHECK.pack_into(target, 56, xxhash.xxh3_64_intdigest(target[:56]))
     return csum
 
@@ -101,11 +128,13 @@ def parse_header(header, *, digest: bytes | None = None) -> tuple[int, int]:
     """Check a version-1 header's magic, version, header checksum and (when given) key
     digest. Returns ``(payload_length, payload_checksum)``; raises
     :class:`CorruptBlockError` (also for a version-2 block: its payload starts later).
+    The checksum's kind is in the flags: readers that verify payloads use
+    :func:`parse_block_header` instead.
     """
-    version, length, csum = parse_any_header(header, digest=digest)
-    if version != VERSION:
-        raise CorruptBlockError(f"unsupported block format version {version}")
-    return length, csum
+    head = parse_block_header(header, digest=digest)
+    if head.version != VERSION:
+        raise CorruptBlockError(f"unsupported block format version {head.version}")
+    return head.length, head.checksum
 
 
 def parse_any_header(header, *, digest: bytes | None = None) -> tuple[int, int, int]:
@@ -113,6 +142,14 @@ def parse_any_header(header, *, digest: bytes | None = None) -> tuple[int, int, 
     ``(version, payload_length, payload_checksum)``; the header is ``HEADER_BYTES`` long
     for version 1 and ``EXT_HEADER_BYTES`` for version 2, whose extension the caller then
     checks with :func:`parse_extension`."""
+    head = parse_block_header(header, digest=digest)
+    return head.version, head.length, head.checksum
+
+
+def parse_block_header(header, *, digest: bytes | None = None) -> BlockHeader:
+    """Check the first ``HEADER_BYTES`` of a block of either version (magic, version,
+    flags, header checksum and, when given, key digest); raises
+    :class:`CorruptBlockError`. Verify the payload with ``checksum(payload, flags)``."""
     mv = memoryview(header).cast("B")
     if mv.nbytes < HEADER_BYTES:
         raise CorruptBlockError(f"block header truncated: {mv.nbytes} < {HEADER_BYTES} bytes")
@@ -121,11 +158,11 @@ def parse_any_header(header, *, digest: bytes | None = None) -> tuple[int, int, 
         raise CorruptBlockError(f"bad block magic {magic!r}")
     if _CHECK.unpack_from(mv, 56)[0] != xxhash.xxh3_64_intdigest(mv[:56]):
         raise CorruptBlockError("block header checksum mismatch")
-    if version not in (VERSION, EXT_VERSION) or flags:
+    if version not in (VERSION, EXT_VERSION) or flags & ~KNOWN_FLAGS:
         raise CorruptBlockError(f"unsupported block format version {version} (flags {flags:#x})")
     if digest is not None and key != digest:
         raise CorruptBlockError("block belongs to another key (digest mismatch)")
-    return version, length, csum
+    return BlockHeader(version, flags, length, csum)
 
 
 def header_size(version: int) -> int:
@@ -151,32 +188,37 @@ def parse_extension(header) -> bytes | None:
 
 
 def verify(digest: bytes, block, *, payload_length: int | None = None) -> memoryview:
-    """Verify a whole stored block (header + payload) held in ``block``.
+    """Verify a whole stored block (header + payload) of either version and either
+    checksum kind, held in ``block``.
 
     Returns a view of the verified payload inside ``block`` (no copy). Raises
     :class:`CorruptBlockError` when anything differs from what the header promises.
     """
     mv = memoryview(block).cast("B")
-    length, csum = parse_header(mv, digest=digest)
+    head = parse_block_header(mv, digest=digest)
+    if head.version == EXT_VERSION:
+        parse_extension(mv)
+    start, length = header_size(head.version), head.length
     if payload_length is not None and length != payload_length:
         raise CorruptBlockError(f"block length {length} differs from expected {payload_length}")
-    if mv.nbytes < HEADER_BYTES + length:
-        raise CorruptBlockError(f"block truncated: {mv.nbytes - HEADER_BYTES} of {length} payload bytes")
-    payload = mv[HEADER_BYTES:HEADER_BYTES + length]
-    if checksum(payload) != csum:
+    if mv.nbytes < start + length:
+        raise CorruptBlockError(f"block truncated: {mv.nbytes - start} of {length} payload bytes")
+    payload = mv[start:start + length]
+    if checksum(payload, head.flags) != head.checksum:
         raise CorruptBlockError("block payload checksum mismatch")
     return payload
 
 
-def verify_payload(payload, length: int, csum: int) -> None:
-    """Verify a payload read apart from its header (header already parsed)."""
+def verify_payload(payload, length: int, csum: int, flags: int = 0) -> None:
+    """Verify a payload read apart from its header (header already parsed; ``flags``
+    are its flags)."""
     mv = memoryview(payload).cast("B")
     if mv.nbytes != length:
         raise CorruptBlockError(f"payload length {mv.nbytes} differs from header's {length}")
-    if checksum(mv) != csum:
+    if checksum(mv, flags) != csum:
         raise CorruptBlockError("block payload checksum mismatch")
 
 
-__all__ = ["EXT_HEADER_BYTES", "EXT_MAGIC", "EXT_VERSION", "HEADER_BYTES", "MAGIC", "VERSION", "checksum",
-           "encode_ext_header", "encode_header", "header_bytes", "header_size", "parse_any_header",
-           "parse_extension", "parse_header", "verify", "verify_payload"]
+__all__ = ["EXT_HEADER_BYTES", "EXT_MAGIC", "EXT_VERSION", "FLAG_SEGMENTED", "HEADER_BYTES", "KNOWN_FLAGS", "MAGIC",
+           "VERSION", "BlockHeader", "checksum", "encode_ext_header", "encode_header", "header_bytes", "header_size",
+           "parse_any_header", "parse_block_header", "parse_extension", "parse_header", "verify", "verify_payload"]

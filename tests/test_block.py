@@ -98,7 +98,7 @@ def test_version_1_readers_reject_version_2_and_unknown_flags():
         block.parse_header(header, digest=DIGEST)
     v1 = bytearray(block.header_bytes(DIGEST, np.ones(3, np.uint8)))
     assert block.parse_any_header(v1)[0] == block.VERSION
-    v1[6] = 1  # a flag no version defines, with a matching header checksum
+    v1[6] = 2  # a flag no version defines, with a matching header checksum
     v1[56:64] = block.checksum(memoryview(v1)[:56]).to_bytes(8, "little")
     with pytest.raises(CorruptBlockError, match="flags"):
         block.parse_any_header(v1)
@@ -107,3 +107,55 @@ def test_version_1_readers_reject_version_2_and_unknown_flags():
 def test_parent_of_wrong_size_is_refused():
     with pytest.raises(ValueError, match="parent digest"):
         block.encode_ext_header(DIGEST, b"short", np.ones(3, np.uint8), bytearray(block.EXT_HEADER_BYTES))
+
+
+# -- the segmented checksum (FLAG_SEGMENTED) ----------------------------------------------
+
+SEG = 64 << 10
+
+
+def _block(version: int, flags: int, payload: np.ndarray) -> np.ndarray:
+    head = block.header_size(version)
+    buf = np.zeros(head + payload.nbytes, np.uint8)
+    buf[head:] = payload
+    if version == block.VERSION:
+        block.encode_header(DIGEST, payload, buf[:head], flags=flags)
+    else:
+        block.encode_ext_header(DIGEST, PARENT, payload, buf[:head], flags=flags)
+    return buf
+
+
+@pytest.mark.parametrize("version", [block.VERSION, block.EXT_VERSION])
+@pytest.mark.parametrize("flags", [0, block.FLAG_SEGMENTED])
+@pytest.mark.parametrize("n", [0, 100, 3 * SEG + 5])
+def test_both_versions_and_checksum_kinds_read_back(version, flags, n):
+    payload = np.random.default_rng(n).integers(0, 256, n, dtype=np.uint8)
+    buf = _block(version, flags, payload)
+    head = block.parse_block_header(buf, digest=DIGEST)
+    assert (head.version, head.flags, head.length) == (version, flags, n)
+    assert head.checksum == block.checksum(payload, flags)
+    assert np.array_equal(np.frombuffer(block.verify(DIGEST, buf), np.uint8), payload)
+    block.verify_payload(payload, n, head.checksum, head.flags)
+    if n:
+        buf[-1] ^= 0x01
+        with pytest.raises(CorruptBlockError, match="payload checksum"):
+            block.verify(DIGEST, buf)
+
+
+def test_segmented_checksum_differs_from_plain_on_multi_segment_payloads():
+    payload = np.random.default_rng(5).integers(0, 256, 4 * SEG, dtype=np.uint8)
+    plain, seg = _block(1, 0, payload), _block(1, block.FLAG_SEGMENTED, payload)
+    assert block.parse_header(plain)[1] != block.parse_header(seg)[1]
+    # a header whose flag was cleared no longer matches its header checksum
+    seg[6] = 0
+    with pytest.raises(CorruptBlockError, match="header checksum"):
+        block.parse_block_header(seg)
+    # and a payload verified under the other kind fails, never passes
+    length, csum = block.parse_header(plain)
+    with pytest.raises(CorruptBlockError):
+        block.verify_payload(payload, length, csum, block.FLAG_SEGMENTED)
+
+
+def test_unknown_flags_are_refused_at_encode():
+    with pytest.raises(ValueError, match="flags"):
+        block.encode_header(DIGEST, np.ones(3, np.uint8), bytearray(64), flags=0x4)
