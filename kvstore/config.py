@@ -149,8 +149,21 @@ class RemoteTierConfig(_TierBase):
     timeout_s: float = Field(10.0, gt=0)
 
 
+class MooncakeTierConfig(_TierBase):
+    kind: Literal["mooncake"]
+    master: str = Field(min_length=1)            # the master's RPC address, host:port
+    metadata_server: str = Field(min_length=1)   # e.g. http://host:port/metadata (or etcd://…)
+    protocol: Literal["tcp", "rdma"] = "tcp"
+    device: str = ""                             # RDMA device names, comma-separated ("" with tcp)
+    local_hostname: str | None = None            # this node's host:port in the pool; default a free loopback port
+    global_segment_size: Size = Field(0, ge=0)   # memory this node lends to the pool (0: a client only)
+    local_buffer_size: Size = Field(64 << 20, ge=0)
+    staging_bytes: Size = Field(64 << 20, ge=4096)  # the registered buffer blocks move through
+    prefix: str = "kvstore"
+
+
 TierConfig = Annotated[
-    Union[DramTierConfig, GpuTierConfig, NvmeTierConfig, S3TierConfig, RemoteTierConfig],
+    Union[DramTierConfig, GpuTierConfig, NvmeTierConfig, S3TierConfig, RemoteTierConfig, MooncakeTierConfig],
     Field(discriminator="kind"),
 ]
 
@@ -185,11 +198,21 @@ class ServerConfig(_Frozen):
     send_threads: int = Field(4, ge=0)           # threads sending large TCP GET replies (0: the event loop)
 
 
+class TraceConfig(_Frozen):
+    """Opt-in access-trace recording (see :mod:`kvstore.trace`): key digests only."""
+
+    path: str = Field(min_length=1)               # the current file; rotated ones get .1, .2, ...
+    max_bytes: Size = Field(64 << 20, ge=4096)    # rotate when the current file would pass this
+    max_files: int = Field(4, ge=1)               # files kept, the current one included
+    block_tokens: int = Field(256, ge=1)          # tokens per block, for input_length
+
+
 class StoreConfig(_Frozen):
     tiers: list[TierConfig] = Field(min_length=1)
     placement: PlacementConfig = PlacementConfig()
     io_threads: int = Field(4, ge=1)
     server: ServerConfig = ServerConfig()
+    trace: TraceConfig | None = None
 
     @field_validator("tiers")
     @classmethod
@@ -315,4 +338,4 @@ def dump_config(config: StoreConfig) -> str:
 
 __all__ = ["AdmissionConfig", "DEFAULT_CONFIG", "DramTierConfig", "GpuTierConfig", "NvmeTierConfig",
            "PlacementConfig", "RemoteTierConfig", "S3TierConfig", "ServerConfig", "StoreConfig",
-           "TierConfig", "dump_config", "load_config", "parse_size"]
+           "TierConfig", "TraceConfig", "dump_config", "load_config", "parse_size"]

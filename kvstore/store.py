@@ -27,6 +27,7 @@ from kvstore.buffers import nbytes_of
 from kvstore.config import StoreConfig, load_config
 from kvstore.errors import BufferSizeError, InvalidArgumentError, StoreClosedError
 from kvstore.keys import BlockKey
+from kvstore.trace import TraceRecorder
 from policies.placement import Placement, WriteMode
 from tiers.base import Tier
 
@@ -43,6 +44,7 @@ class Store(TierMovement):
         p = config.placement
         self.placement = Placement(WriteMode(p.write), p.promote_on_hit, p.prefetch_depth)
         self._selective_threshold = p.selective_threshold
+        self._trace = TraceRecorder(config.trace) if config.trace is not None else None
         built: list[Tier] = []
         try:
             for i, tcfg in enumerate(config.tiers):
@@ -80,6 +82,8 @@ class Store(TierMovement):
         modify ``srcs`` until the future is done; nothing keeps them after that."""
         self._check_open()
         self._check_pairs(keys, srcs)
+        if self._trace is not None:
+            self._trace.save(keys, nbytes_of(srcs[0]) if len(srcs) else None)
         return submit(self._pool, capture(srcs), self._save, list(keys), list(srcs))
 
     def reserve(self, keys: Sequence[BlockKey], sizes: Sequence[int], *, evict: bool = True) -> Reservation:
@@ -91,6 +95,8 @@ class Store(TierMovement):
         ``views[i]`` is ``None``: use :meth:`save` for those. ``evict=False`` takes only
         free room (no spill on the caller's thread)."""
         self._check_open()
+        if self._trace is not None:
+            self._trace.save(keys, int(sizes[0]) if len(sizes) else None)
         return reserve(self, keys, sizes, evict)
 
     def load(self, keys: Sequence[BlockKey], dsts: Sequence[Any]) -> "Future[list[bool]]":
@@ -134,6 +140,8 @@ class Store(TierMovement):
             lower = [k for k in keys[:n][:depth] if not where[k] & 1] if depth else []
         if lower:
             self._background(self._prefetch, lower, 0)
+        if self._trace is not None:
+            self._trace.lookup(keys, self._sizes.get(keys[0]) if n else None)
         return n
 
     def release(self, keys: Sequence[BlockKey]) -> None:
@@ -321,6 +329,8 @@ class Store(TierMovement):
                 return
             self._closed = True
         self._pool.shutdown(wait=True)
+        if self._trace is not None:
+            self._trace.close()
         for lvl in self._levels:
             try:
                 lvl.tier.close()
