@@ -86,7 +86,7 @@ class WorkerSide:
         self.load_parts = 1 if device.type == "cpu" else 4
         # Host caches over an embedded Store: gather straight into the store's slots and
         # scatter straight out of them (one copy each way instead of two via staging).
-        self.in_place = device.type == "cpu" and hasattr(self.store, "reserve")
+        self.in_place = device.type == "cpu" and self.store.lends_memory
         self.loads = LoadPath(self)
         self.saves = SavePath(self)
 

@@ -30,8 +30,8 @@ from contextlib import contextmanager
 from typing import Any, Callable, Iterator, Sequence
 
 from kvstore.buffers import nbytes_of
-from kvstore.errors import (ConfigError, InvalidArgumentError, KVStoreError, RemoteError, StoreClosedError,
-                            TierUnavailableError, TransportError)
+from kvstore.errors import (ConfigError, InvalidArgumentError, KVStoreError, NotSupportedError, RemoteError,
+                            StoreClosedError, TierUnavailableError, TransportError)
 from kvstore.keys import BlockKey
 from kvstore.server import _protocol as P
 from kvstore._client_shm import SameHostPath
@@ -50,6 +50,8 @@ class Client:
     """``address``: ``host:port`` or a Unix socket path. ``transport``: ``auto`` (shared
     memory when the server is on this host, else NIXL when both sides have it, else
     TCP), ``tcp``, ``shm`` or ``nixl`` (fail if unavailable)."""
+
+    lends_memory = False   # borrow/reserve would need the server's memory in this process
 
     def __init__(self, address: str, *, token: str | None = None, timeout_s: float = 10.0,
                  pool_size: int = 8, transport: str = "auto",
@@ -276,6 +278,31 @@ class Client:
     def detach_stats(self, name: str, source: Any) -> None:
         self._stat_sources = [s for s in self._stat_sources if s != (name, source)]
 
+    # -- StoreAPI methods the cache-server protocol does not carry ----------------------------------
+
+    def pin(self, keys: Sequence[BlockKey]) -> None:
+        raise _unsupported("pin", "the cache-server protocol has no pin operation (a pin outliving its "
+                                  "client would never end); lease blocks with lookup(keys, lease_s=...)")
+
+    def unpin(self, keys: Sequence[BlockKey]) -> None:
+        raise _unsupported("unpin", "the cache-server protocol has no pin operation")
+
+    def prefetch(self, keys: Sequence[BlockKey], tier: int | str = 0) -> "Future[int]":
+        raise _unsupported("prefetch", "the cache-server protocol has no prefetch operation; the server "
+                                       "promotes on a hit and on lookup (placement.prefetch_depth)")
+
+    def reserve(self, keys: Sequence[BlockKey], sizes: Sequence[int], *, evict: bool = True) -> Any:
+        raise _unsupported("reserve", "a reservation lends the store's own memory, which lives in the "
+                                      "server (lends_memory is False); use save()")
+
+    def borrow(self, keys: Sequence[BlockKey]) -> Any:
+        raise _unsupported("borrow", "borrowed views are the store's own memory, which lives in the "
+                                     "server (lends_memory is False); use load()")
+
+    def flush(self) -> int:
+        raise _unsupported("flush", "the cache-server protocol has no flush operation; the server "
+                                    "flushes its volatile tiers when it shuts down")
+
     # -- data operations ---------------------------------------------------------------------------
 
     def save(self, keys: Sequence[BlockKey], srcs: Sequence[Any]) -> "Future[list[bool]]":
@@ -385,6 +412,10 @@ class Client:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _unsupported(method: str, why: str) -> NotSupportedError:
+    return NotSupportedError(f"Client.{method} is not supported: {why}")
 
 
 def _check_keys(keys: Sequence[BlockKey]) -> None:

@@ -9,6 +9,7 @@ do not know kvstore::
     ├── InvalidArgumentError (ValueError)   bad call: mismatched lists, bad key
     │   └── BufferSizeError                 a buffer's size differs from the block's
     ├── StoreClosedError (RuntimeError)     call on a closed Store / Client
+    ├── NotSupportedError (NotImplementedError)  a StoreAPI method this store cannot offer
     ├── TierError                           raised at a tier boundary
     │   ├── TierIOError (OSError)           the medium failed (EIO, ENOSPC, HTTP 5xx)
     │   ├── TierFullError                   no room, even after eviction
@@ -45,6 +46,11 @@ class BufferSizeError(InvalidArgumentError):
 
 class StoreClosedError(KVStoreError, RuntimeError):
     """The Store or Client was used after ``close()``."""
+
+
+class NotSupportedError(KVStoreError, NotImplementedError):
+    """A :class:`kvstore.api.StoreAPI` method this implementation cannot carry out (a
+    Client cannot lend the server's memory); the message names the method and why."""
 
 
 class TierError(KVStoreError):
@@ -101,6 +107,7 @@ __all__ = [
     "CorruptBlockError",
     "InvalidArgumentError",
     "KVStoreError",
+    "NotSupportedError",
     "ProtocolError",
     "RemoteError",
     "StoreClosedError",

@@ -37,6 +37,8 @@ class Store(TierMovement):
 
     ``clock`` (seconds, monotonic) times lease expiry; tests inject their own."""
 
+    lends_memory = True    # StoreAPI: borrow/reserve hand out views of the first tier's memory
+
     def __init__(self, config: StoreConfig, *, tiers: Sequence[Tier] | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
