@@ -15,9 +15,8 @@ replays those policies through a real :class:`~kvstore.store.Store` (one DRAM ti
 ``capacity × 4 KiB``; per request ``lookup``, ``load`` of the hit prefix, ``save`` of the
 rest) and reports them as ``store:<name>`` beside the model, to show the two agree.
 
-Belady's offline optimum for prefix hits runs in the same replay: on overflow it drops
-the held or incoming block whose next use is farthest away. A child is never used
-without its parent, so its next use is never sooner; ties go to the deeper block.
+Belady's offline optimum for prefix hits runs in the same replay
+(:func:`kvstore._replay.belady`, shared with ``kvstore replay``).
 
 ``--ttl-bound`` adds an offline estimate of how far any policy that ranks blocks only
 by reference count and recency can get (see :func:`count_ttl_bound`).
@@ -48,14 +47,13 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if sys.path[:1] != [str(REPO_ROOT)]:
     sys.path.insert(0, str(REPO_ROOT))  # this checkout first, not an installed copy
 
-from kvstore.keys import BlockKey, Namespace  # noqa: E402
+from kvstore._replay import PAYLOAD_BYTES, belady, replay_store, to_keys  # noqa: E402
 from policies import EVICTION_NAMES, make_eviction  # noqa: E402
 
 DEFAULT_TRACE = REPO_ROOT.parent / "shared" / "traces" / "conversation_trace.jsonl"
 DEFAULT_OUT = REPO_ROOT / "benchmarks" / "results"
 CAPACITY_FRACTIONS = (0.01, 0.05, 0.10, 0.25)
 BLOCK_NBYTES = 1
-NEVER = float("inf")
 
 Trace = list[list[Hashable]]
 
@@ -70,15 +68,6 @@ def load_trace(path: Path, max_requests: int | None) -> list[list[int]]:
             if line.strip():
                 requests.append(json.loads(line)["hash_ids"])
     return requests
-
-
-def to_keys(requests: Sequence[Sequence[int]]) -> Trace:
-    """Chained BlockKeys, one per id. Equal digests share one object, so dict lookups
-    take the identity fast path instead of ``BlockKey.__eq__``."""
-    namespace = Namespace(model="trace", dtype="none", chunk_tokens=1)
-    interned: dict[bytes, BlockKey] = {}
-    return [[interned.setdefault(key.digest, key) for key in namespace.chunk_keys(ids)]
-            for ids in requests]
 
 
 def replay(policy_name: str, trace: Trace, capacity_blocks: int) -> float:
@@ -108,28 +97,11 @@ def replay(policy_name: str, trace: Trace, capacity_blocks: int) -> float:
 
 
 def replay_through_store(policy_name: str, trace: Trace, capacity_blocks: int) -> float:
-    """Prefix hit rate of one policy driven through a real Store (4 KiB payloads)."""
-    import numpy as np
-
-    from kvstore.store import Store
-
-    block = 4096
-    config = {"tiers": [{"name": "replay", "kind": "dram", "capacity": capacity_blocks * block,
+    """Prefix hit rate of one policy driven through a real Store (one DRAM tier of
+    ``capacity_blocks`` slots; see :func:`kvstore._replay.replay_store`)."""
+    config = {"tiers": [{"name": "replay", "kind": "dram", "capacity": capacity_blocks * PAYLOAD_BYTES,
                          "eviction": policy_name}], "io_threads": 1}
-    longest = max(map(len, trace))
-    srcs = [np.zeros(block, np.uint8)] * longest
-    dsts = [np.empty(block, np.uint8) for _ in range(longest)]
-    hits = refs = 0
-    with Store.from_config(config) as store:
-        for keys in trace:
-            refs += len(keys)
-            hit = store.lookup(keys)
-            hits += hit
-            if hit:
-                store.load(keys[:hit], dsts[:hit]).result()
-            if hit < len(keys):
-                store.save(keys[hit:], srcs[:len(keys) - hit]).result()
-    return hits / refs if refs else 0.0
+    return replay_store(config, trace).hit_rate
 
 
 def _evict_one(policy, held: set[Hashable]) -> None:
@@ -140,35 +112,6 @@ def _evict_one(policy, held: set[Hashable]) -> None:
         policy.on_remove(victim)
         return
     raise AssertionError(f"{policy.name} offered no victim while holding {len(held)} keys")
-
-
-def belady(trace: Trace, capacity_blocks: int) -> float:
-    """Prefix hit rate of the offline optimum (farthest next use first, deeper first)."""
-    next_use: list[list[float]] = [[]] * len(trace)
-    upcoming: dict[Hashable, float] = {}
-    for index in range(len(trace) - 1, -1, -1):
-        next_use[index] = [upcoming.get(key, NEVER) for key in trace[index]]
-        for key in trace[index]:
-            upcoming[key] = index
-    held: dict[Hashable, float] = {}  # key -> its next use, the heap entry's truth
-    heap: list[tuple[float, int, int, Hashable]] = []
-    hits = refs = stamp = 0
-    for index, keys in enumerate(trace):
-        refs += len(keys)
-        hit = 0
-        while hit < len(keys) and keys[hit] in held:
-            hit += 1
-        hits += hit
-        for depth, key in enumerate(keys):
-            use = next_use[index][depth]
-            held[key] = use
-            stamp += 1
-            heapq.heappush(heap, (-use, -depth, stamp, key))
-            while len(held) > capacity_blocks:
-                negative_use, _, _, victim = heapq.heappop(heap)
-                if held.get(victim) == -negative_use:
-                    del held[victim]
-    return hits / refs if refs else 0.0
 
 
 def count_ttl_bound(trace: Trace, capacity_blocks: int) -> float:

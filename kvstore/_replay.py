@@ -1,0 +1,126 @@
+"""Replaying a prefix-hash trace through a real Store, and Belady's optimum beside it.
+
+Shared by ``kvstore replay`` (what-if runs of a user's own trace against their config)
+and ``benchmarks/policy_replay.py`` (every policy on the production trace).
+
+A trace request is a list of ``hash_ids``; :func:`to_keys` turns it into chained
+:class:`~kvstore.keys.BlockKey`\\ s of ``Namespace(model="trace", dtype="none",
+chunk_tokens=1)``, one token per id, so equal ids give equal keys and the trace's prefix
+tree is kept (an id always has the same parent id). Replaying a request does what an
+engine does: ``lookup`` the prompt, ``load`` the cached prefix, ``save`` the rest. A
+block counts as a hit only while every block before it hit (a prefix hit).
+
+Payloads are tiny (one 4 KiB slot per block, the DRAM tier's slot size): the Store's
+policies see blocks, not bytes, so a tier of ``capacity`` bytes over blocks of
+``block_bytes`` replays as a DRAM tier of ``capacity // block_bytes`` slots, and bytes
+written are scaled back to real ones.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field
+from typing import Any, Callable, Hashable, Sequence
+
+from kvstore.keys import BlockKey, Namespace
+
+PAYLOAD_BYTES = 4096
+NEVER = float("inf")
+
+Trace = list[list[BlockKey]]
+
+
+def to_keys(requests: Sequence[Sequence[int]]) -> Trace:
+    """Chained BlockKeys, one per id. Equal digests share one object, so dict lookups
+    take the identity fast path instead of ``BlockKey.__eq__``."""
+    namespace = Namespace(model="trace", dtype="none", chunk_tokens=1)
+    interned: dict[bytes, BlockKey] = {}
+    return [[interned.setdefault(key.digest, key) for key in namespace.chunk_keys(ids)]
+            for ids in requests]
+
+
+@dataclass
+class ReplayResult:
+    """What one replay measured. ``tier_hits[i]``: blocks loaded from tier ``i``;
+    ``tier_blocks_written[i]``: blocks written into it (saves, spills, promotions)."""
+
+    refs: int = 0
+    hits: int = 0
+    tier_names: list[str] = field(default_factory=list)
+    tier_hits: list[int] = field(default_factory=list)
+    tier_blocks_written: list[int] = field(default_factory=list)
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.refs if self.refs else 0.0
+
+    def tier_hit_rates(self) -> list[float]:
+        return [h / self.refs if self.refs else 0.0 for h in self.tier_hits]
+
+
+def replay_store(config: Any, trace: Trace, saves: Sequence[bool] | None = None,
+                 on_request: Callable[[], None] | None = None) -> ReplayResult:
+    """Replay ``trace`` through a real :class:`~kvstore.store.Store` built from
+    ``config`` (a dict or StoreConfig whose blocks are :data:`PAYLOAD_BYTES` each).
+    ``saves[i]`` marks request ``i`` as a bare save (stored, not looked up, not counted).
+    ``on_request`` is called after each request (a progress bar)."""
+    import numpy as np
+
+    from kvstore.store import Store
+
+    longest = max(map(len, trace), default=1)
+    srcs = [np.zeros(PAYLOAD_BYTES, np.uint8)] * longest
+    dsts = [np.empty(PAYLOAD_BYTES, np.uint8) for _ in range(longest)]
+    result = ReplayResult()
+    with Store.from_config(config) as store:
+        for index, keys in enumerate(trace):
+            if saves is not None and saves[index]:
+                store.save(keys, srcs[:len(keys)]).result()
+            else:
+                result.refs += len(keys)
+                hit = store.lookup(keys)
+                result.hits += hit
+                if hit:
+                    store.load(keys[:hit], dsts[:hit]).result()
+                if hit < len(keys):
+                    store.save(keys[hit:], srcs[:len(keys) - hit]).result()
+            if on_request is not None:
+                on_request()
+        tiers = store.stats()["tiers"]
+    result.tier_names = [t["name"] for t in tiers]
+    result.tier_hits = [t["hits"] for t in tiers]
+    result.tier_blocks_written = [t["bytes_written"] // PAYLOAD_BYTES for t in tiers]
+    return result
+
+
+def belady(trace: Trace, capacity_blocks: int, saves: Sequence[bool] | None = None) -> float:
+    """Prefix hit rate of the offline optimum (farthest next use first, deeper first):
+    on overflow it drops the held or incoming block whose next use is farthest away. A
+    child is never used without its parent, so its next use is never sooner; ties go to
+    the deeper block. Requests marked in ``saves`` store blocks but are not counted."""
+    next_use: list[list[float]] = [[]] * len(trace)
+    upcoming: dict[Hashable, float] = {}
+    for index in range(len(trace) - 1, -1, -1):
+        next_use[index] = [upcoming.get(key, NEVER) for key in trace[index]]
+        for key in trace[index]:
+            upcoming[key] = index
+    held: dict[Hashable, float] = {}  # key -> its next use, the heap entry's truth
+    heap: list[tuple[float, int, int, Hashable]] = []
+    hits = refs = stamp = 0
+    for index, keys in enumerate(trace):
+        if saves is None or not saves[index]:
+            refs += len(keys)
+            hit = 0
+            while hit < len(keys) and keys[hit] in held:
+                hit += 1
+            hits += hit
+        for depth, key in enumerate(keys):
+            use = next_use[index][depth]
+            held[key] = use
+            stamp += 1
+            heapq.heappush(heap, (-use, -depth, stamp, key))
+            while len(held) > capacity_blocks:
+                negative_use, _, _, victim = heapq.heappop(heap)
+                if held.get(victim) == -negative_use:
+                    del held[victim]
+    return hits / refs if refs else 0.0
