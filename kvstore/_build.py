@@ -44,6 +44,13 @@ def build_tier(cfg: TierConfig) -> Tier:
                       connect_timeout_s=cfg.connect_timeout_s, read_timeout_s=cfg.read_timeout_s,
                       max_attempts=cfg.max_attempts, multipart_threshold=cfg.multipart_threshold,
                       part_size=cfg.part_size, create_bucket=cfg.create_bucket, sign_payload=cfg.sign_payload)
+    if cfg.kind == "mooncake":
+        from tiers.mooncake import MooncakeTier
+
+        return MooncakeTier(cfg.capacity, name=cfg.name, master=cfg.master, metadata_server=cfg.metadata_server,
+                            protocol=cfg.protocol, device=cfg.device, local_hostname=cfg.local_hostname,
+                            global_segment_size=cfg.global_segment_size, local_buffer_size=cfg.local_buffer_size,
+                            staging_bytes=cfg.staging_bytes, prefix=cfg.prefix)
     raise ConfigError(f"tiers.{cfg.name}.kind: tier kind {cfg.kind!r} is not available in this build")
 
 

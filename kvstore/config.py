@@ -149,8 +149,21 @@ class RemoteTierConfig(_TierBase):
     timeout_s: float = Field(10.0, gt=0)
 
 
+class MooncakeTierConfig(_TierBase):
+    kind: Literal["mooncake"]
+    master: str = Field(min_length=1)            # the master's RPC address, host:port
+    metadata_server: str = Field(min_length=1)   # e.g. http://host:port/metadata (or etcd://…)
+    protocol: Literal["tcp", "rdma"] = "tcp"
+    device: str = ""                             # RDMA device names, comma-separated ("" with tcp)
+    local_hostname: str | None = None            # this node's host:port in the pool; default a free loopback port
+    global_segment_size: Size = Field(0, ge=0)   # memory this node lends to the pool (0: a client only)
+    local_buffer_size: Size = Field(64 << 20, ge=0)
+    staging_bytes: Size = Field(64 << 20, ge=4096)  # the registered buffer blocks move through
+    prefix: str = "kvstore"
+
+
 TierConfig = Annotated[
-    Union[DramTierConfig, GpuTierConfig, NvmeTierConfig, S3TierConfig, RemoteTierConfig],
+    Union[DramTierConfig, GpuTierConfig, NvmeTierConfig, S3TierConfig, RemoteTierConfig, MooncakeTierConfig],
     Field(discriminator="kind"),
 ]
 

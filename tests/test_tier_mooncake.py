@@ -1,0 +1,178 @@
+"""The mooncake tier against a real Mooncake Store pool on loopback (master + one storage
+node from Mooncake's wheel, started and stopped by PID)."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import time
+
+import numpy as np
+import pytest
+
+from kvstore.block import HEADER_BYTES, encode_header
+from kvstore.errors import BufferSizeError, ConfigError, TierUnavailableError
+from kvstore.testing import IN_CI, TierConformance, make_keys, payload
+
+from tests import _mooncake
+
+if _mooncake.binaries() is None:
+    if IN_CI:
+        raise RuntimeError("Mooncake's binaries are missing under CI: scripts/deps/00-python.sh installs them")
+    pytest.skip("Mooncake not installed (pip install mooncake-transfer-engine-non-cuda)", allow_module_level=True)
+
+from tiers.mooncake import MooncakeTier, _object_name  # noqa: E402
+
+_prefixes = itertools.count()
+
+
+@pytest.fixture(scope="module")
+def pool(tmp_path_factory):
+    p = _mooncake.MooncakePool(tmp_path_factory.mktemp("mooncake"))
+    yield p
+    p.stop()
+
+
+def _tier(pool, capacity: int, prefix: str | None = None, **kw) -> MooncakeTier:
+    return MooncakeTier(capacity, master=pool.master, metadata_server=pool.metadata,
+                        prefix=prefix or f"t{os.getpid()}-{next(_prefixes)}", staging_bytes=4 << 20, **kw)
+
+
+class TestMooncakeConformance(TierConformance):
+    CONCURRENCY_ROUNDS = 10
+
+    @pytest.fixture
+    def tier(self, pool):
+        t = _tier(pool, self.CAPACITY)
+        yield t
+        t.close()
+
+
+def _raw(pool):
+    from mooncake.store import MooncakeDistributedStore
+
+    raw = MooncakeDistributedStore()
+    assert raw.setup(f"127.0.0.1:{_mooncake.free_port()}", pool.metadata, 0, 16 << 20, "tcp", "", pool.master) == 0
+    return raw
+
+
+def test_another_node_finds_the_block(pool):
+    a = _tier(pool, 1 << 20, prefix="shared-a")
+    b = _tier(pool, 1 << 20, prefix="shared-a")
+    try:
+        keys = make_keys(3, salt="cross")
+        srcs = [payload(i, 4096) for i in range(3)]
+        assert a.write(keys, srcs) == [True] * 3
+        assert b.contains(keys) == [True] * 3
+        dsts = [np.zeros(4096, np.uint8) for _ in keys]
+        assert b.read_into(keys, dsts) == [True] * 3
+        assert all(np.array_equal(s, d) for s, d in zip(srcs, dsts))
+        assert b.used_bytes == 3 * 4096   # budgeted here too once found
+    finally:
+        a.close()
+        b.close()
+
+
+@pytest.mark.parametrize("where", ["payload", "header", "truncated"])
+def test_corrupt_object_is_a_miss_and_removed(pool, where):
+    tier = _tier(pool, 1 << 20)
+    raw = _raw(pool)
+    try:
+        key = make_keys(1, salt=where)
+        src = payload(3, 8192)
+        assert tier.write(key, [src]) == [True]
+        block = bytearray(HEADER_BYTES + src.nbytes)
+        encode_header(key[0].digest, src, block)
+        block[HEADER_BYTES:] = src.tobytes()
+        if where == "payload":
+            block[HEADER_BYTES + 100] ^= 0x01
+        elif where == "header":
+            block[20] ^= 0x80
+        else:
+            block = block[:-1]
+        name = _object_name(tier.prefix, key[0])
+        assert raw.upsert(name, bytes(block)) == 0
+        dst = np.zeros(src.nbytes, np.uint8)
+        assert tier.read_into(key, [dst]) == [False]
+        if where != "truncated":   # a shorter object is another block's size: a plain miss
+            assert tier.stats()["corrupt_blocks"] == 1
+            assert raw.batch_is_exist([name]) == [0]
+        assert tier.contains(key) == [where == "truncated"]
+    finally:
+        raw.close()
+        tier.close()
+
+
+def test_size_mismatch_raises_before_copy(pool):
+    tier = _tier(pool, 1 << 20)
+    try:
+        key = make_keys(1, salt="size")
+        tier.write(key, [payload(1, 4096)])
+        with pytest.raises(BufferSizeError):
+            tier.read_into(key, [np.zeros(2048, np.uint8)])
+        dst = np.zeros(4096, np.uint8)
+        assert tier.read_into(key, [dst]) == [True]
+    finally:
+        tier.close()
+
+
+def test_batch_larger_than_staging_goes_in_rounds(pool):
+    tier = _tier(pool, 64 << 20)
+    try:
+        keys = make_keys(6, salt="rounds")
+        srcs = [payload(i, 1 << 20) for i in range(6)]   # 6 MiB through a 4 MiB staging buffer
+        assert tier.write(keys, srcs) == [True] * 6
+        dsts = [np.zeros(1 << 20, np.uint8) for _ in keys]
+        assert tier.read_into(keys, dsts) == [True] * 6
+        assert all(np.array_equal(s, d) for s, d in zip(srcs, dsts))
+    finally:
+        tier.close()
+
+
+def test_bad_master_is_a_config_error(pool):
+    with pytest.raises(ConfigError, match="protocol"):
+        MooncakeTier(1 << 20, master=pool.master, metadata_server=pool.metadata, protocol="carrier-pigeon")
+
+
+def test_store_spills_to_mooncake_and_loads_exact(pool):
+    from kvstore.store import Store
+
+    store = Store.from_config({"tiers": [
+        {"name": "hot", "kind": "dram", "capacity": 2 * 4096},
+        {"name": "pool", "kind": "mooncake", "capacity": "1MiB", "master": pool.master,
+         "metadata_server": pool.metadata, "prefix": f"store-{os.getpid()}", "staging_bytes": "4MiB"}]})
+    try:
+        keys = make_keys(6, salt="store")
+        srcs = [payload(i, 4096) for i in range(6)]
+        store.save(keys, srcs).result()
+        assert store.lookup(keys) == 6
+        assert store.stats()["tiers"][1]["blocks"] >= 4   # spilled past the 2-block DRAM tier
+        dsts = [np.zeros(4096, np.uint8) for _ in keys]
+        assert store.load(keys, dsts).result() == [True] * 6
+        assert all(np.array_equal(s, d) for s, d in zip(srcs, dsts))
+    finally:
+        store.close()
+
+
+def test_master_down_is_misses_and_the_tier_comes_back(pool):
+    tier = _tier(pool, 1 << 20)
+    try:
+        keys = make_keys(2, salt="down")
+        srcs = [payload(i, 4096) for i in range(2)]
+        assert tier.write(keys[:1], srcs[:1]) == [True]
+        pool.stop_master()
+        dst = np.zeros(4096, np.uint8)
+        with pytest.raises(TierUnavailableError):
+            tier.read_into(keys[:1], [dst])
+        with pytest.raises(TierUnavailableError):   # fails fast while marked down
+            tier.write(keys[1:], srcs[1:])
+        assert tier.stats()["healthy"] is False
+        pool.start_master()
+        deadline = time.monotonic() + 60
+        while not tier.stats()["healthy"] and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert tier.stats()["healthy"] is True
+        # The restarted master lost its metadata: the old block is a clean miss, not an error.
+        assert tier.read_into(keys[:1], [dst]) == [False]
+    finally:
+        tier.close()

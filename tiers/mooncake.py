@@ -1,0 +1,323 @@
+"""A tier on a Mooncake Store pool: distributed DRAM (and SSD) over Mooncake's transfer
+engine, shared by every node that points at the same master.
+
+Each block is one Mooncake object named ``<prefix>:<namespace hex>:<key hex>`` whose value
+is the verified block format of :mod:`kvstore.block` (header + payload). Every read checks
+it: a block that fails is a miss, is removed from the pool and is counted in
+``corrupt_blocks``; its bytes never reach the caller.
+
+Data moves through one registered host staging buffer (``staging_bytes``) with Mooncake's
+``batch_put_from``/``batch_get_into``: the transfer engine reads and writes registered
+memory only, and a block needs its header beside it, so a batch costs one host copy each
+way besides the transfer. Batches larger than the staging buffer go in several rounds; one
+batch uses the buffer at a time.
+
+Faults are misses, never wrong bytes: an unreachable master marks the tier unavailable
+(:class:`~kvstore.errors.TierUnavailableError`, which the Store counts and treats as a
+miss), a background probe brings it back by itself, and a failed transfer from a storage
+node that died is a miss counted in ``faults``. The byte budget covers what this node wrote
+or found; the Store's eviction runs over it as over every tier. Mooncake keeps no listing
+for a client, so ``recover()`` finds nothing: blocks other nodes wrote are found by
+``contains``/``read_into`` asking the pool.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from typing import Any, Iterator, Sequence
+
+import numpy as np
+
+from kvstore.block import HEADER_BYTES, encode_header, verify
+from kvstore.buffers import copy_bytes, host_view, nbytes_of
+from kvstore.errors import (BufferSizeError, ConfigError, CorruptBlockError, InvalidArgumentError,
+                            TierUnavailableError)
+from kvstore.keys import BlockKey
+from tiers._s3health import Health
+from tiers.base import Tier, TierCapabilities
+
+log = logging.getLogger(__name__)
+
+_ALIGN = 4096
+# Mooncake's error codes (mooncake-store/include/types.h) that this tier tells apart.
+_NOT_FOUND = -704
+_BUFFER_OVERFLOW = -600
+_NO_SPACE = (-200, -10)           # SEGMENT/replica allocation failed: the pool is full
+_RPC_FAIL_MIN, _RPC_FAIL_MAX = -999, -900   # master unreachable
+
+
+def _object_name(prefix: str, key: BlockKey) -> str:
+    ns = key.namespace.hex() if key.namespace is not None else "0"
+    return f"{prefix}:{ns}:{key.digest.hex()}"
+
+
+def _master_down(rc: int) -> bool:
+    return _RPC_FAIL_MIN <= rc <= _RPC_FAIL_MAX
+
+
+class MooncakeTier(Tier):
+    """Blocks in a Mooncake Store pool. Thread-safe; batches take turns on the staging buffer."""
+
+    def __init__(self, capacity_bytes: int, *, master: str, metadata_server: str, name: str = "mooncake",
+                 protocol: str = "tcp", device: str = "", local_hostname: str | None = None,
+                 global_segment_size: int = 0, local_buffer_size: int = 64 << 20,
+                 staging_bytes: int = 64 << 20, prefix: str = "kvstore") -> None:
+        try:
+            from mooncake.store import MooncakeDistributedStore
+        except ImportError as exc:
+            raise ConfigError(f"tiers.{name}.kind: the mooncake tier needs Mooncake's Python package "
+                              f"(pip install mooncake-transfer-engine, or -non-cuda without a GPU): {exc}") from exc
+        if protocol not in ("tcp", "rdma"):
+            raise ConfigError(f"tiers.{name}.protocol: {protocol!r} is not 'tcp' or 'rdma'")
+        if staging_bytes < _ALIGN:
+            raise ConfigError(f"tiers.{name}.staging_bytes: {staging_bytes} is below {_ALIGN}")
+        self.name = name
+        self.prefix = prefix
+        self._capacity = capacity_bytes
+        self._used = 0
+        self._sizes: dict[BlockKey, int] = {}
+        self._lock = threading.Lock()          # index and counters
+        self._batch_lock = threading.Lock()    # the staging buffer: one batch at a time
+        host = local_hostname or f"127.0.0.1:{_free_port()}"
+        self._store = MooncakeDistributedStore()
+        rc = self._store.setup(host, metadata_server, global_segment_size, local_buffer_size, protocol,
+                               device, master)
+        if rc != 0:
+            raise ConfigError(f"tiers.{name}.master: cannot join the Mooncake pool at master {master!r} "
+                              f"with metadata server {metadata_server!r} (setup returned {rc})")
+        raw = np.empty(staging_bytes + _ALIGN, np.uint8)
+        start = (-raw.ctypes.data) % _ALIGN
+        self._staging = raw[start:start + staging_bytes]
+        rc = self._store.register_buffer(self._staging.ctypes.data, staging_bytes)
+        if rc != 0:
+            self._store.close()
+            raise ConfigError(f"tiers.{name}.staging_bytes: Mooncake refused to register the staging buffer "
+                              f"({rc})")
+        self._health = Health(name, self._probe)
+        self._counters = dict.fromkeys(("gets", "puts", "deletes", "corrupt_blocks", "faults", "bytes_read",
+                                        "bytes_written"), 0)
+        self._closed = False
+        self.capabilities = TierCapabilities(device="mooncake", persistent=False, alignment=1, max_concurrency=1)
+
+    def _probe(self) -> None:
+        rc = self._store.batch_is_exist([f"{self.prefix}:.probe"])[0]
+        if rc < 0:
+            raise TierUnavailableError(f"master unreachable (is_exist returned {rc})", tier=self.name)
+
+    def _fault(self, rc: int, what: str) -> None:
+        """Count a failed request; an unreachable master marks the tier unavailable."""
+        if _master_down(rc):
+            self._health.failed(TierUnavailableError(f"{what}: master unreachable ({rc})", tier=self.name))
+        else:
+            with self._lock:
+                self._counters["faults"] += 1
+            self._health.count(TierUnavailableError(f"{what} failed ({rc})", tier=self.name))
+
+    def _rounds(self, sizes: Sequence[int]) -> Iterator[list[int]]:
+        """Split a batch into rounds of indexes whose blocks fit the staging buffer."""
+        cap = self._staging.nbytes
+        current: list[int] = []
+        used = 0
+        for i, n in enumerate(sizes):
+            need = HEADER_BYTES + n
+            if need > cap:
+                raise InvalidArgumentError(f"[{self.name}] a {n}-byte block does not fit staging_bytes {cap}")
+            if used + need > cap:
+                yield current
+                current, used = [], 0
+            current.append(i)
+            used += need
+        if current:
+            yield current
+
+    # -- accounting -------------------------------------------------------------------------
+
+    def nbytes(self, key: BlockKey) -> int | None:
+        return self._sizes.get(key)
+
+    def contains(self, keys: Sequence[BlockKey]) -> list[bool]:
+        """Known keys from the index; others (another node's blocks) from the pool. A pool
+        that does not answer reports them absent."""
+        known = [k in self._sizes for k in keys]
+        ask = [i for i, hit in enumerate(known) if not hit]
+        if ask and self._health.healthy:
+            found = self._store.batch_is_exist([_object_name(self.prefix, keys[i]) for i in ask])
+            for i, rc in zip(ask, found):
+                known[i] = rc == 1
+        return known
+
+    # -- reads ------------------------------------------------------------------------------
+
+    def read_into(self, keys: Sequence[BlockKey], dsts: Sequence[Any]) -> list[bool]:
+        if len(keys) != len(dsts):
+            raise InvalidArgumentError(f"{len(keys)} keys but {len(dsts)} buffers")
+        sizes = [nbytes_of(d) for d in dsts]
+        for key, n in zip(keys, sizes):
+            known = self._sizes.get(key)
+            if known is not None and known != n:
+                raise BufferSizeError(f"[{self.name}] buffer has {n} bytes, block has {known}")
+        self._health.check()
+        out = [False] * len(keys)
+        with self._batch_lock:
+            for idx in self._rounds(sizes):
+                self._read_round(keys, dsts, sizes, idx, out)
+        return out
+
+    def _read_round(self, keys, dsts, sizes, idx: list[int], out: list[bool]) -> None:
+        base = self._staging.ctypes.data
+        offsets, at = [], 0
+        for i in idx:
+            offsets.append(at)
+            at += HEADER_BYTES + sizes[i]
+        names = [_object_name(self.prefix, keys[i]) for i in idx]
+        got = self._store.batch_get_into(names, [base + o for o in offsets],
+                                         [HEADER_BYTES + sizes[i] for i in idx])
+        for i, name, off, rc in zip(idx, names, offsets, got):
+            want = HEADER_BYTES + sizes[i]
+            if rc == _NOT_FOUND:
+                self._forget(keys[i])          # evicted or removed by another node
+                continue
+            if rc == _BUFFER_OVERFLOW:
+                continue                        # stored with another size: not this block
+            if rc < 0:
+                self._fault(rc, f"get {name}")
+                continue
+            try:
+                payload = verify(keys[i].digest, self._staging[off:off + rc], payload_length=sizes[i])
+            except CorruptBlockError as exc:
+                if rc == want:
+                    self._corrupt(keys[i], name, exc)
+                continue                        # a shorter object of another size: a miss
+            copy_bytes(dsts[i], payload)
+            out[i] = True
+            with self._lock:
+                self._counters["gets"] += 1
+                self._counters["bytes_read"] += sizes[i]
+                if keys[i] not in self._sizes and self._used + sizes[i] <= self._capacity:
+                    self._sizes[keys[i]] = sizes[i]   # another node wrote it: budget it here too
+                    self._used += sizes[i]
+        if any(_master_down(rc) for rc in got):
+            raise TierUnavailableError("master unreachable during a read", tier=self.name)
+
+    def _forget(self, key: BlockKey) -> None:
+        with self._lock:
+            n = self._sizes.pop(key, None)
+            if n is not None:
+                self._used -= n
+
+    def _corrupt(self, key: BlockKey, name: str, exc: CorruptBlockError) -> None:
+        """A bad object is forgotten, removed from the pool and counted; never returned."""
+        log.warning("tier %s: dropping corrupt object %s: %s", self.name, name, exc)
+        self._forget(key)
+        with self._lock:
+            self._counters["corrupt_blocks"] += 1
+        self._store.batch_remove([name], True)
+
+    # -- writes -----------------------------------------------------------------------------
+
+    def write(self, keys: Sequence[BlockKey], srcs: Sequence[Any]) -> list[bool]:
+        if len(keys) != len(srcs):
+            raise InvalidArgumentError(f"{len(keys)} keys but {len(srcs)} buffers")
+        self._health.check()
+        out = [False] * len(keys)
+        todo: list[int] = []
+        first: dict[BlockKey, int] = {}
+        with self._lock:
+            reserved = 0
+            for j, key in enumerate(keys):
+                if key in first:
+                    continue
+                first[key] = j
+                if key in self._sizes:
+                    out[j] = True
+                    continue
+                n = nbytes_of(srcs[j])
+                if self._used + reserved + n <= self._capacity:
+                    todo.append(j)
+                    reserved += n
+        sizes = {j: nbytes_of(srcs[j]) for j in todo}
+        with self._batch_lock:
+            for rnd in self._rounds([sizes[j] for j in todo]):
+                self._write_round(keys, srcs, [todo[r] for r in rnd], sizes, out)
+        for j, key in enumerate(keys):
+            out[j] = out[first[key]]
+        return out
+
+    def _write_round(self, keys, srcs, idx: list[int], sizes: dict[int, int], out: list[bool]) -> None:
+        base = self._staging.ctypes.data
+        offsets, at = [], 0
+        for j in idx:
+            n = sizes[j]
+            payload = host_view(srcs[j])
+            encode_header(keys[j].digest, payload, self._staging[at:at + HEADER_BYTES])
+            self._staging[at + HEADER_BYTES:at + HEADER_BYTES + n] = payload
+            offsets.append(at)
+            at += HEADER_BYTES + n
+        names = [_object_name(self.prefix, keys[j]) for j in idx]
+        results = self._store.batch_put_from(names, [base + o for o in offsets],
+                                             [HEADER_BYTES + sizes[j] for j in idx])
+        for j, name, rc in zip(idx, names, results):
+            if rc == 0:
+                with self._lock:
+                    self._counters["puts"] += 1
+                    self._counters["bytes_written"] += sizes[j]
+                    if keys[j] not in self._sizes:
+                        self._sizes[keys[j]] = sizes[j]
+                        self._used += sizes[j]
+                out[j] = True
+            elif rc not in _NO_SPACE:
+                self._fault(rc, f"put {name}")
+        if any(_master_down(rc) for rc in results):
+            raise TierUnavailableError("master unreachable during a write", tier=self.name)
+
+    # -- removal, listing -------------------------------------------------------------------
+
+    def delete(self, keys: Sequence[BlockKey]) -> int:
+        """Forget the keys and remove their objects from the pool (forced: Mooncake's read
+        lease would otherwise keep a just-read object for seconds)."""
+        removed = []
+        with self._lock:
+            for key in dict.fromkeys(keys):
+                n = self._sizes.pop(key, None)
+                if n is not None:
+                    self._used -= n
+                    removed.append(key)
+        self._health.check()
+        if removed:
+            results = self._store.batch_remove([_object_name(self.prefix, k) for k in removed], True)
+            with self._lock:
+                self._counters["deletes"] += sum(rc == 0 for rc in results)
+            if any(_master_down(rc) for rc in results):
+                self._fault(min(results), "remove")
+                raise TierUnavailableError("master unreachable during a delete", tier=self.name)
+        return len(removed)
+
+    def keys(self) -> Iterator[BlockKey]:
+        with self._lock:
+            return iter(list(self._sizes))
+
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            counters = dict(self._counters)
+            blocks = len(self._sizes)
+        return {**self._health.stats(), **counters, "blocks": blocks}
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._health.close()
+        try:
+            self._store.unregister_buffer(self._staging.ctypes.data)
+        finally:
+            self._store.close()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind((os.environ.get("MC_TCP_BIND_ADDRESS", "127.0.0.1"), 0))
+        return s.getsockname()[1]
