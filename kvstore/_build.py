@@ -22,7 +22,7 @@ def build_tier(cfg: TierConfig) -> Tier:
         return NvmeTier(cfg.paths, cfg.capacity, name=cfg.name, direct_io=cfg.direct_io,
                         file_bytes=cfg.file_bytes, io_threads=cfg.io_threads,
                         index_sync=cfg.index_sync, access_flush_s=cfg.access_flush_s,
-                        readahead_bytes=cfg.readahead_bytes)
+                        readahead_bytes=cfg.readahead_bytes, device_verify=cfg.device_verify)
     if cfg.kind == "gpu":
         from tiers.gpu import GpuTier
 

@@ -95,6 +95,7 @@ class NvmeTierConfig(_TierBase):
     index_sync: bool = True         # fsync each index commit (survives power loss)
     access_flush_s: float = Field(5.0, ge=0)  # how often last-access times reach the index
     readahead_bytes: Size = Field(32 << 20, ge=0)  # a sequential stream's read-ahead window; 0: off
+    device_verify: bool = False     # segmented checksum: kvikio reads into CUDA memory verify on the device
 
     @field_validator("path")
     @classmethod

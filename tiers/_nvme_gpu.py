@@ -1,11 +1,15 @@
 """CUDA buffers on the NVMe tier: kvikio ``CuFile`` (GPUDirect Storage, or kvikio's
 POSIX compat mode) for reads into device memory, host staging otherwise.
 
-Every block is verified by its XXH3 checksum, which is computed on the host, so writes
-from device memory copy to a host staging buffer once (needed for the checksum) and
-then go out with the host path's ``O_DIRECT`` write; reads land in device memory by
-DMA and a host copy is hashed before the read reports success. Without CUDA or kvikio,
-device reads bounce through host memory. kvikio is reached only through
+Writes from device memory copy to a host staging buffer once (the checksum is computed
+there) and then go out with the host path's ``O_DIRECT`` write. Reads land in device
+memory by DMA and are verified before the read reports success: a block written with
+the segmented checksum (``FLAG_SEGMENTED``, the tier's ``device_verify``) is hashed where
+it landed, by a CUDA kernel (:mod:`kvstore._segsum_cuda`), and only its segment digests
+come back to the host; any other block is copied to a host buffer and hashed there.
+The kernel is checked against the host implementation once per process before its
+first use; where cupy is missing or that check fails, verification stays on the host
+(logged). Without CUDA or kvikio, device reads bounce through host memory. kvikio is reached only through
 :mod:`tiers._kvikio` and only once a device buffer appears, so host-only machines never
 depend on it (it cannot do
 host I/O without a CUDA driver). Thread-safe.
@@ -23,11 +27,11 @@ if TYPE_CHECKING:
     import numpy as np
 
 from kvstore._streams import wait_for_caller
-from kvstore.block import HEADER_BYTES, parse_header, verify_payload
+from kvstore.block import FLAG_SEGMENTED, HEADER_BYTES, verify_payload
 from kvstore.buffers import copy_bytes, device_view
 from kvstore.errors import CorruptBlockError, TierIOError
 from tiers._kvikio import KvikioFile, kvikio_available
-from tiers._nvme_io import PAGE, _Scratch, read_block
+from tiers._nvme_io import PAGE, _Scratch, check_header, read_block
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +52,38 @@ def detect_mode() -> str:
     return "kvikio"
 
 
+def verify_where(flags: int, dst) -> str:
+    """Where a payload read into ``dst`` is verified: ``"device"`` when its block carries
+    the segmented checksum and ``dst`` is a CUDA tensor, else ``"host"``."""
+    return "device" if flags & FLAG_SEGMENTED and getattr(dst, "is_cuda", False) else "host"
+
+
+_kernel_ok: bool | None = None
+_kernel_lock = threading.Lock()
+
+
+def device_kernel_ok() -> bool:
+    """Whether the device checksum may be trusted here: cupy imports and its kernel
+    agrees with the host implementation on a test payload (checked once per process;
+    a kernel that disagreed would turn every good block into a removed "corrupt" one)."""
+    global _kernel_ok
+    with _kernel_lock:
+        if _kernel_ok is None:
+            try:
+                from kvstore._segsum_cuda import check_device_checksum
+
+                result = check_device_checksum(sizes=(3 * (64 << 10) + 5,), repeats=1)
+                _kernel_ok = bool(result["ok"])
+                if not _kernel_ok:
+                    log.error("NVMe tier: device checksum disagrees with the host or cannot run (%s); "
+                              "verifying device reads on the host", result["error"] or result["rows"])
+            except Exception as exc:   # cupy missing or broken: the host path still verifies
+                log.warning("NVMe tier: no device checksum (%s: %s); verifying device reads on the host",
+                            type(exc).__name__, exc)
+                _kernel_ok = False
+        return _kernel_ok
+
+
 class DeviceIO:
     """Reads and writes for device (CUDA) buffers; ``mode`` as from :func:`detect_mode`,
     settled when the first device buffer arrives."""
@@ -57,6 +93,7 @@ class DeviceIO:
         self._files: dict[str, KvikioFile] = {}
         self._lock = threading.Lock()
         self._staging = _Scratch()   # per thread
+        self.verified_on_device = 0   # reads whose payload was hashed where it landed
 
     @property
     def mode(self) -> str:
@@ -96,12 +133,23 @@ class DeviceIO:
             if "short" in str(exc):
                 raise CorruptBlockError(str(exc)) from exc
             raise
-        hlen, hsum = parse_header(header[:HEADER_BYTES], digest=digest)
-        if hlen != length or hsum != csum:
-            raise CorruptBlockError("block header disagrees with the index")
+        head = check_header(header[:HEADER_BYTES], digest, length, csum)
+        if verify_where(head.flags, dst) == "device" and device_kernel_ok():
+            from kvstore._segsum_cuda import device_checksum
+
+            try:
+                on_device = device_checksum(dst)
+            except Exception as exc:   # e.g. out of device memory: verify this one on the host
+                log.warning("NVMe tier: device checksum failed (%s: %s); verifying on the host", type(exc).__name__, exc)
+            else:
+                if on_device != csum:
+                    raise CorruptBlockError("block payload checksum mismatch (verified on the device)")
+                with self._lock:
+                    self.verified_on_device += 1
+                return
         host = self._staging.bounce_of(length)
         copy_bytes(host, dst)
-        verify_payload(host, length, csum)
+        verify_payload(host, length, csum, head.flags)
 
     def _file(self, path: str) -> KvikioFile:
         with self._lock:

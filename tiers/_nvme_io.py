@@ -19,7 +19,7 @@ import threading
 
 import numpy as np
 
-from kvstore.block import HEADER_BYTES, checksum, encode_header, parse_header
+from kvstore.block import HEADER_BYTES, VERSION, BlockHeader, checksum, encode_header, parse_block_header, parse_header
 from kvstore.errors import CorruptBlockError, TierIOError
 
 PAGE = 4096
@@ -75,8 +75,9 @@ def io_error(message: str, exc: OSError) -> TierIOError:
     return err
 
 
-def write_block(fd: int, offset: int, digest: bytes, payload: np.ndarray) -> int:
-    """Write header page + payload at ``offset``; returns the payload's checksum.
+def write_block(fd: int, offset: int, digest: bytes, payload: np.ndarray, flags: int = 0) -> int:
+    """Write header page + payload at ``offset``; returns the payload's checksum (the
+    kind ``flags`` selects, see :mod:`kvstore.block`).
 
     ``payload`` is a flat ``uint8`` host view owned by the caller, read only during the
     call. Raises :class:`TierIOError` (``errno`` kept) on a failed or short write.
@@ -85,7 +86,7 @@ def write_block(fd: int, offset: int, digest: bytes, payload: np.ndarray) -> int
     n = payload.nbytes
     full = n - n % PAGE
     header = s.out
-    csum = encode_header(digest, payload, s.out_head, payload_checksum=checksum(payload))
+    csum = encode_header(digest, payload, s.out_head, payload_checksum=checksum(payload, flags), flags=flags)
     if is_aligned(payload):
         iov = [header, payload if full == n else payload[:full]] if full else [header]
         if n > full:
@@ -118,7 +119,7 @@ def read_block(fd: int, offset: int, digest: bytes, length: int, csum: int, dst:
     ``length`` bytes, owned by the caller) and verify it before returning.
 
     The header must name ``digest`` and agree with the indexed ``length``/``csum``; the
-    payload is hashed where it landed (``dst``). Raises :class:`CorruptBlockError` on
+    payload is hashed where it landed (``dst``), by the checksum its header's flags name. Raises :class:`CorruptBlockError` on
     any mismatch or short read (``dst`` then holds unspecified bytes) and
     :class:`TierIOError` when the medium fails.
     """
@@ -142,14 +143,12 @@ def read_block(fd: int, offset: int, digest: bytes, length: int, csum: int, dst:
         raise io_error(f"read of {length} bytes at offset {offset} failed", exc) from exc
     if got != total:
         raise CorruptBlockError(f"short read: {got} of {total} bytes at offset {offset} (file truncated?)")
-    hlen, hsum = parse_header(s.head, digest=digest)
-    if hlen != length or hsum != csum:
-        raise CorruptBlockError(f"block header (length {hlen}) disagrees with the index (length {length})")
+    head = check_header(s.head, digest, length, csum)
     if target is not None:
         dst[:] = target[:length]
     elif length > full:
         dst[full:] = s.tail[:length - full]
-    if checksum(dst) != csum:
+    if checksum(dst, head.flags) != csum:
         raise CorruptBlockError("block payload checksum mismatch")
 
 
@@ -161,11 +160,9 @@ def copy_block(raw: np.ndarray, digest: bytes, length: int, csum: int, dst: np.n
     :class:`CorruptBlockError` otherwise (``dst`` then holds unspecified bytes)."""
     if dst.nbytes != length or raw.nbytes < PAGE + length:
         raise CorruptBlockError(f"payload length {dst.nbytes} differs from the index's {length}")
-    hlen, hsum = parse_header(raw[:HEADER_BYTES], digest=digest)
-    if hlen != length or hsum != csum:
-        raise CorruptBlockError(f"block header (length {hlen}) disagrees with the index (length {length})")
+    head = check_header(raw[:HEADER_BYTES], digest, length, csum)
     dst[:] = raw[PAGE:PAGE + length]
-    if checksum(dst) != csum:
+    if checksum(dst, head.flags) != csum:
         raise CorruptBlockError("block payload checksum mismatch")
 
 
@@ -217,9 +214,9 @@ def plan_runs(items: list[tuple[object, int, int, bool]], max_blocks: int,
     return runs
 
 
-def write_run(fd: int, offset: int, digests: list[bytes], payloads: list[np.ndarray]) -> list[int]:
+def write_run(fd: int, offset: int, digests: list[bytes], payloads: list[np.ndarray], flags: int = 0) -> list[int]:
     """Write consecutive blocks (header page + payload each) from ``offset`` in one
-    ``pwritev``; returns their checksums. Payloads are :func:`joinable` host views owned
+    ``pwritev``; returns their checksums (of the kind ``flags`` selects). Payloads are :func:`joinable` host views owned
     by the caller, read only during the call. Errors as :func:`write_block`, for the
     whole run."""
     pages = _scratch.pages_of("out_pages", len(payloads))   # padding past 64 bytes stays zero
@@ -227,7 +224,8 @@ def write_run(fd: int, offset: int, digests: list[bytes], payloads: list[np.ndar
     sums = []
     total = 0
     for page, digest, payload in zip(pages, digests, payloads):
-        sums.append(encode_header(digest, payload, page[:HEADER_BYTES], payload_checksum=checksum(payload)))
+        sums.append(encode_header(digest, payload, page[:HEADER_BYTES], payload_checksum=checksum(payload, flags),
+                                  flags=flags))
         iov += (page, payload)
         total += PAGE + payload.nbytes
     _write_all(fd, iov, offset, total)
@@ -273,15 +271,25 @@ def check_run(offset: int, blocks: list[tuple[bytes, int, int]], dsts: list[np.n
                 raise CorruptBlockError(f"payload length {dst.nbytes} differs from header's {length}")
             if pos > got:
                 raise CorruptBlockError(f"short read at offset {offset} (file truncated?)")
-            hlen, hsum = parse_header(header, digest=digest)
-            if hlen != length or hsum != csum:
-                raise CorruptBlockError(f"block header (length {hlen}) disagrees with the index (length {length})")
-            if checksum(dst) != csum:
+            head = check_header(header, digest, length, csum)
+            if checksum(dst, head.flags) != csum:
                 raise CorruptBlockError("block payload checksum mismatch")
             out.append(None)
         except CorruptBlockError as exc:
             out.append(exc)
     return out
+
+
+def check_header(header, digest: bytes, length: int, csum: int) -> BlockHeader:
+    """Parse a block's header and check it against the index's ``length``/``csum``;
+    returns it (its ``flags`` say how to verify the payload). Raises
+    :class:`CorruptBlockError`."""
+    head = parse_block_header(header, digest=digest)
+    if head.version != VERSION:
+        raise CorruptBlockError(f"unsupported block format version {head.version} on NVMe")
+    if head.length != length or head.checksum != csum:
+        raise CorruptBlockError(f"block header (length {head.length}) disagrees with the index (length {length})")
+    return head
 
 
 def read_header(fd: int, offset: int) -> bytes | None:

@@ -30,6 +30,7 @@ from typing import Any, Iterator, Sequence
 
 import numpy as np
 
+from kvstore.block import FLAG_SEGMENTED
 from kvstore.buffers import host_view, is_device, nbytes_of
 from kvstore.errors import (BufferSizeError, CorruptBlockError, InvalidArgumentError, StoreClosedError,
                             TierError, TierFullError)
@@ -58,12 +59,15 @@ class NvmeTier(Tier):
     docs/nvme.md, *Recovery*). ``access_flush_s``: how often
     last-access times reach the index. ``readahead_bytes``: the most a sequential stream
     of batches reads ahead (see :mod:`tiers._nvme_readahead`; 0 turns it off).
+    ``device_verify``: write blocks with the segmented checksum (``FLAG_SEGMENTED``), so
+    reads into CUDA memory through kvikio are verified on the device (see
+    :mod:`tiers._nvme_gpu`); blocks of either kind are read either way.
     """
 
     def __init__(self, paths: str | Sequence[str], capacity_bytes: int, *, name: str = "nvme",
                  direct_io: bool = True, file_bytes: int = 1 << 30, io_threads: int = 8,
                  index_sync: bool = True, access_flush_s: float = 5.0,
-                 readahead_bytes: int = 32 << 20) -> None:
+                 readahead_bytes: int = 32 << 20, device_verify: bool = False) -> None:
         paths = [paths] if isinstance(paths, (str, os.PathLike)) else list(paths)
         if not paths:
             raise InvalidArgumentError("NVMe tier needs at least one directory")
@@ -102,6 +106,7 @@ class NvmeTier(Tier):
             log.warning("NVMe tier %s: O_DIRECT refused in %s; using buffered I/O there", name,
                         ", ".join(s.path for s in self._shards if not s.direct))
         self._device = DeviceIO()
+        self._flags = FLAG_SEGMENTED if device_verify else 0
         self._io_threads = io_threads
         self._pool = ThreadPoolExecutor(io_threads, thread_name_prefix=f"kvstore-{name}")
         # a write batch's index records are committed here while the caller goes on (the
@@ -251,6 +256,7 @@ class NvmeTier(Tier):
             disk = sum(s.data.file_bytes for s in self._shards)
             allocated = sum(s.data.allocated_bytes for s in self._shards)
         return {**self.counters, "io_mode": self.io_mode, "gpu_io": self._device.mode,
+                "device_verify": bool(self._flags), "verified_on_device": self._device.verified_on_device,
                 "directories": len(self._shards), "data_files": files, "file_bytes": disk,
                 "allocated_bytes": allocated, "index_entries": len(self._entries)}
 
@@ -316,7 +322,7 @@ class NvmeTier(Tier):
             _, key, src, shard, file_no, offset, _ = run[0]
             return [(True, self._write_one(key, src, shard, file_no, offset))]
         _, _, _, shard, file_no, offset, _ = run[0]
-        sums = write_run(shard.data.fd(file_no), offset, [p[1].digest for p in run], views)
+        sums = write_run(shard.data.fd(file_no), offset, [p[1].digest for p in run], views, self._flags)
         return [(True, csum) for csum in sums]
 
     def _read_jobs(self, jobs: list[tuple]) -> list[tuple[bool, Any]]:
@@ -366,7 +372,7 @@ class NvmeTier(Tier):
 
     def _write_one(self, key: BlockKey, src: Any, shard: Shard, file_no: int, offset: int) -> int:
         payload = self._device.stage(src) if is_device(src) else host_view(src)
-        return write_block(shard.data.fd(file_no), offset, key.digest, payload)
+        return write_block(shard.data.fd(file_no), offset, key.digest, payload, self._flags)
 
     def _read_one(self, key: BlockKey, e: Entry, dst: Any) -> None:
         fd = e.shard.data.fd(e.file_no)
