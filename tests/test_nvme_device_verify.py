@@ -142,7 +142,8 @@ def test_device_verify_from_config(tmp_path):
     keys = make_keys(2)
     with Store.from_config(config) as store:
         assert store.save(keys, [payload(0, 3 * SEG), payload(1, 3 * SEG)]).result() == [True, True]
-        assert store.stats()["tiers"]["warm"]["device_verify"] is True
+        warm = [t for t in store.stats()["tiers"] if t["name"] == "warm"][0]
+        assert warm["device_verify"] is True and warm["verified_on_device"] == 0
     t = open_tier(str(tmp_path / "n"), False)
     try:
         assert [header_flags(str(tmp_path / "n"), t._entries[k]) for k in keys] == [FLAG_SEGMENTED] * 2
