@@ -2,6 +2,11 @@
 mapped into this process (reserve, fill in place, commit; or read a leased slot), or
 through a staging region the client owns when it may only read the arena. Blocks the
 server holds only below its first tier come over the socket (:mod:`kvstore._client_tcp`).
+
+Both directions are verified: a put hashes each block as it copies it out of the
+caller's buffer and sends the checksums with SHM_COMMIT / SHM_PUT (the server publishes
+only matching blocks); a get hashes each block as it copies it into the caller's buffer
+and reports ``True`` only where it matches the checksum the server keeps for the slot.
 """
 
 from __future__ import annotations
@@ -11,8 +16,8 @@ from typing import Any
 
 import numpy as np
 
-from kvstore._client_tcp import raise_mismatch, tcp_get
-from kvstore._copy import copy_batch
+from kvstore._client_tcp import Integrity, raise_mismatch, tcp_get
+from kvstore._copy import copy_batch, copy_batch_hashed
 from kvstore._wire import ArenaMap, Conn
 from kvstore.buffers import nbytes_of
 from kvstore.errors import RemoteError
@@ -25,8 +30,9 @@ class SameHostPath:
     ``copy_threads`` split large copies; ``staging_bytes`` sizes the staging region."""
 
     def __init__(self, arena: ArenaMap, *, copier: Executor | None, copy_threads: int, staging_bytes: int,
-                 max_batch: int) -> None:
+                 max_batch: int, integrity: Integrity | None = None) -> None:
         self._arena = arena
+        self._integrity = integrity or Integrity()
         self._copier, self._copy_threads = copier, copy_threads
         self._staging_bytes = staging_bytes
         self.max_batch = max_batch
@@ -41,6 +47,7 @@ class SameHostPath:
         rid, placed = P.decode_placed(body, len(keys))
         got = placed["nbytes"]
         take = np.flatnonzero(got >= 0)
+        sums = [0] * len(keys)
         try:
             if len(take):
                 off = placed["offset"][take]
@@ -48,13 +55,16 @@ class SameHostPath:
                     raise RemoteError(f"server {conn.addr}: SHM_RESERVE placement outside the arena "
                                       "or of the wrong size")
                 idx = take.tolist()
-                copy_batch([srcs[i] for i in idx], [sizes[i] for i in idx], self._arena.array, self._arena.address,
-                           off.tolist(), True, self._copier, self._copy_threads, self._arena.pin)
+                copied = copy_batch_hashed([srcs[i] for i in idx], [sizes[i] for i in idx], self._arena.array,
+                                           self._arena.address, off.tolist(), True, self._copier,
+                                           self._copy_threads, self._arena.pin, hash_source=True)
+                for i, csum in zip(idx, copied):
+                    sums[i] = csum
         except BaseException:
             if rid and not conn.broken:
                 conn.call(P.Op.SHM_COMMIT, P.encode_commit(rid, False))
             raise
-        out = P.decode_flags(conn.call(P.Op.SHM_COMMIT, P.encode_commit(rid, True))[1], len(keys)) if rid \
+        out = P.decode_flags(conn.call(P.Op.SHM_COMMIT, P.encode_commit(rid, True, sums))[1], len(keys)) if rid \
             else [False] * len(keys)
         for i in np.flatnonzero(got == P.PRESENT).tolist():
             out[i] = True
@@ -72,15 +82,17 @@ class SameHostPath:
             sizes.append(n)
             offsets.append(pos)
             pos += n
-        copy_batch(srcs, sizes, staging.array, staging.address, offsets, True, self._copier, self._copy_threads)
-        _, body = conn.call(P.Op.SHM_PUT, P.encode_records(P.STAGED, keys, sizes, offsets))
+        sums = copy_batch_hashed(srcs, sizes, staging.array, staging.address, offsets, True, self._copier,
+                                 self._copy_threads, hash_source=True)
+        _, body = conn.call(P.Op.SHM_PUT, P.encode_records(P.STAGED, keys, sizes, offsets, sums))
         return P.decode_flags(body, len(keys))
 
     def get(self, conn: Conn, keys: list[BlockKey], dsts: list[Any]) -> list[bool]:
         sizes = [nbytes_of(d) for d in dsts]
         _, body = conn.call(P.Op.SHM_GET, P.encode_records(P.SIZED, keys, sizes))
         lid, placed = P.decode_placed(body, len(keys))
-        got, where = placed["nbytes"], placed["where"]
+        got, where, stored = placed["nbytes"], placed["where"], placed["checksum"]
+        verify = self._integrity.verify
         try:
             want = np.asarray(sizes, dtype=np.int64)
             if ((got >= 0) & (got != want)).any():
@@ -94,9 +106,19 @@ class SameHostPath:
                 if region is None or int((off + got[idx]).max()) > region.nbytes:
                     raise RemoteError(f"server {conn.addr}: SHM_GET placement outside the shared regions")
                 ii = idx.tolist()
-                copy_batch([dsts[i] for i in ii], [sizes[i] for i in ii], region.array, region.address,
-                           off.tolist(), False, self._copier, self._copy_threads,
-                           self._arena.pin if code == P.WHERE_ARENA else None)
+                args = ([dsts[i] for i in ii], [sizes[i] for i in ii], region.array, region.address,
+                        off.tolist(), False, self._copier, self._copy_threads,
+                        self._arena.pin if code == P.WHERE_ARENA else None)
+                if not verify:
+                    copy_batch(*args)
+                    continue
+                # Hashed as copied (a few percent of the copy): a block whose bytes are
+                # not the ones the server stored is a miss, never a hit.
+                bad = [i for i, csum in zip(ii, copy_batch_hashed(*args)) if csum != int(stored[i])]
+                for i in bad:
+                    out[i] = False
+                if bad:
+                    self._integrity.failed(len(bad))
         finally:
             if lid:
                 conn.send(P.Op.SHM_DONE, P.encode_u64(lid))
@@ -105,7 +127,7 @@ class SameHostPath:
         if socket_idx:
             if conn.staging is None:  # next time the server loads such blocks into staging
                 conn.attach_staging(self._staging_bytes)
-            res = tcp_get(conn, [keys[i] for i in socket_idx], [dsts[i] for i in socket_idx])
+            res = tcp_get(conn, [keys[i] for i in socket_idx], [dsts[i] for i in socket_idx], self._integrity)
             for i, ok in zip(socket_idx, res):
                 out[i] = ok
         return out

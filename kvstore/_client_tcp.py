@@ -1,41 +1,70 @@
-"""The cache client's TCP data path: a PUT sends the blocks after their records, a GET
-receives them after their sizes, on one connection; device buffers cross through host
-memory. Used by :class:`kvstore.client.Client` and, for blocks the server can only
-send over the socket, by the same-host path."""
+"""The cache client's TCP data path: a PUT sends the blocks after their records (each
+with the XXH3-64 of its bytes, computed here before they leave), a GET receives them
+after their sizes and checksums, on one connection, and verifies every block before
+reporting it loaded; device buffers cross through host memory. Used by
+:class:`kvstore.client.Client` and, for blocks the server can only send over the
+socket, by the same-host path."""
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import numpy as np
 
 from kvstore._wire import Conn
+from kvstore.block import checksum
 from kvstore.buffers import copy_bytes, host_view, is_device, nbytes_of
 from kvstore.errors import BufferSizeError, RemoteError
 from kvstore.keys import BlockKey
 from kvstore.server import _protocol as P
 
 
-def tcp_put(conn: Conn, keys: list[BlockKey], srcs: list[Any]) -> list[bool]:
+class Integrity:
+    """Whether a client verifies received blocks against the server's checksums
+    (``verify``; off only to measure what verification costs) and how many failed
+    (``mismatches``: each a miss, never a hit). Thread-safe."""
+
+    def __init__(self, verify: bool = True) -> None:
+        self.verify = verify
+        self.mismatches = 0
+        self._lock = threading.Lock()
+
+    def failed(self, n: int = 1) -> None:
+        with self._lock:
+            self.mismatches += n
+
+
+def tcp_put(conn: Conn, keys: list[BlockKey], srcs: list[Any], integrity: Integrity | None = None) -> list[bool]:
     sizes = [nbytes_of(s) for s in srcs]
-    views = [memoryview(_host_copy(s)) for s in srcs]
-    _, body = conn.call(P.Op.PUT, P.encode_records(P.SIZED, keys, sizes), views)
+    views = [_host_copy(s) for s in srcs]
+    sums = [checksum(v) for v in views]   # before the bytes leave: the server refuses a changed block
+    _, body = conn.call(P.Op.PUT, P.encode_records(P.PUT_REC, keys, sizes, sums), [memoryview(v) for v in views])
     return P.decode_flags(body, len(keys))
 
 
-def tcp_get(conn: Conn, keys: list[BlockKey], dsts: list[Any]) -> list[bool]:
+def tcp_get(conn: Conn, keys: list[BlockKey], dsts: list[Any], integrity: Integrity | None = None) -> list[bool]:
+    """Receive blocks into ``dsts``; ``True`` only for a block whose bytes match the
+    checksum the server sent (unless ``integrity.verify`` is off)."""
     sizes = [nbytes_of(d) for d in dsts]
     hdr, body = conn.call(P.Op.GET, P.encode_records(P.SIZED, keys, sizes))
-    got = P.decode_sizes(body, len(keys)).tolist()
+    rec = P.decode_summed(body, len(keys))
+    got, sums = rec["nbytes"].tolist(), rec["checksum"].tolist()
     expected = sum(s for s in got if s > 0)
     if hdr.payload_len != expected or any(s >= 0 and s != w for s, w in zip(got, sizes)):
         conn.close()
         raise RemoteError(f"server {conn.addr}: GET reply sizes do not match the request")
-    for dst, size in zip(dsts, got):
-        if size > 0:
-            _recv_block(conn, dst, size)
+    verify = integrity is None or integrity.verify
+    out = [s >= 0 for s in got]
+    bad = 0
+    for i, (dst, size) in enumerate(zip(dsts, got)):
+        if size > 0 and _recv_block(conn, dst, size, verify) not in (None, sums[i]):
+            out[i] = False
+            bad += 1
+    if bad and integrity is not None:
+        integrity.failed(bad)
     raise_mismatch(keys, got, sizes)
-    return [s >= 0 for s in got]
+    return out
 
 
 def _host_copy(buf: Any) -> np.ndarray:
@@ -47,13 +76,18 @@ def _host_copy(buf: Any) -> np.ndarray:
     return host_view(buf)
 
 
-def _recv_block(conn: Conn, dst: Any, size: int) -> None:
+def _recv_block(conn: Conn, dst: Any, size: int, verify: bool) -> int | None:
+    """Receive one block into ``dst``; returns the checksum of what arrived (``None``
+    when not verifying)."""
     if is_device(dst):
         tmp = np.empty(size, np.uint8)
         conn.recv_into(memoryview(tmp))
+        csum = checksum(tmp) if verify else None
         copy_bytes(dst, tmp)
-    else:
-        conn.recv_into(memoryview(host_view(dst, writable=True)))
+        return csum
+    view = host_view(dst, writable=True)
+    conn.recv_into(memoryview(view))
+    return checksum(view) if verify else None
 
 
 def raise_mismatch(keys: list[BlockKey], got: list[int], sizes: list[int]) -> None:
@@ -62,4 +96,4 @@ def raise_mismatch(keys: list[BlockKey], got: list[int], sizes: list[int]) -> No
             raise BufferSizeError(f"buffer for {key!r} has {want} bytes; the stored block differs")
 
 
-__all__ = ["raise_mismatch", "tcp_get", "tcp_put"]
+__all__ = ["Integrity", "raise_mismatch", "tcp_get", "tcp_put"]

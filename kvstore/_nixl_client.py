@@ -10,6 +10,11 @@ host or GPU) are used in place. Any other buffer goes through a pooled
 registered staging buffer (one memcpy on the client), so unregistered memory is never
 exposed and registrations do not pile up. Thread-safe: staging buffers come from a
 free list (one per concurrent call at most), registered once and reused.
+
+Verified both ways: a save sends the XXH3-64 of each block (hashed here before the
+server reads it; the server stores only blocks that match), and a load checks what the
+server wrote against the checksum it sent; a mismatch is a miss, counted in the
+client's ``checksum_mismatches``. Device buffers are hashed through a host copy.
 """
 
 from __future__ import annotations
@@ -20,6 +25,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from kvstore._client_tcp import Integrity
+from kvstore.block import checksum
 from kvstore.buffers import copy_bytes, host_view, is_device, nbytes_of
 from kvstore.errors import BufferSizeError, RemoteError
 from kvstore.keys import BlockKey
@@ -30,7 +37,8 @@ _KIND = {"DRAM": 0, "VRAM": 1}
 
 
 class NixlClientPath:
-    def __init__(self, *, timeout_s: float, staging_bytes: int) -> None:
+    def __init__(self, *, timeout_s: float, staging_bytes: int, integrity: Integrity | None = None) -> None:
+        self._integrity = integrity or Integrity()
         # No progress thread (it busy-polls a core for the process's lifetime): the
         # client drives UCX itself while it waits for the server's reply (_call).
         self.endpoint = NixlEndpoint("client", timeout_s=timeout_s, progress_thread=False)
@@ -100,7 +108,8 @@ class NixlClientPath:
         self.introduce(conn)
         body = P.encode_nixl(_KIND[descs.mem], int(descs.rows[0, 2]), keys, sizes, descs.rows[:, 0].tolist())
         _, reply = self._call(conn, P.Op.NIXL_GET, body)
-        got = P.decode_sizes(reply, len(keys)).tolist()
+        rec = P.decode_summed(reply, len(keys))
+        got, sums = rec["nbytes"].tolist(), rec["checksum"].tolist()
         out, later = [], []
         for i, (g, want) in enumerate(zip(got, sizes)):
             if g == P.SIZE_MISMATCH:
@@ -110,13 +119,20 @@ class NixlClientPath:
             elif g >= 0 and g != want:
                 raise RemoteError(f"server {conn.addr}: NIXL_GET sent {g} bytes into a {want}-byte buffer")
             out.append(g >= 0)
-        if staged is not None:
-            for ok, dst, view in zip(out, dsts, staged):
-                if ok:
-                    if is_device(dst):
-                        copy_bytes(dst, view)
-                    else:
-                        np.copyto(host_view(dst, writable=True), view, casting="no")
+        verify, bad = self._integrity.verify, 0
+        for i, ok in enumerate(out):
+            if not ok:
+                continue
+            if verify and _hash(staged[i] if staged is not None else dsts[i]) != sums[i]:
+                out[i] = False      # what the server wrote is not the block it stored
+                bad += 1
+            elif staged is not None:
+                if is_device(dsts[i]):
+                    copy_bytes(dsts[i], staged[i])
+                else:
+                    np.copyto(host_view(dsts[i], writable=True), staged[i], casting="no")
+        if bad:
+            self._integrity.failed(bad)
         return out, later
 
     def put(self, conn: Any, keys: list[BlockKey], srcs: list[Any]) -> list[bool]:
@@ -126,8 +142,10 @@ class NixlClientPath:
             if staged is not None:
                 for view, src in zip(staged, srcs):
                     copy_bytes(view, src)
+            sums = [_hash(b) for b in (staged if staged is not None else srcs)]   # before the server reads
             self.introduce(conn)
-            body = P.encode_nixl(_KIND[descs.mem], int(descs.rows[0, 2]), keys, sizes, descs.rows[:, 0].tolist())
+            body = P.encode_nixl(_KIND[descs.mem], int(descs.rows[0, 2]), keys, sizes, descs.rows[:, 0].tolist(),
+                                 sums)
             _, reply = self._call(conn, P.Op.NIXL_PUT, body)
             return P.decode_flags(reply, len(keys))
         finally:
@@ -150,3 +168,12 @@ class NixlClientPath:
 
     def close(self) -> None:
         self.endpoint.close()
+
+
+def _hash(buf: Any) -> int:
+    """XXH3-64 of a host buffer, or of a device buffer through a host copy."""
+    if is_device(buf):
+        tmp = np.empty(nbytes_of(buf), np.uint8)
+        copy_bytes(tmp, buf)
+        return checksum(tmp)
+    return checksum(host_view(buf))

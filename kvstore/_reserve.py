@@ -45,8 +45,11 @@ class Reservation:
         self.stored: list[bool] | None = None
         self._done = False
 
-    def commit(self) -> list[bool]:
-        """Publish the filled views. Per key: True when the Store holds it now."""
+    def commit(self, checksums: Sequence[int | None] | None = None) -> list[bool]:
+        """Publish the filled views. Per key: True when the Store holds it now.
+        ``checksums`` (one per key, the writer's XXH3-64 of what it wrote): a view whose
+        bytes differ is not published (False). Needs a first tier that checks them
+        (the DRAM tier does); others ignore them."""
         self._finish()
         store, plan = self._store, self._plan
         stored = list(self.present)
@@ -54,7 +57,12 @@ class Reservation:
             self.stored = stored
             return stored
         fkeys = [self._keys[j] for j in self._fresh]
-        ok = self._tier_res.commit() if self._tier_res is not None else [False] * len(plan.chosen)
+        if self._tier_res is None:
+            ok = [False] * len(plan.chosen)
+        elif checksums is not None and hasattr(store._levels[0].tier, "checksums"):
+            ok = self._tier_res.commit([checksums[self._fresh[c]] for c in plan.chosen])
+        else:
+            ok = self._tier_res.commit()
         store._unstage(0, fkeys, plan, ok)
         store._index_put(0, fkeys, self._sizes, plan, ok)
         for j, good in zip(self._fresh, plan.result):

@@ -19,6 +19,7 @@ from kvstore._pinning import HostPin
 from kvstore.errors import (AuthError, BufferSizeError, InvalidArgumentError, ProtocolError, RemoteError,
                             TierUnavailableError)
 from kvstore.server import _protocol as P
+from kvstore.server._auth import hello_proof
 from kvstore.server._shm import STAGING_DIR, STAGING_PREFIX
 
 _REPLY_LIMITS = P.Limits(max_frame_bytes=1 << 62, max_batch=1 << 30)
@@ -85,10 +86,17 @@ class Conn:
                 self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         except OSError as exc:
             raise TierUnavailableError(f"cannot connect to kvstore server {addr}: {exc}") from exc
-        hello = {"client": "kvstore-python", "protocol": P.VERSION}
-        if token is not None:
-            hello["token"] = token
+        hello: dict[str, Any] = {"client": "kvstore-python", "protocol": P.VERSION}
         try:
+            # Challenge-response: the server's nonce, then an HMAC of it under the token
+            # (never the token itself; a captured answer fails on any other connection).
+            _, body = self.call(P.Op.HELLO, P.encode_json(hello))
+            nonce = P.decode_json(body).get("challenge")
+            if not isinstance(nonce, str) or len(nonce) != 64 or not all(c in "0123456789abcdef" for c in nonce):
+                raise ProtocolError(f"server {addr}: HELLO reply carries no challenge (not a protocol "
+                                    f"{P.VERSION} server?)")
+            if token is not None:
+                hello["proof"] = hello_proof(token, bytes.fromhex(nonce), hello["client"])
             _, body = self.call(P.Op.HELLO, P.encode_json(hello))
             self.info = P.decode_json(body)
         except BaseException:

@@ -11,6 +11,12 @@ the fabric has it; see docs/nixl.md); a NIXL/UCX failure switches this client to
 logged and counted in ``fallbacks``. Otherwise bytes travel over TCP, received
 straight into the caller's buffers.
 
+Every block is verified end to end: a save sends the XXH3-64 of each block, computed
+here before the bytes leave (the server stores only blocks that match), and a load
+checks each block it received against the checksum the server keeps for it; a block
+that fails is a miss (``False``), counted in ``stats()["client"]["checksum_mismatches"]``.
+The HELLO is a challenge-response: the token itself never crosses the wire.
+
 Thread-safety: every method may be called from any thread. Calls check out a pooled
 connection each, so up to ``pool_size`` run at once. ``save``/``load`` return futures;
 callers must not touch their buffers until the future is done. A network failure is
@@ -27,6 +33,7 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
+from functools import partial
 from typing import Any, Callable, Iterator, Sequence
 
 from kvstore.buffers import nbytes_of
@@ -35,7 +42,7 @@ from kvstore.errors import (ConfigError, InvalidArgumentError, KVStoreError, Not
 from kvstore.keys import BlockKey
 from kvstore.server import _protocol as P
 from kvstore._client_shm import SameHostPath
-from kvstore._client_tcp import tcp_get, tcp_put
+from kvstore._client_tcp import Integrity, tcp_get, tcp_put
 from kvstore._stats import sum_stat_sources
 from kvstore._streams import capture, submit
 from kvstore._wire import Address, ArenaMap, Conn
@@ -49,13 +56,16 @@ DEFAULT_STAGING_BYTES = 64 << 20
 class Client:
     """``address``: ``host:port`` or a Unix socket path. ``transport``: ``auto`` (shared
     memory when the server is on this host, else NIXL when both sides have it, else
-    TCP), ``tcp``, ``shm`` or ``nixl`` (fail if unavailable)."""
+    TCP), ``tcp``, ``shm`` or ``nixl`` (fail if unavailable). ``verify=False`` skips
+    checking loaded blocks against the server's checksums: for measuring what the
+    check costs (``benchmarks/server.py``) only, never for serving."""
 
     lends_memory = False   # borrow/reserve would need the server's memory in this process
 
     def __init__(self, address: str, *, token: str | None = None, timeout_s: float = 10.0,
                  pool_size: int = 8, transport: str = "auto",
-                 staging_bytes: int = DEFAULT_STAGING_BYTES, copy_threads: int | None = None) -> None:
+                 staging_bytes: int = DEFAULT_STAGING_BYTES, copy_threads: int | None = None,
+                 verify: bool = True) -> None:
         if transport not in ("auto", "tcp", "shm", "nixl"):
             raise InvalidArgumentError(f"transport must be auto, tcp, shm or nixl, got {transport!r}")
         self.address = Address.parse(address)
@@ -65,6 +75,8 @@ class Client:
         self._lock = threading.Lock()
         self._stat_sources: list[tuple[str, Any]] = []  # this process's connectors (attach_stats)
         self._closed = False
+        self.integrity = Integrity(verify)
+        self._tcp_get = partial(tcp_get, integrity=self.integrity)
         first = Conn(self.address, token, timeout_s)
         self.info = first.info
         self._max_batch = int(self.info.get("max_batch", 4096))
@@ -106,7 +118,8 @@ class Client:
         self._copier = ThreadPoolExecutor(self._copy_threads - 1, thread_name_prefix="kvstore-copy") \
             if self._copy_threads > 1 else None
         self._shm = (SameHostPath(self._arena, copier=self._copier, copy_threads=self._copy_threads,
-                                  staging_bytes=self._staging_bytes, max_batch=self._max_batch)
+                                  staging_bytes=self._staging_bytes, max_batch=self._max_batch,
+                                  integrity=self.integrity)
                      if self._arena is not None else None)
         self.fallbacks = FallbackCounter()
         self._nixl: Any = None
@@ -148,7 +161,8 @@ class Client:
         from kvstore._nixl_client import NixlClientPath
 
         try:
-            self._nixl = NixlClientPath(timeout_s=self._timeout_s, staging_bytes=self._staging_bytes)
+            self._nixl = NixlClientPath(timeout_s=self._timeout_s, staging_bytes=self._staging_bytes,
+                                        integrity=self.integrity)
             self._run(self._nixl.introduce)
         except (TransportError, TierUnavailableError) as exc:
             self._nixl_failed(exc)
@@ -268,6 +282,7 @@ class Client:
         ``"connectors"`` (the server's own, from connectors embedded in it, are replaced)."""
         out = P.decode_json(self._run(lambda c: c.call(P.Op.STATS))[1])
         out["connectors"] = sum_stat_sources(self._stat_sources)
+        out["client"] = {"verify": self.integrity.verify, "checksum_mismatches": self.integrity.mismatches}
         return out
 
     def attach_stats(self, name: str, source: Any) -> None:
@@ -335,7 +350,7 @@ class Client:
         out: list[bool] = []
         if not keys:
             return out
-        get = self._shm.get if self._shm is not None else self._nixl_get if self._nixl else tcp_get
+        get = self._shm.get if self._shm is not None else self._nixl_get if self._nixl else self._tcp_get
         for lo, hi in self._batches(dsts, self._max_payload):
             out += self._run(lambda c: get(c, keys[lo:hi], dsts[lo:hi]))
         return out
@@ -357,10 +372,10 @@ class Client:
     def _nixl_get(self, conn: Conn, keys: list[BlockKey], dsts: list[Any]) -> list[bool]:
         res = self._nixl_call(conn, lambda p: p.get(conn, keys, dsts))
         if res is None:
-            return tcp_get(conn, keys, dsts)
+            return self._tcp_get(conn, keys, dsts)
         out, later = res
         if later:  # held in a slower tier on the server: fetched over TCP
-            got = tcp_get(conn, [keys[i] for i in later], [dsts[i] for i in later])
+            got = self._tcp_get(conn, [keys[i] for i in later], [dsts[i] for i in later])
             for i, ok in zip(later, got):
                 out[i] = ok
         return out

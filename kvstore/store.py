@@ -23,7 +23,8 @@ from kvstore._movement import Level, TierMovement, parent_of
 from kvstore._reserve import Reservation, reserve
 from kvstore._stats import sum_stat_sources
 from kvstore._streams import capture, submit
-from kvstore.buffers import nbytes_of
+from kvstore.block import checksum
+from kvstore.buffers import host_view, nbytes_of
 from kvstore.config import StoreConfig, load_config
 from kvstore.errors import BufferSizeError, InvalidArgumentError, StoreClosedError
 from kvstore.keys import BlockKey
@@ -63,7 +64,8 @@ class Store(TierMovement):
         self._pins: dict[BlockKey, int] = {}
         self._hit_counts: dict[BlockKey, int] = {}  # selective write-through only
         self._stat_sources: list[tuple[str, Any]] = []  # (name, callable) from attach_stats
-        self._ops = dict.fromkeys(("saves", "loads", "lookups", "lookup_hits", "prefetches", "background_errors"), 0)
+        self._ops = dict.fromkeys(("saves", "loads", "lookups", "lookup_hits", "prefetches", "background_errors",
+                                   "refused_checksum"), 0)
         self._lock = threading.Lock()
         self._local = threading.local()
         self._closed = False
@@ -78,15 +80,31 @@ class Store(TierMovement):
 
     # -- public API ---------------------------------------------------------------------
 
-    def save(self, keys: Sequence[BlockKey], srcs: Sequence[Any]) -> "Future[list[bool]]":
+    def save(self, keys: Sequence[BlockKey], srcs: Sequence[Any], *,
+             checksums: Sequence[int] | None = None) -> "Future[list[bool]]":
         """Store a copy of each buffer under its key. The future resolves to whether each
         block is stored (``False``: rejected by admission or no room). Callers must not
-        modify ``srcs`` until the future is done; nothing keeps them after that."""
+        modify ``srcs`` until the future is done; nothing keeps them after that.
+        ``checksums``: the writer's XXH3-64 (:func:`kvstore.block.checksum`) of each
+        host buffer, computed before the bytes travelled (the cache server passes its
+        clients'); a buffer that does not match is not stored (``False``, counted in
+        ``refused_checksum``)."""
         self._check_open()
         self._check_pairs(keys, srcs)
         if self._trace is not None:
             self._trace.save(keys, nbytes_of(srcs[0]) if len(srcs) else None)
+        if checksums is not None and len(checksums) != len(keys):
+            raise InvalidArgumentError(f"{len(keys)} keys but {len(checksums)} checksums")
+        if checksums is not None:
+            return submit(self._pool, capture(srcs), self._save_checked, list(keys), list(srcs), list(checksums))
         return submit(self._pool, capture(srcs), self._save, list(keys), list(srcs))
+
+    def checksums(self, keys: Sequence[BlockKey]) -> list[int | None]:
+        """The first tier's stored checksum of each key's block (``None`` where it holds
+        none, or keeps no checksums): what the cache server sends with a borrowed view.
+        Same key, same content: a block re-stored under a key has the same checksum."""
+        fn = getattr(self._levels[0].tier, "checksums", None)
+        return fn(keys) if fn is not None else [None] * len(keys)
 
     def reserve(self, keys: Sequence[BlockKey], sizes: Sequence[int], *, evict: bool = True) -> Reservation:
         """Save by filling the first tier's memory in place: room for each block is
@@ -368,6 +386,19 @@ class Store(TierMovement):
                     stored[j] = ok
             return stored
         return self._save_new(keys, srcs)
+
+    def _save_checked(self, keys: list[BlockKey], srcs: list[Any], sums: list[int]) -> list[bool]:
+        good = [j for j, (src, csum) in enumerate(zip(srcs, sums)) if checksum(host_view(src)) == csum]
+        if len(good) == len(keys):
+            return self._save(keys, srcs)
+        with self._lock:
+            self._ops["refused_checksum"] += len(keys) - len(good)
+        log.warning("save: %d of %d blocks did not match their writer's checksum; not stored",
+                    len(keys) - len(good), len(keys))
+        out = [False] * len(keys)
+        for j, ok in zip(good, self._save([keys[j] for j in good], [srcs[j] for j in good]) if good else []):
+            out[j] = ok
+        return out
 
     def _save_new(self, keys: list[BlockKey], srcs: list[Any]) -> list[bool]:
         stored = self._put(0, keys, srcs)

@@ -25,8 +25,8 @@ def _frame(op, body=b"", payload=b"", rid=1):
 def test_round_trips():
     keys = make_keys(5)
     frames = (_frame(P.Op.LOOKUP, P.encode_lookup(keys, 2.5)) + _frame(P.Op.CONTAINS, P.encode_keys(keys))
-              + _frame(P.Op.PUT, P.encode_records(P.SIZED, keys[:2], [3, 4]), b"abcdefg")
-              + _frame(P.Op.SHM_PUT, P.encode_records(P.STAGED, keys[:2], [3, 4], [0, 4096]))
+              + _frame(P.Op.PUT, P.encode_records(P.PUT_REC, keys[:2], [3, 4], [11, 2**64 - 1]), b"abcdefg")
+              + _frame(P.Op.SHM_PUT, P.encode_records(P.STAGED, keys[:2], [3, 4], [0, 4096], [5, 6]))
               + _frame(P.Op.SHM_DONE, P.encode_u64(42)) + _frame(P.Op.HELLO, P.encode_json({"token": "t"})))
     reqs, used = P.parse_requests(frames, LIMITS)
     assert used == len(frames)
@@ -34,13 +34,16 @@ def test_round_trips():
     assert lease == 2.5 and k1 == keys and k2 == keys
     assert [k.to_bytes() for k in k1] == [k.to_bytes() for k in keys]  # parent/namespace survive
     assert k3 == keys[:2] and rec3["nbytes"].tolist() == [3, 4] and h3.payload_len == 7
-    assert rec4["offset"].tolist() == [0, 4096]
+    assert rec3["checksum"].tolist() == [11, 2**64 - 1]
+    assert rec4["offset"].tolist() == [0, 4096] and rec4["checksum"].tolist() == [5, 6]
     assert lid == 42 and hello == {"token": "t"}
     assert P.decode_sizes(P.encode_sizes([5, P.MISS, P.SIZE_MISMATCH]), 3).tolist() == [5, -1, -2]
+    summed = P.decode_summed(P.encode_summed([5, P.MISS], [2**63 + 1, 0]), 2)
+    assert summed["nbytes"].tolist() == [5, -1] and summed["checksum"].tolist() == [2**63 + 1, 0]
     placed = np.zeros(2, P.PLACED)
-    placed["nbytes"] = [7, P.MISS]
+    placed["nbytes"], placed["checksum"] = [7, P.MISS], [99, 0]
     lid, got = P.decode_placed(P.encode_placed(9, placed), 2)
-    assert lid == 9 and got["nbytes"].tolist() == [7, -1]
+    assert lid == 9 and got["nbytes"].tolist() == [7, -1] and got["checksum"].tolist() == [99, 0]
 
 
 def test_partial_frame_is_left_for_later():
@@ -60,12 +63,12 @@ def test_partial_frame_is_left_for_later():
     (_frame(P.Op.CONTAINS, struct.pack("<I", 2) + bytes(96)), "records"),
     (_frame(P.Op.LOOKUP, struct.pack("<dI", float("nan"), 0)), "lease"),
     (_frame(P.Op.LOOKUP, struct.pack("<dI", -1.0, 0)), "lease"),
-    (_frame(P.Op.PUT, P.encode_records(P.SIZED, make_keys(1), [4]), b"abc"), "announces"),
+    (_frame(P.Op.PUT, P.encode_records(P.PUT_REC, make_keys(1), [4], [0]), b"abc"), "announces"),
     (_frame(P.Op.HELLO, b"\xff\xfe"), "JSON"),
     (_frame(P.Op.HELLO, b"[1]"), "object"),
     (_frame(P.Op.SHM_DONE, b"1234"), "8-byte"),
     (_frame(P.Op.SHM_COMMIT, b"123"), "SHM_COMMIT body"),
-    (_frame(P.Op.SHM_COMMIT, struct.pack("<QB", 1, 7)), "action"),
+    (_frame(P.Op.SHM_COMMIT, struct.pack("<QBI", 1, 7, 0)), "action"),
     (_frame(P.Op.SHM_RESERVE, P.encode_records(P.SIZED, make_keys(1) * 2, [1, 1])), "twice"),
     (_frame(P.Op.GET, P.encode_records(P.SIZED, make_keys(1) * 2, [1, 1])), "twice"),
     (P.pack_header(P.Op.STATS, 1, 0, 5) + b"12345", "payload"),
@@ -95,11 +98,13 @@ def _mutated_frames(draw):
     op = draw(_ops)
     n = draw(st.integers(0, 4))
     keys = make_keys(n, salt=str(draw(st.integers(0, 3))))
-    kind = draw(st.sampled_from(["keys", "lookup", "sized", "staged", "u64", "json", "raw"]))
+    kind = draw(st.sampled_from(["keys", "lookup", "sized", "staged", "put", "commit", "u64", "json", "raw"]))
     body = {"keys": lambda: P.encode_keys(keys),
             "lookup": lambda: P.encode_lookup(keys, draw(st.floats(allow_nan=True, allow_infinity=True))),
             "sized": lambda: P.encode_records(P.SIZED, keys, draw(st.lists(st.integers(0, 64), min_size=n, max_size=n))),
-            "staged": lambda: P.encode_records(P.STAGED, keys, [8] * n, [0] * n),
+            "staged": lambda: P.encode_records(P.STAGED, keys, [8] * n, [0] * n, [1] * n),
+            "put": lambda: P.encode_records(P.PUT_REC, keys, [4] * n, [2] * n),
+            "commit": lambda: P.encode_commit(draw(st.integers(0, 9)), True, [3] * n),
             "u64": lambda: P.encode_u64(draw(st.integers(0, 2**64 - 1))),
             "json": lambda: P.encode_json({"k": draw(st.text(max_size=8))}),
             "raw": lambda: draw(st.binary(max_size=64))}[kind]()
@@ -131,4 +136,23 @@ def test_reservation_frames_round_trip():
                                     + _frame(P.Op.SHM_COMMIT, P.encode_commit(42, False)), LIMITS)
     (h1, (got_keys, rec)), (h2, commit) = frames
     assert got_keys == keys and rec["nbytes"].tolist() == [1, 2, 3]
-    assert commit == (42, False) and P.decode_commit(P.encode_commit(7, True)) == (7, True)
+    assert commit[:2] == (42, False) and len(commit[2]) == 0
+    rid, action, sums = P.decode_commit(P.encode_commit(7, True, [1, 2, 2**64 - 1]))
+    assert (rid, action, sums.tolist()) == (7, True, [1, 2, 2**64 - 1])
+
+
+@pytest.mark.parametrize("body, match", [
+    (P.encode_commit(1, True, [1, 2])[:-1], "does not hold 2 checksums"),
+    (struct.pack("<QBI", 1, 1, 5000), "max_batch"),
+    (struct.pack("<QB", 1, 1), "at least"),
+])
+def test_bad_commit_bodies_are_refused(body, match):
+    with pytest.raises(ProtocolError, match=match):
+        P.parse_requests(_frame(P.Op.SHM_COMMIT, body), LIMITS)
+
+
+def test_a_version_2_frame_is_refused_naming_both_versions():
+    frame = bytearray(_frame(P.Op.PING))
+    frame[2] = 2
+    with pytest.raises(ProtocolError, match="unsupported protocol version 2 .this side speaks 3"):
+        P.parse_requests(bytes(frame), LIMITS)

@@ -16,6 +16,7 @@ from kvstore.client import Client
 from kvstore.errors import AuthError
 from kvstore.server import _protocol as P
 from kvstore.testing import make_keys, payload
+from tests._hello import raw_hello
 from tests._servers import ThreadServer, config_dict
 
 BLOCK = 64 * 1024
@@ -35,11 +36,7 @@ def server():
 def _raw(server, hello: bool = True) -> socket.socket:
     sock = socket.create_connection(("127.0.0.1", server.server.port), timeout=5)
     if hello:
-        body = P.encode_json({"client": "test"})
-        sock.sendall(P.pack_header(P.Op.HELLO, 1, len(body)) + body)
-        head = _recv(sock, P.HEADER_BYTES)
-        hdr = P.parse_header(head, P.Limits(1 << 40, 1 << 30), reply=True)
-        _recv(sock, hdr.body_len)
+        raw_hello(sock)
     return sock
 
 
@@ -104,7 +101,7 @@ def test_bad_frames_close_only_that_connection(server, name, data, status):
 
 def test_put_announcing_wrong_payload_length(server):
     key = make_keys(1, salt="liar")
-    body = P.encode_records(P.SIZED, key, [BLOCK])
+    body = P.encode_records(P.PUT_REC, key, [BLOCK])
     sock = _raw(server)
     sock.sendall(_frame(P.Op.PUT, body, BLOCK + 1))
     _expect_error_and_close(sock, P.Status.PROTOCOL)
@@ -113,7 +110,7 @@ def test_put_announcing_wrong_payload_length(server):
 
 def test_put_over_inflight_limit_refused_before_payload(server):
     keys = make_keys(2, salt="big")
-    body = P.encode_records(P.SIZED, keys, [3 << 20, 3 << 20])  # 6 MiB > max_inflight_bytes 4 MiB
+    body = P.encode_records(P.PUT_REC, keys, [3 << 20, 3 << 20])  # 6 MiB > max_inflight_bytes 4 MiB
     sock = _raw(server)
     sock.sendall(_frame(P.Op.PUT, body, 6 << 20))
     assert "max_inflight_bytes" in _expect_error_and_close(sock, P.Status.TOO_LARGE)
@@ -131,7 +128,7 @@ def test_truncated_header_then_disconnect(server):
 
 def test_disconnect_mid_payload_stores_nothing(server):
     keys = make_keys(3, salt="cut")
-    body = P.encode_records(P.SIZED, keys, [BLOCK] * 3)
+    body = P.encode_records(P.PUT_REC, keys, [BLOCK] * 3)
     sock = _raw(server)
     sock.sendall(_frame(P.Op.PUT, body, 3 * BLOCK) + payload(0, BLOCK).tobytes() + b"x" * 100)
     sock.close()
@@ -143,7 +140,7 @@ def test_disconnect_mid_payload_stores_nothing(server):
 def test_frame_before_hello_is_refused(server):
     sock = _raw(server, hello=False)
     key = make_keys(1, salt="early")
-    sock.sendall(_frame(P.Op.PUT, P.encode_records(P.SIZED, key, [BLOCK]), BLOCK))
+    sock.sendall(_frame(P.Op.PUT, P.encode_records(P.PUT_REC, key, [BLOCK]), BLOCK))
     _expect_error_and_close(sock, P.Status.AUTH)
     _assert_unchanged_and_serving(server)
 
@@ -241,7 +238,7 @@ def test_put_sizes_that_wrap_past_2_64_are_refused_and_store_nothing(server):
     evil = make_keys(2, salt="evil")
     for sizes, payload_len in (([(1 << 64) - 8, 8 + 16], 16), ([(1 << 64) - 1, 1], 0), ([1 << 63, 1 << 63], 0)):
         sock = _raw(server)
-        body = P.encode_records(P.SIZED, evil, sizes)
+        body = P.encode_records(P.PUT_REC, evil, sizes)
         sock.sendall(P.pack_header(P.Op.PUT, 2, len(body), payload_len) + body + bytes(payload_len))
         _expect_error_and_close(sock, P.Status.PROTOCOL)
     assert server.store.contains(evil) == [False, False]

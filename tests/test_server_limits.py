@@ -10,6 +10,7 @@ import pytest
 from kvstore.client import Client
 from kvstore.server import _protocol as P
 from kvstore.testing import make_keys, payload
+from tests._hello import raw_hello
 from tests._servers import ThreadServer, config_dict
 
 WAIT_S = 20          # the longest a test waits for the server to act (a bound, not a timing)
@@ -25,10 +26,7 @@ def server():
 def _connect(server, hello=False):
     sock = socket.create_connection(("127.0.0.1", server.server.port), timeout=WAIT_S)
     if hello:
-        body = P.encode_json({"client": "test"})
-        sock.sendall(P.pack_header(P.Op.HELLO, 1, len(body)) + body)
-        head = _recv(sock, P.HEADER_BYTES)
-        _recv(sock, P.parse_header(head, P.Limits(1 << 40, 1 << 30), reply=True).body_len)
+        raw_hello(sock)
     return sock
 
 
@@ -90,7 +88,7 @@ def test_a_connection_that_never_authenticates_is_closed(server):
 def test_a_frame_whose_payload_stops_arriving_is_closed(server):
     sock = _connect(server, hello=True)
     keys = make_keys(1, salt="stalled")
-    body = P.encode_records(P.SIZED, keys, [1 << 20])
+    body = P.encode_records(P.PUT_REC, keys, [1 << 20])
     sock.sendall(P.pack_header(P.Op.PUT, 2, len(body), 1 << 20) + body + bytes(1000))  # 1 MiB announced
     assert _closed_by_server(sock)
     assert server.store.contains(keys) == [False]

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from kvstore._wire import Address, ArenaMap, Conn
+from kvstore.block import checksum
 from kvstore.client import Client
 from kvstore.errors import InvalidArgumentError, RemoteError
 from kvstore.server import _protocol as P
@@ -68,7 +69,7 @@ def test_reserved_slots_are_published_on_commit_only(server):
         for src, off in zip(srcs, placed["offset"].tolist()):
             arena.array[off:off + BLOCK] = src
         assert reader.contains(keys) == [False] * 3  # written, not yet visible
-        _, body = conn.call(P.Op.SHM_COMMIT, P.encode_commit(rid, True))
+        _, body = conn.call(P.Op.SHM_COMMIT, P.encode_commit(rid, True, [checksum(s) for s in srcs]))
         assert P.decode_flags(body, 3) == [True] * 3
         dsts = [np.zeros(BLOCK, np.uint8) for _ in keys]
         assert reader.load(keys, dsts).result() == [True] * 3
@@ -81,6 +82,28 @@ def test_reserved_slots_are_published_on_commit_only(server):
         arena.close()
         conn.close()
         reader.close()
+
+
+def test_a_commit_publishes_only_blocks_that_match_the_clients_checksums(server):
+    conn = _conn(server)
+    arena = ArenaMap(conn.info["shm"])
+    try:
+        keys = make_keys(3, salt="commit-sums")
+        srcs = [payload(40 + i, BLOCK) for i in range(3)]
+        rid, placed = _reserve(conn, keys, [BLOCK] * 3)
+        for src, off in zip(srcs, placed["offset"].tolist()):
+            arena.array[off:off + BLOCK] = src
+        sums = [checksum(s) for s in srcs]
+        arena.array[int(placed["offset"][1]) + 17] ^= 0x01      # changed after the client hashed it
+        with pytest.raises(InvalidArgumentError, match="carries 2 checksums for 3 keys"):
+            conn.call(P.Op.SHM_COMMIT, P.encode_commit(rid, True, sums[:2]))
+        _, body = conn.call(P.Op.SHM_COMMIT, P.encode_commit(rid, True, sums))
+        assert P.decode_flags(body, 3) == [True, False, True]
+        assert server.store.contains(keys) == [True, False, True]
+        assert server.store.stats()["tiers"][0]["refused_writes"] == 1
+    finally:
+        arena.close()
+        conn.close()
 
 
 def test_abort_and_a_dead_client_free_the_slots(server):

@@ -22,12 +22,14 @@ Reserved = Union[bool, None, tuple[int, int]]  # stored already / no room / (off
 
 
 class Slot:
-    """One stored block: where it is, how big, and who is reading it."""
+    """One stored block: where it is, how big, who is reading it, and the XXH3-64 of
+    its bytes (``None`` for a tier that keeps none)."""
 
-    __slots__ = ("offset", "nbytes", "readers", "dead")
+    __slots__ = ("offset", "nbytes", "readers", "dead", "checksum")
 
-    def __init__(self, offset: int, nbytes: int) -> None:
+    def __init__(self, offset: int, nbytes: int, checksum: int | None = None) -> None:
         self.offset, self.nbytes, self.readers, self.dead = offset, nbytes, 0, False
+        self.checksum = checksum
 
 
 class SlotIndex:
@@ -79,13 +81,16 @@ class SlotIndex:
                 out.append((offset, nbytes))
         return out
 
-    def commit_many(self, keys: Sequence[BlockKey], reserved: Sequence[Reserved]) -> list[bool]:
-        """Publish reserved slots whose bytes are in place. Per key: True when stored
-        (a concurrent writer of the same key that committed first wins — same key, same
-        content — and ours is freed), False where nothing was reserved."""
+    def commit_many(self, keys: Sequence[BlockKey], reserved: Sequence[Reserved],
+                    sums: Sequence[int | None] | None = None) -> list[bool]:
+        """Publish reserved slots whose bytes are in place, with their checksums
+        (``sums``, one per key). Per key: True when stored (a concurrent writer of the
+        same key that committed first wins — same key, same content — and ours is
+        freed), False where nothing was reserved."""
         out = []
+        sums = sums if sums is not None else [None] * len(keys)
         with self._lock:
-            for key, entry in zip(keys, reserved):
+            for key, entry, csum in zip(keys, reserved, sums):
                 if not isinstance(entry, tuple):
                     out.append(entry is True)
                     continue
@@ -94,7 +99,7 @@ class SlotIndex:
                     self._alloc.free(offset, nbytes)
                     self._used -= nbytes
                 else:
-                    self._slots[key] = Slot(offset, nbytes)
+                    self._slots[key] = Slot(offset, nbytes, csum)
                 out.append(True)
         return out
 
@@ -135,20 +140,34 @@ class SlotIndex:
     def release(self, slot: Slot) -> None:
         self.release_many([slot])
 
-    def delete(self, keys: Sequence[BlockKey]) -> int:
-        removed = 0
+    def checksums(self, keys: Sequence[BlockKey]) -> list[int | None]:
+        slots = self._slots
+        return [s.checksum if (s := slots.get(k)) is not None else None for k in keys]
+
+    def drop_slot(self, key: BlockKey, slot: Slot) -> bool:
+        """Delete ``key`` only while it still maps to ``slot`` (a corrupt copy found by
+        a reader; a newer slot for the key is left alone)."""
         with self._lock:
-            for key in keys:
-                slot = self._slots.pop(key, None)
-                if slot is None:
-                    continue
-                removed += 1
-                self._used -= slot.nbytes
-                if slot.readers:
-                    slot.dead = True  # freed by the last reader
-                else:
-                    self._alloc.free(slot.offset, slot.nbytes)
-        return removed
+            if self._slots.get(key) is not slot:
+                return False
+            self._remove(key)
+            return True
+
+    def delete(self, keys: Sequence[BlockKey]) -> int:
+        with self._lock:
+            return sum(self._remove(key) for key in keys)
+
+    def _remove(self, key: BlockKey) -> bool:
+        """Caller holds the lock."""
+        slot = self._slots.pop(key, None)
+        if slot is None:
+            return False
+        self._used -= slot.nbytes
+        if slot.readers:
+            slot.dead = True  # freed by the last reader
+        else:
+            self._alloc.free(slot.offset, slot.nbytes)
+        return True
 
     def keys(self) -> Iterator[BlockKey]:
         with self._lock:

@@ -5,6 +5,13 @@ server shares it with local clients), backed by transparent huge pages where the
 kernel allows, pre-faulted at start-up and pinned through CUDA on its first device copy
 (:class:`kvstore._pinning.HostPin`), so blocks move with one memcpy and no allocation per
 block.
+
+Every slot keeps the XXH3-64 (:func:`kvstore.block.checksum`) of its bytes, hashed as
+they are copied in (piece by piece while in cache: a few percent of the copy). Reads
+hash what they copied out and compare, so a byte flipped in the arena (memory errors,
+a stray write through the shared mapping) is a miss: the slot is dropped and
+``corrupt_blocks`` rises. The cache server sends these checksums to its clients,
+which verify the bytes they receive (``docs/protocol.md``).
 """
 
 from __future__ import annotations
@@ -21,9 +28,8 @@ from typing import Any, Iterator, Sequence
 
 import numpy as np
 
-from kvstore._copy import copy_runs, plan
+from kvstore._copy import copy_batch_hashed, hash_ranges
 from kvstore._pinning import HostPin, _torch_cudart
-from kvstore._transfer import copy_device_pairs
 from kvstore.buffers import nbytes_of
 from kvstore.errors import BufferSizeError, ConfigError, InvalidArgumentError
 from kvstore.keys import BlockKey
@@ -143,6 +149,8 @@ class DramTier(ArenaTier):
                                                       name=name, shared=bool(shm_path), cudart=_cudart)
         self._index = SlotIndex(self._capacity, size, SLOT_ALIGN)
         self._close_lock = threading.Lock()
+        self._corrupt = 0           # slots whose bytes no longer matched their checksum
+        self._refused = 0           # reserved blocks whose bytes did not match the writer's checksum
         self.capabilities = TierCapabilities(device="cpu", alignment=SLOT_ALIGN, max_concurrency=1,
                                              zero_copy_view=True)
 
@@ -161,12 +169,22 @@ class DramTier(ArenaTier):
                 if slot is not None and nbytes_of(dst) != slot.nbytes:
                     raise BufferSizeError(
                         f"[{self.name}] buffer has {nbytes_of(dst)} bytes, block has {slot.nbytes}")
-            held = [(slot, dst) for slot, dst in zip(slots, dsts) if slot is not None]
-            self._copy([d for _, d in held], [s.offset for s, _ in held], [s.nbytes for s, _ in held],
-                       to_arena=False)
+            held = [(i, slot, dst) for i, (slot, dst) in enumerate(zip(slots, dsts)) if slot is not None]
+            sums = self._copy([d for _, _, d in held], [s.offset for _, s, _ in held],
+                              [s.nbytes for _, s, _ in held], to_arena=False)
         finally:
             self._index.release_many(slots)
-        return [slot is not None for slot in slots]
+        out = [slot is not None for slot in slots]
+        for (i, slot, _), csum in zip(held, sums):
+            if csum != slot.checksum:
+                out[i] = False
+                self._drop_corrupt(keys[i], slot, "read")
+        return out
+
+    def _drop_corrupt(self, key: BlockKey, slot: Any, what: str) -> None:
+        if self._index.drop_slot(key, slot):
+            self._corrupt += 1
+            log.warning("DRAM tier %s: block %r failed its checksum on %s; dropped", self.name, key, what)
 
     def write(self, keys: Sequence[BlockKey], srcs: Sequence[Any]) -> list[bool]:
         # Reserve every slot of the batch under one lock hold, so a batch lands in
@@ -177,36 +195,55 @@ class DramTier(ArenaTier):
             raise InvalidArgumentError(f"{len(keys)} keys but {len(srcs)} buffers")
         sizes = [nbytes_of(src) for src in srcs]
         reserved = self._index.reserve_many(keys, sizes)
-        held = [(entry, src) for entry, src in zip(reserved, srcs) if isinstance(entry, tuple)]
+        held = [(j, entry, src) for j, (entry, src) in enumerate(zip(reserved, srcs)) if isinstance(entry, tuple)]
         try:
-            self._copy([src for _, src in held], [e[0] for e, _ in held], [e[1] for e, _ in held], to_arena=True)
+            got = self._copy([src for _, _, src in held], [e[0] for _, e, _ in held], [e[1] for _, e, _ in held],
+                             to_arena=True)
         except BaseException:
             self._index.abort_many(reserved)
             raise
-        return self._index.commit_many(keys, reserved)
+        sums: list[int | None] = [None] * len(keys)
+        for (j, _, _), csum in zip(held, got):
+            sums[j] = csum
+        return self._index.commit_many(keys, reserved, sums)
 
-    def _copy(self, bufs: list[Any], offsets: list[int], sizes: list[int], *, to_arena: bool) -> None:
-        """Host buffers as merged runs of memmoves (two threads for a large batch);
-        device buffers as one batch per device on its copy stream (the arena is pinned
-        where CUDA is)."""
-        runs, device = plan(bufs, sizes, self.arena.ctypes.data, offsets, writable=not to_arena)
-        copy_runs(runs, to_arena, _pool(), _COPY_THREADS)
-        if not device:
-            return
-        pinned = self._pin is not None and self._pin.ensure()
-        arena = self.arena
-        pairs = [((arena[off:off + n], buf) if to_arena else (buf, arena[off:off + n])) for buf, off, n in device]
-        copy_device_pairs(pairs, pinned=pinned)
+    def _copy(self, bufs: list[Any], offsets: list[int], sizes: list[int], *, to_arena: bool) -> list[int]:
+        """Copy host buffers block by block (two threads for a large batch), device
+        buffers as one batch per device on its copy stream (the arena is pinned where
+        CUDA is); returns the XXH3-64 of each block's destination bytes (for device
+        buffers, of the arena's side)."""
+        return copy_batch_hashed(bufs, sizes, self.arena, self.arena.ctypes.data, offsets, to_arena, _pool(),
+                                 _COPY_THREADS, self._pin)
+
+    def checksums(self, keys: Sequence[BlockKey]) -> list[int | None]:
+        """The stored checksum (XXH3-64) of each key's block, ``None`` where absent. The
+        cache server sends it with the block; ``view`` users verify against it."""
+        return self._index.checksums(keys)
 
     @contextmanager
     def view(self, key: BlockKey) -> Iterator[np.ndarray | None]:
-        with self.views([key]) as views:
-            yield views[0]
+        """A read-only view of one block, verified against its checksum first (the Store
+        spills through it: a lower tier then hashes bytes already known good). A block
+        that fails is dropped and yields ``None``."""
+        slots = self._index.acquire_many([key])
+        slot = slots[0]
+        try:
+            view = None
+            if slot is not None:
+                view = self._readonly[slot.offset:slot.offset + slot.nbytes]
+                if hash_ranges(self.arena.ctypes.data, [slot.offset], [slot.nbytes])[0] != slot.checksum:
+                    view = None
+            yield view
+        finally:
+            self._index.release_many(slots)
+        if slot is not None and view is None:
+            self._drop_corrupt(key, slot, "spill")
 
     @contextmanager
     def views(self, keys: Sequence[BlockKey]) -> Iterator[list[np.ndarray | None]]:
         """Read-only views of many blocks, their slots held under one lock round trip
-        each way (the cache server borrows whole batches this way)."""
+        each way (the cache server borrows whole batches this way). Not verified here:
+        the server sends :meth:`checksums` along and its clients verify."""
         slots = self._index.acquire_many(keys)
         try:
             ro = self._readonly
@@ -242,7 +279,8 @@ class DramTier(ArenaTier):
         return Reservation(self, list(keys), self._index.reserve_many(keys, sizes))
 
     def stats(self) -> dict[str, Any]:
-        return {"pinned": self.pinned, "shared_memory": bool(self.shm_path),
+        return {"pinned": self.pinned, "shared_memory": bool(self.shm_path), "corrupt_blocks": self._corrupt,
+                "refused_writes": self._refused,
                 "largest_free_bytes": self._index.largest_free(), "abandoned_bytes": self._index.abandoned_bytes}
 
     def close(self) -> None:
@@ -279,11 +317,28 @@ class Reservation:
             tier.arena[e[0]:e[0] + e[1]] if isinstance(e, tuple) else None for e in reserved]
         self._done = False
 
-    def commit(self) -> list[bool]:
-        """Publish the filled slots. Per key: True when stored now or already stored
-        before, False when there was no room."""
+    def commit(self, checksums: Sequence[int | None] | None = None) -> list[bool]:
+        """Publish the filled slots, each with the checksum of the bytes in it. With
+        ``checksums`` (the writer's, one per key), a slot whose bytes differ is freed
+        instead (counted in ``refused_writes``). Per key: True when stored now or already
+        stored before, False when there was no room or its bytes were refused."""
         self._finish()
-        return self._tier._index.commit_many(self._keys, self._reserved)
+        tier, reserved = self._tier, list(self._reserved)
+        held = [(j, e) for j, e in enumerate(reserved) if isinstance(e, tuple)]
+        got = hash_ranges(tier.arena.ctypes.data, [e[0] for _, e in held], [e[1] for _, e in held])
+        sums: list[int | None] = [None] * len(reserved)
+        bad = []
+        for (j, e), csum in zip(held, got):
+            if checksums is not None and checksums[j] is not None and checksums[j] != csum:
+                bad.append(e)
+                reserved[j] = None
+            sums[j] = csum
+        if bad:
+            tier._index.abort_many(bad)
+            tier._refused += len(bad)
+            log.warning("DRAM tier %s: %d reserved blocks did not match their writer's checksum; refused",
+                        tier.name, len(bad))
+        return tier._index.commit_many(self._keys, reserved, sums)
 
     def abort(self) -> None:
         """Free every reserved slot; nothing is stored."""

@@ -13,15 +13,18 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import secrets
 import socket
 import time
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from kvstore.block import checksum
 from kvstore.errors import (AuthError, BufferSizeError, InvalidArgumentError, KVStoreError, ProtocolError,
                             StoreClosedError, TransportError)
 from kvstore.server import _protocol as P
+from kvstore.server._auth import hello_proof
 from kvstore.server._conn_shm import SameHostOps
 from kvstore.server._refusals import Busy as _Busy, Disconnected as _Disconnected, Fatal as _Fatal
 from kvstore.server._shm import Lease, Staging
@@ -48,6 +51,7 @@ class Connection(SameHostOps):
         self.body = bytearray(4096)
         self.buf = np.empty(0, np.uint8)   # PUT payloads and lower-tier GETs, reused
         self.authed = False
+        self.nonce: bytes | None = None    # the HELLO challenge sent, until answered
         self.busy = False
         self.accepted = self.last_active = time.monotonic()
         self.stalled_since: float | None = None   # a frame's body or payload is being waited for
@@ -206,11 +210,28 @@ class Connection(SameHostOps):
         return status
 
     async def _op_hello(self, rid: int, args: dict, header: P.Header) -> None:
+        """Challenge-response: the first HELLO gets a fresh nonce (``challenge``); the
+        second must carry ``proof`` = :func:`hello_proof` of the token, that nonce and
+        its ``client`` name, and gets the server's info. The token never crosses the
+        wire, and a captured proof is worthless on any other connection (other nonce)."""
+        if args.get("protocol", P.VERSION) != P.VERSION:
+            raise _Fatal(P.Status.PROTOCOL, f"client speaks protocol {args.get('protocol')!r}; this server "
+                         f"speaks {P.VERSION} only (upgrade the client)")
+        if "token" in args:
+            raise _Fatal(P.Status.AUTH, "HELLO carries a cleartext token; protocol 3 answers a challenge "
+                         "with an HMAC instead")
+        nonce, self.nonce = self.nonce, None
+        if nonce is None:
+            self.nonce = secrets.token_bytes(32)
+            await self._reply(P.Op.HELLO, rid, P.encode_json({"challenge": self.nonce.hex(),
+                                                              "protocol": P.VERSION}))
+            return
         expected = self.server.config.server.token
         if expected is not None:
-            given = args.get("token")
-            if not isinstance(given, str) or not hmac.compare_digest(given.encode(), expected.encode()):
-                raise _Fatal(P.Status.AUTH, "wrong or missing token")
+            client, proof = args.get("client"), args.get("proof")
+            if not isinstance(client, str) or not isinstance(proof, str) or not hmac.compare_digest(
+                    proof.encode(), hello_proof(expected, nonce, client).encode()):
+                raise _Fatal(P.Status.AUTH, "wrong or missing token (HELLO proof does not match)")
         self.authed = True
         await self._reply(P.Op.HELLO, rid, P.encode_json(self.server.hello_info(self.local)))
 
@@ -254,7 +275,10 @@ class Connection(SameHostOps):
         for n in rec["nbytes"].tolist():
             srcs.append(buf[pos:pos + n])
             pos += n
-        ok = await asyncio.wrap_future(self.server.store.save(keys, srcs)) if keys else []
+        # The Store checks each block against the checksum its client computed before
+        # sending: a block changed on the way is refused (False, counted), not stored.
+        ok = await asyncio.wrap_future(self.server.store.save(keys, srcs, checksums=rec["checksum"].tolist())) \
+            if keys else []
         await self._reply(P.Op.PUT, rid, bytes(ok))
 
     async def _op_get(self, rid: int, args: tuple, header: P.Header) -> None:
@@ -264,6 +288,7 @@ class Connection(SameHostOps):
         sizes = [P.MISS] * len(keys)
         with self.server.borrow(keys) as views:
             srcs: list[Any] = [None] * len(keys)
+            sums = self.server.store.checksums(keys)   # as stored; the client verifies what arrives
             lower = []
             for i, v in enumerate(views):
                 if v is None:
@@ -274,18 +299,19 @@ class Connection(SameHostOps):
                     sizes[i] = P.SIZE_MISMATCH
             if lower:
                 buf = self._buffer(sum(want[i] for i in lower))
-                await self._load_lower(keys, want, lower, buf, 0, sizes, srcs)
+                await self._load_lower(keys, want, lower, buf, 0, sizes, srcs, sums)
             total = sum(s for s in sizes if s > 0)
-            body = P.encode_sizes(sizes)
+            body = P.encode_summed(sizes, [c or 0 for c in sums])
             frame = [P.pack_header(P.Op.GET, rid, len(body), total) + body]
             frame += [src for src in srcs if src is not None]
             await self.server.sender.send(self.loop, self.sock, frame, total)  # header and blocks, vectored
             self.server.metrics.bytes.labels("out", "tcp").inc(total)
 
     async def _load_lower(self, keys: list, want: list[int], idx: list[int], buf: np.ndarray, base: int,
-                          sizes: list[int], srcs: list[Any]) -> None:
+                          sizes: list[int], srcs: list[Any], sums: list[int | None]) -> None:
         """Load blocks the first tier does not hold (slower tiers) into ``buf`` from
-        ``base`` on; fills ``sizes`` and ``srcs`` (views of ``buf``) for the hits."""
+        ``base`` on; fills ``sizes``, ``srcs`` (views of ``buf``) and ``sums`` (the
+        checksum of each loaded copy, which those tiers verified) for the hits."""
         store = self.server.store
         idx = [i for i, c in zip(idx, store.contains([keys[i] for i in idx])) if c]
         dsts, pos = [], base
@@ -304,9 +330,10 @@ class Connection(SameHostOps):
                 except BufferSizeError:
                     sizes[i] = P.SIZE_MISMATCH
                     ok.append(False)
-        for i, dst, good in zip(idx, dsts, ok):
-            if good:
-                sizes[i], srcs[i] = want[i], dst
+        hits = [(i, dst) for i, dst, good in zip(idx, dsts, ok) if good]
+        got = await self.loop.run_in_executor(None, lambda: [checksum(d) for _, d in hits])
+        for (i, dst), csum in zip(hits, got):
+            sizes[i], srcs[i], sums[i] = want[i], dst, csum
 
     # -- NIXL (see kvstore/server/_nixl.py) ----------------------------------------------------
 
@@ -317,9 +344,9 @@ class Connection(SameHostOps):
         await self._reply(P.Op.NIXL_HELLO, rid, meta)
 
     async def _op_nixl_get(self, rid: int, args: tuple, header: P.Header) -> None:
-        sizes = await self.loop.run_in_executor(None, self.server.nixl.get, self, args)
+        sizes, sums = await self.loop.run_in_executor(None, self.server.nixl.get, self, args)
         self.server.metrics.bytes.labels("out", "nixl").inc(sum(s for s in sizes if s > 0))
-        await self._reply(P.Op.NIXL_GET, rid, P.encode_sizes(sizes))
+        await self._reply(P.Op.NIXL_GET, rid, P.encode_summed(sizes, sums))
 
     async def _op_nixl_put(self, rid: int, args: tuple, header: P.Header) -> None:
         ok = await self.loop.run_in_executor(None, self.server.nixl.put, self, args)

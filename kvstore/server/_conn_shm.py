@@ -46,6 +46,7 @@ class SameHostOps:
         sizes, offsets, where = [P.MISS] * n, [0] * n, [P.WHERE_ARENA] * n
         lease = Lease(self.server.borrow(keys, offsets=True))
         try:
+            sums = self.server.store.checksums(keys)   # as stored; the client verifies its copy
             lower, leased = [], 0
             for i, slot in enumerate(lease.views):
                 if slot is None:
@@ -63,7 +64,7 @@ class SameHostOps:
                 staged = self._place_lower(keys, want, lower, sizes, offsets, where)
                 if staged:
                     got, srcs = [P.MISS] * n, [None] * n
-                    await self._load_lower(keys, want, staged, self.staging.array, 0, got, srcs)
+                    await self._load_lower(keys, want, staged, self.staging.array, 0, got, srcs, sums)
                     for i in staged:
                         if got[i] < 0:
                             sizes[i] = got[i]
@@ -79,6 +80,7 @@ class SameHostOps:
             lease.release()
         placed = np.empty(n, dtype=P.PLACED)
         placed["nbytes"], placed["offset"], placed["where"] = sizes, offsets, where
+        placed["checksum"] = [c or 0 for c in sums]
         self.server.metrics.bytes.labels("out", "shm").inc(lease.nbytes)
         await self._reply(P.Op.SHM_GET, rid, P.encode_placed(lid, placed))
 
@@ -108,7 +110,8 @@ class SameHostOps:
         keys, rec = args
         keys = self.server.intern(keys)
         srcs = [self.staging.slice(int(off), int(n)) for n, off in zip(rec["nbytes"], rec["offset"])]
-        ok = await asyncio.wrap_future(self.server.store.save(keys, srcs)) if keys else []
+        ok = await asyncio.wrap_future(self.server.store.save(keys, srcs, checksums=rec["checksum"].tolist())) \
+            if keys else []
         self.server.metrics.bytes.labels("in", "shm").inc(int(rec["nbytes"].sum()))
         await self._reply(P.Op.SHM_PUT, rid, bytes(ok))
 
@@ -147,14 +150,19 @@ class SameHostOps:
         await self._reply(P.Op.SHM_RESERVE, rid, P.encode_placed(res_id, placed))
 
     async def _op_shm_commit(self, rid: int, args: tuple, header: P.Header) -> None:
-        res_id, commit = args
-        entry = self.reservations.pop(res_id, None)
+        res_id, commit, sums = args
+        entry = self.reservations.get(res_id)
         if entry is None:
             raise InvalidArgumentError(f"no open reservation {res_id} on this connection")
         res, nbytes = entry
+        if commit and len(sums) != len(res.present):
+            raise InvalidArgumentError(f"SHM_COMMIT of reservation {res_id} carries {len(sums)} checksums for "
+                                       f"{len(res.present)} keys")
+        del self.reservations[res_id]
         self.leased_bytes -= nbytes
         if commit:
-            ok = await self.loop.run_in_executor(None, res.commit)
+            # Each slot is published only when its bytes match the client's checksum.
+            ok = await self.loop.run_in_executor(None, res.commit, sums.tolist())
             self.server.metrics.bytes.labels("in", "shm").inc(nbytes)
         else:
             await self.loop.run_in_executor(None, res.abort)

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from kvstore.block import checksum
 from kvstore.errors import TransportError
 from kvstore.server import _protocol as P
 
@@ -143,9 +144,10 @@ class NixlService:
         rows[:, 2] = device
         return keys, rec["nbytes"].tolist(), Descs(_MEM[mem_kind], rows)
 
-    def get(self, conn: Any, args: tuple) -> list[int]:
+    def get(self, conn: Any, args: tuple) -> tuple[list[int], list[int]]:
         """WRITE the requested blocks into the client's buffers. Per key: its size when
-        sent, ``MISS``, ``SIZE_MISMATCH``, or ``NOT_SENT`` (slower tier; use GET)."""
+        sent, ``MISS``, ``SIZE_MISMATCH``, or ``NOT_SENT`` (slower tier; use GET), and
+        the stored checksum of each block sent (0 elsewhere), which the client verifies."""
         from kvstore.transport.nixl import Descs
 
         peer = self._peer_of(conn)
@@ -154,6 +156,7 @@ class NixlService:
         store = self.server.store
         with ExitStack() as stack:
             views = stack.enter_context(self.server.borrow(keys))
+            stored = store.checksums(keys)
             lower = [i for i, v in enumerate(views) if v is None]
             if lower:
                 for i, held in zip(lower, store.contains([keys[i] for i in lower])):
@@ -181,7 +184,10 @@ class NixlService:
                 self.counters["gets"] += 1
                 self.counters["bytes_out"] += sum(want[i] for i in idx)
                 self.counters["not_sent"] += sum(1 for s in sizes if s == P.NOT_SENT)
-        return sizes
+            sums = [0] * len(keys)
+            for i in idx:
+                sums[i] = stored[i] if stored[i] is not None else checksum(views[i])
+        return sizes, sums
 
     def put(self, conn: Any, args: tuple) -> list[bool]:
         """READ the client's buffers into a staging buffer, then save."""
@@ -207,7 +213,7 @@ class NixlService:
                     self._endpoint.keep_forever(staging)
                     staging = None
                 raise
-            ok = self.server.store.save(keys, views).result()
+            ok = self.server.store.save(keys, views, checksums=args[3]["checksum"].tolist()).result()
         finally:
             if staging is not None:
                 self._give_staging(staging)

@@ -22,26 +22,31 @@ from kvstore.errors import ProtocolError
 from kvstore.keys import KEY_WIRE_BYTES, BlockKey, _trusted
 
 MAGIC = b"KV"
-VERSION = 2
+VERSION = 3
 HEADER = struct.Struct("<2sBBIIIQ")  # magic, version, op, request id, status, body len, payload len
 HEADER_BYTES = HEADER.size           # 24
 _U32 = struct.Struct("<I")
 _LOOKUP = struct.Struct("<dI")
 _U64 = struct.Struct("<Q")
-_COMMIT = struct.Struct("<QB")  # reservation id, 1 = commit / 0 = abort
+_COMMIT = struct.Struct("<QBI")  # reservation id, 1 = commit / 0 = abort, count of checksums that follow
 _ZERO = bytes(32)
 _NS_BYTES = 32     # a namespace digest
 MISS = -1          # GET reply size: not stored
 SIZE_MISMATCH = -2  # GET reply size: stored with another size than the caller's buffer
 
 # Record layouts of batch bodies (numpy views, so a 4096-key batch parses without a loop).
+# A record that carries block bytes carries their XXH3-64 (``kvstore.block.checksum``),
+# computed by the sender before the bytes left: the receiver verifies before it stores
+# or reports a block. New fields go at the end of a record (and the version goes up).
 SIZED = np.dtype([("key", f"V{KEY_WIRE_BYTES}"), ("nbytes", "<u8")])
-STAGED = np.dtype([("key", f"V{KEY_WIRE_BYTES}"), ("nbytes", "<u8"), ("offset", "<u8")])
-PLACED = np.dtype([("nbytes", "<i8"), ("offset", "<u8"), ("where", "u1")])
+PUT_REC = np.dtype([("key", f"V{KEY_WIRE_BYTES}"), ("nbytes", "<u8"), ("checksum", "<u8")])
+STAGED = np.dtype([("key", f"V{KEY_WIRE_BYTES}"), ("nbytes", "<u8"), ("offset", "<u8"), ("checksum", "<u8")])
+SUMMED = np.dtype([("nbytes", "<i8"), ("checksum", "<u8")])  # GET / NIXL_GET reply, per key
+PLACED = np.dtype([("nbytes", "<i8"), ("offset", "<u8"), ("checksum", "<u8"), ("where", "u1")])
 WHERE_ARENA, WHERE_STAGING, WHERE_SOCKET = 0, 1, 2
 NOT_SENT = -3       # NIXL_GET reply size: stored in a slower tier; fetch it with GET
 PRESENT = -4        # SHM_RESERVE reply size: already stored, nothing to write
-NIXL_REC = np.dtype([("key", f"V{KEY_WIRE_BYTES}"), ("nbytes", "<u8"), ("addr", "<u8")])
+NIXL_REC = np.dtype([("key", f"V{KEY_WIRE_BYTES}"), ("nbytes", "<u8"), ("addr", "<u8"), ("checksum", "<u8")])
 _NIXL_HEAD = struct.Struct("<BxxxI")  # memory kind (0 host, 1 GPU), device id
 MAX_FIELD = 1 << 40   # largest block size or offset a record may carry (1 TiB; x 2**23 records < 2**64)
 
@@ -92,7 +97,7 @@ class Limits:
 
     @property
     def max_body_bytes(self) -> int:
-        return 16 + self.max_batch * STAGED.itemsize + 4096
+        return 16 + self.max_batch * max(STAGED.itemsize, NIXL_REC.itemsize) + 4096
 
 
 @dataclass(frozen=True)
@@ -240,6 +245,21 @@ def encode_sizes(sizes: Sequence[int]) -> bytes:
     return np.asarray(sizes, dtype="<i8").tobytes()
 
 
+def encode_summed(sizes: Sequence[int], sums: Sequence[int]) -> bytes:
+    """A GET reply body: per key its size (or MISS / SIZE_MISMATCH / NOT_SENT) and the
+    XXH3-64 of the block sent (0 where none is)."""
+    rec = np.zeros(len(sizes), dtype=SUMMED)
+    rec["nbytes"], rec["checksum"] = sizes, sums
+    return rec.tobytes()
+
+
+def decode_summed(body: Any, n: int) -> np.ndarray:
+    mv = memoryview(body).cast("B")
+    if mv.nbytes != n * SUMMED.itemsize:
+        raise ProtocolError(f"reply of {mv.nbytes} bytes does not hold {n} sizes with checksums")
+    return np.frombuffer(mv, dtype=SUMMED, count=n)
+
+
 def decode_sizes(body: Any, n: int) -> np.ndarray:
     mv = memoryview(body).cast("B")
     if mv.nbytes != 8 * n:
@@ -265,18 +285,24 @@ def decode_placed(body: Any, n: int) -> tuple[int, np.ndarray]:
     return _U64.unpack_from(mv, 0)[0], np.frombuffer(mv, dtype=PLACED, count=n, offset=8)
 
 
-def encode_commit(reservation_id: int, commit: bool) -> bytes:
-    return _COMMIT.pack(reservation_id, 1 if commit else 0)
+def encode_commit(reservation_id: int, commit: bool, sums: Sequence[int] = ()) -> bytes:
+    """SHM_COMMIT: the reservation, commit or abort, and (to commit) the writer's
+    checksum of every key of the SHM_RESERVE, in its order (0 where nothing was written)."""
+    return _COMMIT.pack(reservation_id, 1 if commit else 0, len(sums)) + np.asarray(sums, dtype="<u8").tobytes()
 
 
-def decode_commit(body: Any) -> tuple[int, bool]:
+def decode_commit(body: Any, limits: Limits | None = None) -> tuple[int, bool, np.ndarray]:
     mv = memoryview(body).cast("B")
-    if mv.nbytes != _COMMIT.size:
-        raise ProtocolError(f"SHM_COMMIT body must be {_COMMIT.size} bytes, got {mv.nbytes}")
-    rid, action = _COMMIT.unpack_from(mv, 0)
+    if mv.nbytes < _COMMIT.size:
+        raise ProtocolError(f"SHM_COMMIT body must be at least {_COMMIT.size} bytes, got {mv.nbytes}")
+    rid, action, n = _COMMIT.unpack_from(mv, 0)
     if action > 1:
         raise ProtocolError(f"SHM_COMMIT action must be 0 (abort) or 1 (commit), got {action}")
-    return rid, bool(action)
+    if limits is not None and n > limits.max_batch:
+        raise ProtocolError(f"SHM_COMMIT carries {n} checksums, over max_batch {limits.max_batch}")
+    if mv.nbytes != _COMMIT.size + 8 * n:
+        raise ProtocolError(f"SHM_COMMIT body of {mv.nbytes} bytes does not hold {n} checksums")
+    return rid, bool(action), np.frombuffer(mv, dtype="<u8", count=n, offset=_COMMIT.size)
 
 
 def encode_u64(value: int) -> bytes:
@@ -302,8 +328,10 @@ def decode_u32(body: Any) -> int:
 
 
 def encode_nixl(mem_kind: int, device: int, keys: Sequence[BlockKey], sizes: Sequence[int],
-                addrs: Sequence[int]) -> bytes:
-    return _NIXL_HEAD.pack(mem_kind, device) + encode_records(NIXL_REC, keys, sizes, addrs)
+                addrs: Sequence[int], sums: Sequence[int] | None = None) -> bytes:
+    """NIXL_GET / NIXL_PUT body; ``sums``: for a PUT, the client's checksum per block."""
+    columns = (sizes, addrs) if sums is None else (sizes, addrs, sums)
+    return _NIXL_HEAD.pack(mem_kind, device) + encode_records(NIXL_REC, keys, *columns)
 
 
 def decode_nixl(body: Any, limits: Limits) -> tuple[int, int, list[BlockKey], np.ndarray]:
@@ -337,7 +365,7 @@ def decode_request(header: Header, body: Any, limits: Limits) -> Any:
     elif op is Op.GET or op is Op.SHM_GET or op is Op.SHM_RESERVE:
         args = decode_records(SIZED, body, limits)
     elif op is Op.PUT:
-        args = decode_records(SIZED, body, limits)
+        args = decode_records(PUT_REC, body, limits)
         # Exact: decode_records capped every size at MAX_FIELD (2**40) and a batch at
         # max_batch records, so this unsigned sum cannot wrap.
         total = int(args[1]["nbytes"].sum(dtype=np.uint64)) if len(args[0]) else 0
@@ -346,7 +374,7 @@ def decode_request(header: Header, body: Any, limits: Limits) -> Any:
     elif op is Op.SHM_PUT:
         args = decode_records(STAGED, body, limits)
     elif op is Op.SHM_COMMIT:
-        args = decode_commit(body)
+        args = decode_commit(body, limits)
     elif op is Op.NIXL_HELLO:
         args = bytes(body)
         if not args:
@@ -378,7 +406,7 @@ def parse_requests(data: Any, limits: Limits) -> tuple[list[tuple[Header, Any]],
 
 
 __all__ = ["HEADER", "HEADER_BYTES", "Header", "Limits", "MAGIC", "MISS", "NIXL_REC", "NOT_SENT", "NO_REPLY",
-           "Op", "PLACED", "PRESENT", "decode_commit", "encode_commit", "decode_nixl", "encode_nixl",
+           "Op", "PLACED", "PRESENT", "PUT_REC", "SUMMED", "decode_summed", "encode_summed", "decode_commit", "encode_commit", "decode_nixl", "encode_nixl",
            "SIZED", "SIZE_MISMATCH", "STAGED", "Status", "VERSION", "WHERE_ARENA", "WHERE_SOCKET",
            "WHERE_STAGING", "decode_flags", "decode_json", "decode_keys", "decode_lookup",
            "decode_placed", "decode_records", "decode_request", "decode_sizes", "decode_u32",

@@ -1,0 +1,39 @@
+"""The HELLO handshake over a raw socket, for tests that speak frames by hand."""
+
+from __future__ import annotations
+
+import socket
+
+from kvstore.server import _protocol as P
+from kvstore.server._auth import hello_proof
+
+_REPLY = P.Limits(1 << 40, 1 << 30)
+
+
+def recv_exact(sock: socket.socket, n: int) -> bytes:
+    out = b""
+    while len(out) < n:
+        chunk = sock.recv(n - len(out))
+        if not chunk:
+            break
+        out += chunk
+    return out
+
+
+def call(sock: socket.socket, op: int, body: bytes, rid: int = 1) -> tuple[P.Header, bytes]:
+    """Send one request; return the reply header and body."""
+    sock.sendall(P.pack_header(op, rid, len(body)) + body)
+    hdr = P.parse_header(recv_exact(sock, P.HEADER_BYTES), _REPLY, reply=True)
+    return hdr, recv_exact(sock, hdr.body_len)
+
+
+def raw_hello(sock: socket.socket, token: str | None = None, client: str = "test") -> dict:
+    """Both HELLO steps (challenge, then the proof); returns the server's info."""
+    _, body = call(sock, P.Op.HELLO, P.encode_json({"client": client, "protocol": P.VERSION}))
+    nonce = bytes.fromhex(P.decode_json(body)["challenge"])
+    hello = {"client": client, "protocol": P.VERSION}
+    if token is not None:
+        hello["proof"] = hello_proof(token, nonce, client)
+    hdr, body = call(sock, P.Op.HELLO, P.encode_json(hello), rid=2)
+    assert hdr.status == 0, body
+    return P.decode_json(body)
