@@ -1,6 +1,7 @@
 """kvstore: a content-addressed, tiered store for LLM KV-cache blocks."""
 
 from kvstore.errors import KVStoreError
+from kvstore.hint import Hint
 from kvstore.keys import BlockKey, Namespace
 
 __version__ = "0.1.0"
@@ -20,4 +21,4 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'kvstore' has no attribute {name!r}")
 
 
-__all__ = ["BlockKey", "Client", "KVStoreError", "Namespace", "Store", "__version__"]
+__all__ = ["BlockKey", "Client", "Hint", "KVStoreError", "Namespace", "Store", "__version__"]

@@ -2,7 +2,7 @@
 victim choice and spill on the way out, copies between tiers, and the mapping of tier
 failures into counted misses. A mixin of :class:`kvstore.store.Store`, which owns the
 state these methods use (``_levels``, ``_where``, ``_sizes``, ``_leases``, ``_pins``,
-``_lock``, ``_local``, ``_clock``); kept apart so each module holds one job.
+``_hint_index``, ``_lock``, ``_local``, ``_clock``); kept apart so each module holds one job.
 
 Locking: methods documented "caller holds the lock" run under ``Store._lock``; the others
 take it briefly and never hold it across tier I/O.
@@ -162,6 +162,7 @@ class TierMovement:
         """Index the blocks of ``plan`` that level ``i`` stored (``ok``); fills ``plan.result``."""
         lvl = self._levels[i]
         ok = ok or [False] * len(plan.chosen)
+        persist: dict[int, dict[BlockKey, bytes]] = {}
         with self._lock:
             for j, good in zip(plan.chosen, ok):
                 key = keys[j]
@@ -178,6 +179,9 @@ class TierMovement:
                     lvl.counters["writes"] += 1
                     lvl.counters["bytes_written"] += sizes[j]
                 # else a concurrent writer indexed it first; staged keys are in the policy once.
+            self._hints_entering(i, [keys[j] for j, good in zip(plan.chosen, ok) if good], persist)
+        if persist:
+            self._persist_hints(persist)
 
     def _choose_victims(self, i: int, need: int, *, force: bool = False,
                         protect: set[bytes | None] | None = None,
@@ -237,7 +241,11 @@ class TierMovement:
         for key, mask in victims:
             size = self._sizes.get(key, 0)
             try:
-                if below is not None and not mask >> below & 1 and self._copy_between(key, i, below):
+                if self._hint_index.is_discard(key):
+                    # one-shot: not kept past this tier
+                    with self._lock:
+                        self._hint_index.counters["discarded"] += 1
+                elif below is not None and not mask >> below & 1 and self._copy_between(key, i, below):
                     lvl.counters["spills"] += 1
                 self._tier_call(lvl, "delete", [key])
             finally:
@@ -308,6 +316,7 @@ class TierMovement:
         self._sizes.pop(key, None)
         self._leases.pop(key, None)
         self._hit_counts.pop(key, None)
+        self._hint_index.forget(key)
 
 
 def parent_of(key: BlockKey) -> BlockKey | None:

@@ -19,6 +19,7 @@ from contextlib import contextmanager, nullcontext
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
 from kvstore._build import build_admission, build_eviction, build_tier
+from kvstore._hints import HintIndex, StoreHints
 from kvstore._movement import Level, TierMovement, parent_of
 from kvstore._reserve import Reservation, reserve
 from kvstore._stats import sum_stat_sources
@@ -27,16 +28,19 @@ from kvstore.block import checksum
 from kvstore.buffers import host_view, nbytes_of
 from kvstore.config import StoreConfig, load_config
 from kvstore.errors import BufferSizeError, InvalidArgumentError, StoreClosedError
+from kvstore.hint import Hint, check_hint
 from kvstore.keys import BlockKey
 from kvstore.trace import TraceRecorder
 from policies.placement import Placement, WriteMode
+from policies.retention import RetentionClasses
 from tiers.base import Tier
 
 log = logging.getLogger(__name__)
-class Store(TierMovement):
+class Store(TierMovement, StoreHints):
     """A hierarchy of tiers, fastest first. Build it with :meth:`from_config`.
 
-    ``clock`` (seconds, monotonic) times lease expiry; tests inject their own."""
+    ``clock`` (seconds, monotonic) times lease and retention-hint expiry; tests inject
+    their own."""
 
     lends_memory = True    # StoreAPI: borrow/reserve hand out views of the first tier's memory
 
@@ -56,7 +60,11 @@ class Store(TierMovement):
             for t in built:
                 t.close()
             raise
-        self._levels = [Level(t, build_eviction(c), build_admission(c.admission), c.kind)
+        # per-key retention hints; every tier's policy ranks its victims by them
+        self._hint_index = HintIndex(clock)
+        self._hints = self._hint_index.records
+        self._levels = [Level(t, RetentionClasses(build_eviction(c), self._hints, clock),
+                              build_admission(c.admission), c.kind)
                         for t, c in zip(built, config.tiers)]
         self._where: dict[BlockKey, int] = {}     # key -> bitmask of levels holding it
         self._sizes: dict[BlockKey, int] = {}
@@ -73,24 +81,32 @@ class Store(TierMovement):
         self._recover()
 
     @classmethod
-    def from_config(cls, source: str | Mapping[str, Any] | StoreConfig | None = None) -> "Store":
+    def from_config(cls, source: str | Mapping[str, Any] | StoreConfig | None = None, *,
+                    clock: Callable[[], float] = time.monotonic) -> "Store":
         """A Store from a YAML path, a dict, a :class:`StoreConfig`, or ``None`` for the
         built-in default (DRAM). ``KVSTORE_…`` environment overrides apply."""
-        return cls(load_config(source))
+        return cls(load_config(source), clock=clock)
 
     # -- public API ---------------------------------------------------------------------
 
     def save(self, keys: Sequence[BlockKey], srcs: Sequence[Any], *,
-             checksums: Sequence[int] | None = None) -> "Future[list[bool]]":
+             checksums: Sequence[int] | None = None, hint: Hint | None = None) -> "Future[list[bool]]":
         """Store a copy of each buffer under its key. The future resolves to whether each
         block is stored (``False``: rejected by admission or no room). Callers must not
         modify ``srcs`` until the future is done; nothing keeps them after that.
+        ``hint`` (:class:`kvstore.Hint`): applies to every key, stored now or already.
         ``checksums``: the writer's XXH3-64 (:func:`kvstore.block.checksum`) of each
         host buffer, computed before the bytes travelled (the cache server passes its
         clients'); a buffer that does not match is not stored (``False``, counted in
         ``refused_checksum``)."""
         self._check_open()
         self._check_pairs(keys, srcs)
+        if check_hint(hint) is not None:
+            # given before the blocks enter a tier, so each tier ranks them by it from
+            # the start (and a discard block is never written through)
+            with self._lock:
+                persist = self._give_hint(list(keys), hint)
+            self._persist_hints(persist)
         if self._trace is not None:
             self._trace.save(keys, nbytes_of(srcs[0]) if len(srcs) else None)
         if checksums is not None and len(checksums) != len(keys):
@@ -132,11 +148,15 @@ class Store(TierMovement):
                     raise BufferSizeError(f"buffer for {key!r} has {nbytes_of(dst)} bytes, block has {size}")
         return submit(self._pool, capture(dsts), self._load, list(keys), list(dsts))
 
-    def lookup(self, keys: Sequence[BlockKey], lease_s: float | None = None) -> int:
+    def lookup(self, keys: Sequence[BlockKey], lease_s: float | None = None, *,
+               hint: Hint | None = None) -> int:
         """Length of the prefix of ``keys`` cached in any tier. With ``lease_s``, those
-        blocks cannot be evicted until loaded or until the lease expires."""
+        blocks cannot be evicted until loaded or until the lease expires. ``hint``
+        (:class:`kvstore.Hint`) applies to the blocks of that prefix."""
         self._check_open()
+        check_hint(hint)
         where = self._where
+        persist = None
         with self._lock:
             self._ops["lookups"] += 1
             n = 0
@@ -156,8 +176,14 @@ class Store(TierMovement):
                         entry[0] += 1
                         if entry[1] < expiry:
                             entry[1] = expiry
+            if n and self._hints:
+                self._hint_hits(keys[:n])
+            if hint is not None and n:
+                persist = self._give_hint(list(keys[:n]), hint)
             depth = self.placement.prefetch_depth
             lower = [k for k in keys[:n][:depth] if not where[k] & 1] if depth else []
+        if persist:
+            self._persist_hints(persist)
         if lower:
             self._background(self._prefetch, lower, 0)
         if self._trace is not None:
@@ -212,6 +238,8 @@ class Store(TierMovement):
                     counters["hits"] += 1
                     counters["bytes_read"] += view[1] if offsets else view.nbytes
                     self._drop_lease(key)
+                    if self._hints:
+                        self._hint_hits((key,))
                     if where.get(key, 0) & 1:
                         policy.on_access(key)
             yield views
@@ -305,7 +333,7 @@ class Store(TierMovement):
                          "eviction": lvl.policy.name, **lvl.counters}
                 tiers.append(entry)
             out = {**self._ops, "blocks": len(self._where), "leases": len(self._leases),
-                   "pins": len(self._pins), "tiers": tiers}
+                   "pins": len(self._pins), "hints": self._hint_index.stats(), "tiers": tiers}
         for entry, lvl in zip(tiers, self._levels):
             extra = lvl.tier.stats()
             entry.update(extra)
@@ -403,9 +431,12 @@ class Store(TierMovement):
     def _save_new(self, keys: list[BlockKey], srcs: list[Any]) -> list[bool]:
         stored = self._put(0, keys, srcs)
         if self.placement.write is WriteMode.THROUGH:
+            # a discard block is not kept past the tier that took it
+            through = [j for j, k in enumerate(keys) if not (stored[j] and self._hint_index.is_discard(k))]
             for i in range(1, len(self._levels)):
-                below = self._put(i, keys, srcs)
-                stored = [a or b for a, b in zip(stored, below)]
+                below = self._put(i, [keys[j] for j in through], [srcs[j] for j in through])
+                for j, ok in zip(through, below):
+                    stored[j] = stored[j] or ok
         elif len(self._levels) > 1:
             # A block the first tier refused still goes to the next one that admits it.
             missed = [j for j, ok in enumerate(stored) if not ok]
@@ -416,6 +447,11 @@ class Store(TierMovement):
                 for j, ok in zip(missed, got):
                     stored[j] = ok
                 missed = [j for j, ok in zip(missed, got) if not ok]
+        if self._hints and not all(stored):
+            with self._lock:    # hints of blocks no tier took go with them
+                for key, ok in zip(keys, stored):
+                    if not ok and not self._where.get(key):
+                        self._hint_index.forget(key)
         return stored
 
     def _load(self, keys: list[BlockKey], dsts: list[Any]) -> list[bool]:
@@ -439,6 +475,8 @@ class Store(TierMovement):
                     key = keys[j]
                     if hit:
                         done[j], source[j] = True, i
+                        if self._hints:
+                            self._hint_hits((key,))
                         lvl.counters["hits"] += 1
                         lvl.counters["bytes_read"] += self._sizes.get(key, 0)
                         if self._where.get(key, 0) >> i & 1:
@@ -473,7 +511,7 @@ class Store(TierMovement):
             return []
         hot = []
         for j, key in enumerate(keys):
-            if done[j] and source[j] == 0:
+            if done[j] and source[j] == 0 and not self._hint_index.is_discard(key):
                 count = self._hit_counts.get(key, 0) + 1
                 self._hit_counts[key] = count
                 if count == self._selective_threshold:
@@ -511,6 +549,8 @@ class Store(TierMovement):
             if not lvl.tier.capabilities.persistent:
                 continue
             for block in lvl.tier.recover():
+                if block.hint is not None and block.key not in self._hints:
+                    self._hint_index.restore(block.key, block.hint)
                 self._where[block.key] = self._where.get(block.key, 0) | 1 << i
                 self._sizes[block.key] = block.nbytes
                 lvl.policy.on_insert(block.key, block.nbytes,

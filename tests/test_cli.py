@@ -38,7 +38,7 @@ def test_public_exports():
     import kvstore.errors as errors
 
     # the exact public surface: a name added or dropped is a deliberate change made here too
-    assert sorted(kvstore.__all__) == ["BlockKey", "Client", "KVStoreError", "Namespace", "Store", "__version__"]
+    assert sorted(kvstore.__all__) == ["BlockKey", "Client", "Hint", "KVStoreError", "Namespace", "Store", "__version__"]
     for name in kvstore.__all__:
         assert getattr(kvstore, name) is not None
     assert kvstore.Store.__name__ == "Store"

@@ -1,6 +1,6 @@
 """The NVMe tier's LMDB index: the source of truth for what one directory holds.
 
-Three named databases in ``<dir>/index``:
+Four named databases in ``<dir>/index``:
 
 - ``blocks``: key digest (32 B) -> immutable record (file number, offset, payload
   length, payload checksum, the 96-byte ``BlockKey.to_bytes()`` with parent and
@@ -9,6 +9,9 @@ Three named databases in ``<dir>/index``:
   apart so a hit rewrites 8 bytes, never the record; the tier batches these updates.
 - ``meta``: format version and the size of every data file (``file:<n>``), so a data
   file truncated behind our back is noticed and restored to its size.
+- ``hints``: key digest -> the Store's retention hint for the block (a few opaque
+  bytes, see ``kvstore._hints``). Advice, not data: written in batches with the access
+  times, deleted with the block. An index without it (an older one) gains it on open.
 
 LMDB serialises writers itself; readers never block. Thread-safe.
 """
@@ -105,11 +108,19 @@ class BlockIndex:
             self._blocks = self.env.open_db(b"blocks", create=not readonly)
             self._access = self.env.open_db(b"access", create=not readonly)
             self._meta = self.env.open_db(b"meta", create=not readonly)
+            self._hints = self._open_optional(b"hints", readonly)
         except lmdb.Error as exc:
             raise TierIOError(f"cannot open index {path}: {exc}") from exc
         self.path = path
         if not readonly:
             self._check_version()
+
+    def _open_optional(self, name: bytes, readonly: bool):
+        """A database that older indexes lack: created, or ``None`` when read-only."""
+        try:
+            return self.env.open_db(name, create=not readonly)
+        except lmdb.NotFoundError:
+            return None
 
     def _check_version(self) -> None:
         with self.env.begin(write=True) as txn:
@@ -181,6 +192,13 @@ class BlockIndex:
             blocks = txn.cursor(db=self._blocks)
             return [d for d, _ in txn.cursor(db=self._access) if not blocks.set_key(d)]
 
+    def hints(self) -> dict[bytes, bytes]:
+        """Every recorded retention hint, by key digest (one read transaction)."""
+        if self._hints is None:
+            return {}
+        with self.env.begin() as txn:
+            return dict(txn.cursor(db=self._hints))
+
     def file_sizes(self) -> dict[int, int]:
         with self.env.begin() as txn:
             out = {}
@@ -202,9 +220,10 @@ class BlockIndex:
     def delete(self, digests: Iterable[bytes]) -> None:
         self._write(deletes=digests)
 
-    def touch(self, times: dict[bytes, float]) -> None:
-        """Record last-access times (only for digests still indexed)."""
-        self._write(touches=times)
+    def touch(self, times: dict[bytes, float], hints: dict[bytes, bytes] | None = None) -> None:
+        """Record last-access times and retention hints (only for digests still
+        indexed), in one transaction."""
+        self._write(touches=times, hints=hints)
 
     def set_file_size(self, file_no: int, nbytes: int) -> None:
         try:
@@ -213,7 +232,7 @@ class BlockIndex:
         except lmdb.Error as exc:
             raise TierIOError(f"index {self.path}: {exc}") from exc
 
-    def _write(self, *, puts=(), deletes=(), touches=None) -> None:
+    def _write(self, *, puts=(), deletes=(), touches=None, hints=None) -> None:
         try:
             with self.env.begin(write=True) as txn:
                 for digest, rec, last in puts:
@@ -222,11 +241,18 @@ class BlockIndex:
                 for digest in deletes:
                     txn.delete(digest, db=self._blocks)
                     txn.delete(digest, db=self._access)
+                    if self._hints is not None:
+                        txn.delete(digest, db=self._hints)
                 if touches:
                     blocks = txn.cursor(db=self._blocks)
                     for digest, last in touches.items():
                         if blocks.set_key(digest):
                             txn.put(digest, _TIME.pack(last), db=self._access)
+                if hints and self._hints is not None:
+                    blocks = txn.cursor(db=self._blocks)
+                    for digest, raw in hints.items():
+                        if blocks.set_key(digest):
+                            txn.put(digest, raw, db=self._hints)
         except lmdb.Error as exc:
             raise TierIOError(f"index {self.path}: {exc}") from exc
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
 from kvstore.keys import BlockKey
 
@@ -33,6 +33,7 @@ class RecoveredBlock:
     key: BlockKey
     nbytes: int
     last_access: float = 0.0
+    hint: bytes | None = None   # the Store's retention hint, as given to set_hints
 
 
 class Tier(ABC):
@@ -93,6 +94,13 @@ class Tier(ABC):
         """Rebuild the tier's index after a restart; returns what it holds, oldest
         access first, so the Store can rebuild usage and eviction order."""
         return []
+
+    def set_hints(self, hints: Mapping[BlockKey, bytes]) -> None:
+        """Keep the Store's retention hints (opaque records of a few bytes) beside the
+        blocks they name, for :meth:`recover` to return after a restart. Best effort
+        and may be batched: a hint is advice, never data. A hint for a key the tier
+        does not hold is ignored; a block's hint goes when the block goes. Tiers that
+        do not persist return without doing anything (the default)."""
 
     @contextmanager
     def view(self, key: BlockKey) -> Iterator[Any]:

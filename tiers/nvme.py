@@ -11,8 +11,9 @@ free again on restart (orphans are reclaimed by construction); a crash after it 
 complete, checksummed blocks. Reads verify header and checksum in the caller's buffer;
 a mismatch is a miss, the copy is removed and ``corrupt_blocks`` rises.
 
-Last-access times live in memory and are flushed to the index in one transaction every
-``access_flush_s`` (and on close), so a hit never waits for an index write.
+Last-access times and the Store's retention hints live in memory and are flushed to the
+index in one transaction every ``access_flush_s`` (and on close), so neither a hit nor
+a hint waits for an index write.
 
 Thread-safe. Buffer ownership: ``write`` reads caller buffers only during the call;
 ``read_into`` writes into caller buffers only during the call.
@@ -82,6 +83,7 @@ class NvmeTier(Tier):
         self._entries: dict[BlockKey, Entry] = {}
         self._pending: set[BlockKey] = set()
         self._touched: dict[BlockKey, Entry] = {}
+        self._hinted: dict[BlockKey, bytes] = {}   # retention hints not yet in the index
         self._used = 0
         self._clock_last = 0.0
         self._flush_s = access_flush_s
@@ -151,8 +153,21 @@ class NvmeTier(Tier):
             items = list(self._entries.items())
             lasts = np.fromiter((e.last for _, e in items), np.float64, len(items))
         order = np.argsort(lasts, kind="stable").tolist()
+        hints: dict[bytes, bytes] = {}
+        for shard in self._shards:
+            hints.update(shard.index.hints())
+        with self._lock:
+            hints.update((k.digest, raw) for k, raw in self._hinted.items())
         with paused_gc():
-            return [RecoveredBlock(k, e.length, e.last) for k, e in map(items.__getitem__, order)]
+            return [RecoveredBlock(k, e.length, e.last, hints.get(k.digest))
+                    for k, e in map(items.__getitem__, order)]
+
+    def set_hints(self, hints) -> None:
+        """Kept in memory, written to the index with the next access-time flush."""
+        with self._lock:
+            self._hinted.update(hints)
+        if time.monotonic() - self._last_flush >= self._flush_s:
+            self.flush_access()
 
     def write(self, keys: Sequence[BlockKey], srcs: Sequence[Any]) -> list[bool]:
         out = [False] * len(keys)
@@ -264,15 +279,21 @@ class NvmeTier(Tier):
         """Write pending last-access times to the index (one transaction per directory)."""
         with self._commit:
             self._settle()
-            touched, self._touched = self._touched, {}
+            with self._lock:
+                touched, self._touched = self._touched, {}
+                hinted, self._hinted = self._hinted, {}
+                held = [(self._entries.get(k), k, raw) for k, raw in hinted.items()]
             self._last_flush = time.monotonic()
-            by_shard: dict[Shard, dict[bytes, float]] = {}
+            by_shard: dict[Shard, tuple[dict[bytes, float], dict[bytes, bytes]]] = {}
             for key, e in touched.items():
                 if not e.dead:
-                    by_shard.setdefault(e.shard, {})[key.digest] = e.last
-            for shard, times in by_shard.items():
+                    by_shard.setdefault(e.shard, ({}, {}))[0][key.digest] = e.last
+            for e, key, raw in held:
+                if e is not None and not e.dead:
+                    by_shard.setdefault(e.shard, ({}, {}))[1][key.digest] = raw
+            for shard, (times, hints) in by_shard.items():
                 try:
-                    shard.index.touch(times)
+                    shard.index.touch(times, hints)
                 except TierError as exc:
                     log.warning("NVMe tier %s: could not record access times: %s", self.name, exc)
 
