@@ -6,11 +6,12 @@ is the verified block format of :mod:`kvstore.block` (header + payload). Every r
 it: a block that fails is a miss, is removed from the pool and is counted in
 ``corrupt_blocks``; its bytes never reach the caller.
 
-Data moves through one registered host staging buffer (``staging_bytes``) with Mooncake's
-``batch_put_from``/``batch_get_into``: the transfer engine reads and writes registered
-memory only, and a block needs its header beside it, so a batch costs one host copy each
-way besides the transfer. Batches larger than the staging buffer go in several rounds; one
-batch uses the buffer at a time.
+Headers move through one registered host staging buffer (``staging_bytes``); payloads in
+host memory move straight between the caller's buffer and the pool over TCP
+(``batch_put_from_multi_buffers``/``batch_get_into_multi_buffers``: header and payload as
+two pieces of one object, no copy). Device buffers, and every payload under RDMA (which
+moves registered memory only), go through the staging buffer: one host copy each way.
+Batches larger than the staging buffer go in several rounds; one batch uses it at a time.
 
 Faults are misses, never wrong bytes: an unreachable master marks the tier unavailable
 (:class:`~kvstore.errors.TierUnavailableError`, which the Store counts and treats as a
@@ -30,8 +31,8 @@ from typing import Any, Iterator, Sequence
 
 import numpy as np
 
-from kvstore.block import HEADER_BYTES, encode_header, verify
-from kvstore.buffers import copy_bytes, host_view, nbytes_of
+from kvstore.block import HEADER_BYTES, VERSION, encode_header, parse_block_header, verify_payload
+from kvstore.buffers import copy_bytes, host_view, is_device, nbytes_of
 from kvstore.errors import (BufferSizeError, ConfigError, CorruptBlockError, InvalidArgumentError,
                             TierUnavailableError)
 from kvstore.keys import BlockKey
@@ -75,6 +76,7 @@ class MooncakeTier(Tier):
             raise ConfigError(f"tiers.{name}.staging_bytes: {staging_bytes} is below {_ALIGN}")
         self.name = name
         self.prefix = prefix
+        self._protocol = protocol
         self._capacity = capacity_bytes
         self._used = 0
         self._sizes: dict[BlockKey, int] = {}
@@ -115,13 +117,14 @@ class MooncakeTier(Tier):
                 self._counters["faults"] += 1
             self._health.count(TierUnavailableError(f"{what} failed ({rc})", tier=self.name))
 
-    def _rounds(self, sizes: Sequence[int]) -> Iterator[list[int]]:
-        """Split a batch into rounds of indexes whose blocks fit the staging buffer."""
+    def _rounds(self, sizes: Sequence[int], direct: Sequence[bool]) -> Iterator[list[int]]:
+        """Split a batch into rounds of indexes whose staged bytes (every header, and the
+        payloads that do not move directly) fit the staging buffer."""
         cap = self._staging.nbytes
         current: list[int] = []
         used = 0
-        for i, n in enumerate(sizes):
-            need = HEADER_BYTES + n
+        for i, (n, d) in enumerate(zip(sizes, direct)):
+            need = HEADER_BYTES + (0 if d else n)
             if need > cap:
                 raise InvalidArgumentError(f"[{self.name}] a {n}-byte block does not fit staging_bytes {cap}")
             if used + need > cap:
@@ -131,6 +134,11 @@ class MooncakeTier(Tier):
             used += need
         if current:
             yield current
+
+    def _direct(self, buf: Any) -> bool:
+        """Whether a payload moves straight between the caller's memory and the pool: host
+        memory over TCP (RDMA moves registered memory only, so it stages)."""
+        return self._protocol == "tcp" and not is_device(buf)
 
     # -- accounting -------------------------------------------------------------------------
 
@@ -159,23 +167,32 @@ class MooncakeTier(Tier):
             if known is not None and known != n:
                 raise BufferSizeError(f"[{self.name}] buffer has {n} bytes, block has {known}")
         self._health.check()
+        direct = [self._direct(d) for d in dsts]
         out = [False] * len(keys)
         with self._batch_lock:
-            for idx in self._rounds(sizes):
-                self._read_round(keys, dsts, sizes, idx, out)
+            for idx in self._rounds(sizes, direct):
+                self._read_round(keys, dsts, sizes, direct, idx, out)
         return out
 
-    def _read_round(self, keys, dsts, sizes, idx: list[int], out: list[bool]) -> None:
+    def _read_round(self, keys, dsts, sizes, direct, idx: list[int], out: list[bool]) -> None:
+        """Headers land in the staging buffer; payloads land in the caller's buffer where
+        they move directly (a failed check leaves it unspecified, as a miss may), else in
+        the staging buffer, and are copied out only once verified."""
         base = self._staging.ctypes.data
-        offsets, at = [], 0
+        heads, payloads, ptrs, at = [], [], [], 0
         for i in idx:
-            offsets.append(at)
-            at += HEADER_BYTES + sizes[i]
+            heads.append(at)
+            at += HEADER_BYTES
+            if direct[i]:
+                view = host_view(dsts[i], writable=True)
+            else:
+                view = self._staging[at:at + sizes[i]]
+                at += sizes[i]
+            payloads.append(view)
+            ptrs.append([base + heads[-1], view.ctypes.data])
         names = [_object_name(self.prefix, keys[i]) for i in idx]
-        got = self._store.batch_get_into(names, [base + o for o in offsets],
-                                         [HEADER_BYTES + sizes[i] for i in idx])
-        for i, name, off, rc in zip(idx, names, offsets, got):
-            want = HEADER_BYTES + sizes[i]
+        got = self._store.batch_get_into_multi_buffers(names, ptrs, [[HEADER_BYTES, sizes[i]] for i in idx])
+        for i, name, h, payload, rc in zip(idx, names, heads, payloads, got):
             if rc == _NOT_FOUND:
                 self._forget(keys[i])          # evicted or removed by another node
                 continue
@@ -185,12 +202,18 @@ class MooncakeTier(Tier):
                 self._fault(rc, f"get {name}")
                 continue
             try:
-                payload = verify(keys[i].digest, self._staging[off:off + rc], payload_length=sizes[i])
+                if rc != HEADER_BYTES + sizes[i]:
+                    raise CorruptBlockError(f"object has {rc} bytes, expected {HEADER_BYTES + sizes[i]}")
+                head = parse_block_header(self._staging[h:h + HEADER_BYTES], digest=keys[i].digest)
+                if head.version != VERSION or head.length != sizes[i]:
+                    raise CorruptBlockError(f"header says version {head.version}, {head.length} bytes")
+                verify_payload(payload, sizes[i], head.checksum, head.flags)
             except CorruptBlockError as exc:
-                if rc == want:
+                if rc == HEADER_BYTES + sizes[i]:
                     self._corrupt(keys[i], name, exc)
-                continue                        # a shorter object of another size: a miss
-            copy_bytes(dsts[i], payload)
+                continue                        # a shorter object is another block's size: a miss
+            if not direct[i]:
+                copy_bytes(dsts[i], payload)
             out[i] = True
             with self._lock:
                 self._counters["gets"] += 1
@@ -238,26 +261,29 @@ class MooncakeTier(Tier):
                     todo.append(j)
                     reserved += n
         sizes = {j: nbytes_of(srcs[j]) for j in todo}
+        direct = {j: self._direct(srcs[j]) for j in todo}
         with self._batch_lock:
-            for rnd in self._rounds([sizes[j] for j in todo]):
-                self._write_round(keys, srcs, [todo[r] for r in rnd], sizes, out)
+            for rnd in self._rounds([sizes[j] for j in todo], [direct[j] for j in todo]):
+                self._write_round(keys, srcs, [todo[r] for r in rnd], sizes, direct, out)
         for j, key in enumerate(keys):
             out[j] = out[first[key]]
         return out
 
-    def _write_round(self, keys, srcs, idx: list[int], sizes: dict[int, int], out: list[bool]) -> None:
+    def _write_round(self, keys, srcs, idx: list[int], sizes: dict[int, int], direct: dict[int, bool],
+                     out: list[bool]) -> None:
         base = self._staging.ctypes.data
-        offsets, at = [], 0
+        ptrs, at = [], 0
         for j in idx:
             n = sizes[j]
-            payload = host_view(srcs[j])
+            payload = host_view(srcs[j]) if direct[j] else None
+            if payload is None:      # device memory (or RDMA): stage it
+                payload = self._staging[at + HEADER_BYTES:at + HEADER_BYTES + n]
+                copy_bytes(payload, srcs[j])
             encode_header(keys[j].digest, payload, self._staging[at:at + HEADER_BYTES])
-            self._staging[at + HEADER_BYTES:at + HEADER_BYTES + n] = payload
-            offsets.append(at)
-            at += HEADER_BYTES + n
+            ptrs.append([base + at, payload.ctypes.data])
+            at += HEADER_BYTES + (0 if direct[j] else n)
         names = [_object_name(self.prefix, keys[j]) for j in idx]
-        results = self._store.batch_put_from(names, [base + o for o in offsets],
-                                             [HEADER_BYTES + sizes[j] for j in idx])
+        results = self._store.batch_put_from_multi_buffers(names, ptrs, [[HEADER_BYTES, sizes[j]] for j in idx])
         for j, name, rc in zip(idx, names, results):
             if rc == 0:
                 with self._lock:

@@ -1,0 +1,85 @@
+"""The mooncake tier against Mooncake's own Python client on the same pool (the rows
+``benchmarks/cluster.py`` prints): one batch of blocks put and got, the tier through its
+verified block format and staging buffer, the raw client with ``batch_put_from`` /
+``batch_get_into`` on a registered buffer (no header, no verification, no copy).
+"""
+
+from __future__ import annotations
+
+import itertools
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from benchmarks._common import median_time
+from kvstore.testing import free_port, make_keys
+
+_runs = itertools.count()
+
+
+def mooncake_rows(block_bytes: int = 1 << 20, blocks: int = 64, repeat: int = 5) -> list[dict]:
+    from tests._mooncake import MooncakePool
+    from tiers.mooncake import MooncakeTier
+
+    from mooncake.store import MooncakeDistributedStore
+
+    batch = block_bytes * blocks
+    with tempfile.TemporaryDirectory() as tmp:
+        pool = MooncakePool(Path(tmp), segment_mib=max(256, 4 * batch >> 20))
+        try:
+            tier = MooncakeTier(2 * batch * (repeat + 2), master=pool.master, metadata_server=pool.metadata,
+                                staging_bytes=batch + blocks * 4096, prefix="bench")
+            raw = MooncakeDistributedStore()
+            assert raw.setup(f"127.0.0.1:{free_port()}", pool.metadata, 0, 64 << 20, "tcp", "", pool.master) == 0
+            buf = np.random.default_rng(0).integers(0, 256, batch, dtype=np.uint8)
+            out = np.zeros(batch, np.uint8)
+            assert raw.register_buffer(buf.ctypes.data, batch) == 0
+            assert raw.register_buffer(out.ctypes.data, batch) == 0
+            srcs = [buf[i * block_bytes:(i + 1) * block_bytes] for i in range(blocks)]
+            dsts = [out[i * block_bytes:(i + 1) * block_bytes] for i in range(blocks)]
+            ptrs = [buf.ctypes.data + i * block_bytes for i in range(blocks)]
+            optrs = [out.ctypes.data + i * block_bytes for i in range(blocks)]
+            sizes = [block_bytes] * blocks
+
+            def tier_put():
+                keys = make_keys(blocks, salt=f"put{next(_runs)}")
+                assert tier.write(keys, srcs) == [True] * blocks
+                tier.delete(keys)
+
+            def raw_put():
+                names = [f"raw{next(_runs)}:{i}" for i in range(blocks)]
+                assert raw.batch_put_from(names, ptrs, sizes) == [0] * blocks
+                raw.batch_remove(names, True)
+
+            get_keys = make_keys(blocks, salt="get")
+            assert tier.write(get_keys, srcs) == [True] * blocks
+            names = [f"rawget:{i}" for i in range(blocks)]
+            assert raw.batch_put_from(names, ptrs, sizes) == [0] * blocks
+
+            def tier_get():
+                assert tier.read_into(get_keys, dsts) == [True] * blocks
+
+            def raw_get():
+                assert raw.batch_get_into(names, optrs, sizes) == sizes
+
+            rows = []
+            for op, ours, theirs in (("put", tier_put, raw_put), ("get", tier_get, raw_get)):
+                t_ours, t_raw = median_time(ours, repeat), median_time(theirs, repeat)
+                rows.append({"path": "mooncake (tcp, 1 storage node)", "op": op, "block_bytes": block_bytes,
+                             "blocks": blocks, "kvstore_gbps": batch / t_ours / 1e9,
+                             "baseline": "Mooncake Python client, registered buffer",
+                             "baseline_gbps": batch / t_raw / 1e9, "ratio": t_raw / t_ours})
+            tier.close()
+            raw.close()
+            return rows
+        finally:
+            pool.stop()
+
+
+if __name__ == "__main__":
+    from benchmarks._common import print_table
+
+    rows = mooncake_rows()
+    print_table(["op", "kvstore GB/s", "raw GB/s", "ratio"],
+                [[r["op"], r["kvstore_gbps"], r["baseline_gbps"], r["ratio"]] for r in rows])
