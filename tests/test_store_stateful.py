@@ -1,15 +1,27 @@
-"""A two-tier Store (small and larger DRAM) against a plain dict model."""
+"""A two-tier Store (small and larger DRAM) against a plain dict model, with retention
+hints (any policy, a fake clock that rules advance)."""
 
 import numpy as np
 from hypothesis import settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from kvstore import Namespace, Store
+from kvstore import Hint, Namespace, Store
+from policies import EVICTION_NAMES
 
 BLOCK = 4096
 KEYS = Namespace(model="model", dtype="u8", chunk_tokens=1).chunk_keys(np.arange(24))
 key_index = st.integers(0, len(KEYS) - 1)
 WRITE_MODES = ("back", "through", "selective")
+HINTS = st.one_of(st.none(), st.just(Hint(None, discard=True)),
+                  st.builds(Hint, st.sampled_from([None, 5.0, 60.0]), st.integers(1, 3)),
+                  st.builds(Hint, st.sampled_from([5.0, 60.0]), st.integers(0, 3)))
+
+
+class Clock:
+    now = 0.0
+
+    def __call__(self):
+        return self.now
 
 
 class StoreMachine(RuleBasedStateMachine):
@@ -18,22 +30,23 @@ class StoreMachine(RuleBasedStateMachine):
         self.store = None
         self.model: dict[int, int] = {}   # key index -> fill byte of the last save
         self.leased: set[int] = set()
+        self.clock = Clock()
 
     @rule(mode=st.sampled_from(WRITE_MODES), top=st.integers(1, 4), bottom=st.integers(2, 10),
-          eviction=st.sampled_from(["lru", "fifo"]))
+          eviction=st.sampled_from(EVICTION_NAMES))
     @precondition(lambda self: self.store is None)
     def open(self, mode, top, bottom, eviction):
         self.store = Store.from_config({
             "tiers": [{"name": "small", "kind": "dram", "capacity": top * BLOCK, "eviction": eviction},
                       {"name": "large", "kind": "dram", "capacity": bottom * BLOCK}],
-            "placement": {"write": mode}, "io_threads": 2})
+            "placement": {"write": mode}, "io_threads": 2}, clock=self.clock)
 
-    @rule(idx=st.lists(key_index, min_size=1, max_size=5, unique=True), fill=st.integers(0, 255))
+    @rule(idx=st.lists(key_index, min_size=1, max_size=5, unique=True), fill=st.integers(0, 255), hint=HINTS)
     @precondition(lambda self: self.store is not None)
-    def save(self, idx, fill):
+    def save(self, idx, fill, hint):
         srcs = [np.full(BLOCK, (fill + i) % 256, np.uint8) for i in idx]
         already = [self.store.contains([KEYS[i]])[0] for i in idx]
-        ok = self.store.save([KEYS[i] for i in idx], srcs).result()
+        ok = self.store.save([KEYS[i] for i in idx], srcs, hint=hint).result()
         for i, stored, was, src in zip(idx, ok, already, srcs):
             if stored and not was:
                 self.model[i] = int(src[0])  # a key already stored keeps its first bytes
@@ -49,10 +62,14 @@ class StoreMachine(RuleBasedStateMachine):
                 assert i in self.model, "loaded a block that was never saved"
                 assert (dst == self.model[i]).all(), "wrong bytes"
 
-    @rule(idx=st.lists(key_index, min_size=1, max_size=6, unique=True))
+    @rule(seconds=st.sampled_from([1.0, 10.0, 100.0]))
+    def tick(self, seconds):
+        self.clock.now += seconds
+
+    @rule(idx=st.lists(key_index, min_size=1, max_size=6, unique=True), hint=HINTS)
     @precondition(lambda self: self.store is not None)
-    def lookup_with_lease(self, idx):
-        n = self.store.lookup([KEYS[i] for i in idx], lease_s=3600)
+    def lookup_with_lease(self, idx, hint):
+        n = self.store.lookup([KEYS[i] for i in idx], lease_s=10**6, hint=hint)  # outlasts every tick
         self.leased.update(idx[:n])
 
     @rule(idx=st.lists(key_index, min_size=1, max_size=3, unique=True))
@@ -73,6 +90,13 @@ class StoreMachine(RuleBasedStateMachine):
     def leased_blocks_stay(self):
         if self.store and self.leased:
             assert all(self.store.contains([KEYS[i] for i in sorted(self.leased)]))
+
+    @invariant()
+    def hints_only_for_held_blocks(self):
+        if self.store:
+            hinted = list(self.store._hints)
+            assert all(self.store.contains(hinted))
+            assert self.store.stats()["hints"]["live"] <= len(hinted)
 
     @invariant()
     def index_matches_tiers(self):
