@@ -156,3 +156,23 @@ def test_missing_is_still_known_after_commit():
         with store.reserve(keys, [BLOCK] * 2, evict=False) as res:
             res.views[0][:] = srcs[0]
         assert res.missing == [1] and res.stored == [True, False]
+
+
+def test_a_failing_write_through_after_commit_is_logged_and_counted(caplog):
+    with store_of(write="through") as store:
+        def broken(*args):
+            raise OSError("lower tier gone")
+
+        store._write_below = broken          # the copy below nobody waits for
+        keys, srcs = blocks(2)
+        with caplog.at_level("WARNING"):
+            with store.reserve(keys, [BLOCK] * 2) as res:
+                for view, src in zip(res.views, srcs):
+                    view[:] = src
+            assert res.stored == [True, True]                  # the first tier holds them
+            deadline = time.monotonic() + 10
+            while store.stats()["background_errors"] == 0 and time.monotonic() < deadline:
+                time.sleep(0.01)
+        assert store.stats()["background_errors"] == 1 and "lower tier gone" in caplog.text
+        ok, dsts = load_all(store, keys)                        # and serve them
+        assert ok == [True, True] and all(np.array_equal(d, s) for d, s in zip(dsts, srcs))
