@@ -64,10 +64,13 @@ def combine(digests) -> int:
 def segmented_checksum(payload) -> int:
     """The segmented checksum of ``payload`` (any contiguous buffer); releases the GIL
     while hashing each segment."""
+    n = payload.nbytes if type(payload) is np.ndarray else memoryview(payload).nbytes
+    if n < 2 * SEGMENT_BYTES:
+        return _h(payload)   # one segment: its digest is the checksum
     mv = memoryview(payload).cast("B")
-    if mv.nbytes < 2 * SEGMENT_BYTES:
-        return _h(mv)   # one segment: its digest is the checksum
-    digests = segment_digests(mv)
+    last = (n // SEGMENT_BYTES - 1) * SEGMENT_BYTES   # segment_digests, inlined: this is the hot path
+    digests = array("Q", [_h(mv[i:i + SEGMENT_BYTES]) for i in range(0, last, SEGMENT_BYTES)])
+    digests.append(_h(mv[last:]))
     if _BIG_ENDIAN:
         digests.byteswap()
     return _h(digests)
