@@ -151,3 +151,37 @@ def test_device_verify_from_config(tmp_path):
         assert t.read_into(keys[:1], [dst]) == [True] and np.array_equal(dst, payload(0, 3 * SEG))
     finally:
         t.close()
+
+
+@pytest.mark.parametrize("corrupt", [False, True])
+def test_read_ahead_copies_of_flagged_blocks_are_checked(tmp_path, corrupt):
+    """Blocks served from the read-ahead window are verified by their own checksum kind."""
+    n, batch, batches = 3 * SEG, 4, 5
+    t = NvmeTier(str(tmp_path / "d"), 64 << 20, name="nvme-dv-ra", file_bytes=16 << 20, io_threads=2,
+                 readahead_bytes=4 << 20, device_verify=True)
+    try:
+        if t.io_mode != "direct":
+            pytest.skip(f"read-ahead needs O_DIRECT; the test directory gives {t.io_mode}")
+        keys = make_keys(batch * batches, salt="ra")
+        for s in range(0, len(keys), batch):
+            assert all(t.write(keys[s:s + batch], [payload(i, n) for i in range(s, s + batch)]))
+        victim = len(keys) - 2   # in the last batch: served from the read-ahead
+        if corrupt:
+            e = t._entries[keys[victim]]
+            with open(os.path.join(t._shards[0].path, f"data-{e.file_no:05d}.kvd"), "r+b") as f:
+                f.seek(e.offset + PAGE + 2 * SEG + 7)
+                old = f.read(1)
+                f.seek(e.offset + PAGE + 2 * SEG + 7)
+                f.write(bytes([old[0] ^ 0x80]))
+        got = []
+        for s in range(0, len(keys), batch):
+            dsts = [np.zeros(n, np.uint8) for _ in range(batch)]
+            ok = t.read_into(keys[s:s + batch], dsts)
+            for i, (good, dst) in enumerate(zip(ok, dsts)):
+                assert not good or np.array_equal(dst, payload(s + i, n)), "wrong bytes reported as loaded"
+            got += ok
+        assert got == [not (corrupt and i == victim) for i in range(len(keys))]
+        assert t.stats()["readahead_hits"] > 0
+        assert t.stats()["corrupt_blocks"] == int(corrupt)
+    finally:
+        t.close()
