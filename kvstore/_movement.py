@@ -162,6 +162,7 @@ class TierMovement:
         """Index the blocks of ``plan`` that level ``i`` stored (``ok``); fills ``plan.result``."""
         lvl = self._levels[i]
         ok = ok or [False] * len(plan.chosen)
+        fresh: list[BlockKey] = []   # newly indexed here: KV events
         persist: dict[int, dict[BlockKey, bytes]] = {}
         with self._lock:
             for j, good in zip(plan.chosen, ok):
@@ -178,7 +179,10 @@ class TierMovement:
                         lvl.policy.on_insert(key, sizes[j], parent_of(key) if lvl.policy.uses_parent else None)
                     lvl.counters["writes"] += 1
                     lvl.counters["bytes_written"] += sizes[j]
+                    fresh.append(key)
                 # else a concurrent writer indexed it first; staged keys are in the policy once.
+            if self._events is not None and fresh:
+                self._events.stored(i, fresh)
             self._hints_entering(i, [keys[j] for j, good in zip(plan.chosen, ok) if good], persist)
         if persist:
             self._persist_hints(persist)
@@ -230,6 +234,8 @@ class TierMovement:
             lvl.counters["evictions"] += 1
             if free >= need:
                 break
+        if self._events is not None and victims:
+            self._events.removed(i, [key for key, _ in victims])
         return victims
 
     def _evict(self, i: int, victims: list[tuple[BlockKey, int]]) -> None:
@@ -305,6 +311,8 @@ class TierMovement:
             return
         self._levels[i].policy.on_remove(key)
         mask &= ~(1 << i)
+        if self._events is not None:
+            self._events.removed(i, (key,))
         if mask:
             self._where[key] = mask
         else:

@@ -208,12 +208,33 @@ class TraceConfig(_Frozen):
     block_tokens: int = Field(256, ge=1)          # tokens per block, for input_length
 
 
+class EventsConfig(_Frozen):
+    """KV events for cache-aware routers, in vLLM's format (see :mod:`kvstore._events`).
+    An endpoint with ``*``/``::`` or ``ipc://``/``inproc://`` is bound, any other
+    connected to (as vLLM's ``ZmqEventPublisher``); the replay endpoint is bound."""
+
+    endpoint: str = Field(min_length=1)           # ZMQ PUB, e.g. tcp://*:5557 or ipc:///run/kvstore-events
+    replay_endpoint: str | None = None            # ZMQ ROUTER answering replay requests, e.g. tcp://*:5558
+    topic: str = ""
+    buffer_steps: int = Field(10_000, ge=1)       # batches kept for replay
+    max_queue: int = Field(100_000, ge=1)         # reports waiting to be sent; past it: one AllBlocksCleared
+    token_blocks: int = Field(16_384, ge=0)       # keys whose saved token ids are kept for BlockStored
+
+    @field_validator("endpoint", "replay_endpoint")
+    @classmethod
+    def _zmq_endpoint(cls, value: str | None) -> str | None:
+        if value is not None and not value.startswith(("tcp://", "ipc://", "inproc://")):
+            raise ValueError("a ZMQ endpoint starts with tcp://, ipc:// or inproc://")
+        return value
+
+
 class StoreConfig(_Frozen):
     tiers: list[TierConfig] = Field(min_length=1)
     placement: PlacementConfig = PlacementConfig()
     io_threads: int = Field(4, ge=1)
     server: ServerConfig = ServerConfig()
     trace: TraceConfig | None = None
+    events: EventsConfig | None = None
 
     @field_validator("tiers")
     @classmethod
@@ -337,6 +358,6 @@ def dump_config(config: StoreConfig) -> str:
     return yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False)
 
 
-__all__ = ["AdmissionConfig", "DEFAULT_CONFIG", "DramTierConfig", "GpuTierConfig", "NvmeTierConfig",
+__all__ = ["AdmissionConfig", "DEFAULT_CONFIG", "DramTierConfig", "EventsConfig", "GpuTierConfig", "NvmeTierConfig",
            "PlacementConfig", "RemoteTierConfig", "S3TierConfig", "ServerConfig", "StoreConfig",
            "TierConfig", "TraceConfig", "dump_config", "load_config", "parse_size"]

@@ -19,6 +19,7 @@ from contextlib import contextmanager, nullcontext
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
 from kvstore._build import build_admission, build_eviction, build_tier
+from kvstore._events import open_events
 from kvstore._hints import HintIndex, StoreHints
 from kvstore._movement import Level, TierMovement, parent_of
 from kvstore._reserve import Reservation, reserve
@@ -74,6 +75,12 @@ class Store(TierMovement, StoreHints):
         self._stat_sources: list[tuple[str, Any]] = []  # (name, callable) from attach_stats
         self._ops = dict.fromkeys(("saves", "loads", "lookups", "lookup_hits", "prefetches", "background_errors",
                                    "refused_checksum"), 0)
+        try:    # KV events for routers: None (and no cost) unless configured
+            self._events = open_events(config.events, [c.name for c in config.tiers])
+        except BaseException:
+            for t in built:
+                t.close()
+            raise
         self._lock = threading.Lock()
         self._local = threading.local()
         self._closed = False
@@ -90,7 +97,8 @@ class Store(TierMovement, StoreHints):
     # -- public API ---------------------------------------------------------------------
 
     def save(self, keys: Sequence[BlockKey], srcs: Sequence[Any], *,
-             checksums: Sequence[int] | None = None, hint: Hint | None = None) -> "Future[list[bool]]":
+             checksums: Sequence[int] | None = None,
+             token_ids: Sequence[Sequence[int]] | None = None, hint: Hint | None = None) -> "Future[list[bool]]":
         """Store a copy of each buffer under its key. The future resolves to whether each
         block is stored (``False``: rejected by admission or no room). Callers must not
         modify ``srcs`` until the future is done; nothing keeps them after that.
@@ -98,9 +106,12 @@ class Store(TierMovement, StoreHints):
         ``checksums``: the writer's XXH3-64 (:func:`kvstore.block.checksum`) of each
         host buffer, computed before the bytes travelled (the cache server passes its
         clients'); a buffer that does not match is not stored (``False``, counted in
-        ``refused_checksum``)."""
+        ``refused_checksum``). ``token_ids``: each key's chunk tokens, published with
+        its ``BlockStored`` KV events (unused without an ``events`` config)."""
         self._check_open()
         self._check_pairs(keys, srcs)
+        if token_ids is not None and self._events is not None:
+            self._events.note_tokens(keys, token_ids)
         if check_hint(hint) is not None:
             # given before the blocks enter a tier, so each tier ranks them by it from
             # the start (and a discard block is never written through)
@@ -302,6 +313,9 @@ class Store(TierMovement, StoreHints):
 
     def delete(self, keys: Sequence[BlockKey]) -> int:
         """Remove keys from every tier; returns how many were cached."""
+        return self._delete(keys, cleared=False)
+
+    def _delete(self, keys: Sequence[BlockKey], *, cleared: bool) -> int:
         self._check_open()
         with self._lock:
             plan = []
@@ -313,6 +327,10 @@ class Store(TierMovement, StoreHints):
                         if mask >> i & 1:
                             lvl.policy.on_remove(key)
                 self._forget(key)
+            if self._events is not None and cleared:
+                self._events.cleared()
+            elif self._events is not None:
+                self._events.removed_masks(plan)
         for i, lvl in enumerate(self._levels):
             doomed = [k for k, m in plan if m >> i & 1]
             if doomed:
@@ -320,8 +338,8 @@ class Store(TierMovement, StoreHints):
         return len(plan)
 
     def clear(self) -> int:
-        """Remove every block from every tier."""
-        return self.delete(list(self._where))
+        """Remove every block from every tier (one ``AllBlocksCleared`` KV event)."""
+        return self._delete(list(self._where), cleared=True)
 
     def stats(self) -> dict[str, Any]:
         """Counters per tier and for the Store; a consistent snapshot of each tier."""
@@ -340,6 +358,8 @@ class Store(TierMovement, StoreHints):
             entry["corruptions"] += int(extra.get("corrupt_blocks", 0))
 
         out["connectors"] = sum_stat_sources(self._stat_sources)
+        if self._events is not None:
+            out["events"] = self._events.stats()
         return out
 
     def _background(self, fn: Any, *args: Any) -> None:
@@ -377,6 +397,8 @@ class Store(TierMovement, StoreHints):
                 return
             self._closed = True
         self._pool.shutdown(wait=True)
+        if self._events is not None:
+            self._events.close()
         if self._trace is not None:
             self._trace.close()
         for lvl in self._levels:
@@ -555,6 +577,9 @@ class Store(TierMovement, StoreHints):
                 self._sizes[block.key] = block.nbytes
                 lvl.policy.on_insert(block.key, block.nbytes,
                                      parent_of(block.key) if lvl.policy.uses_parent else None)
+        if self._events is not None:
+            for i in range(len(self._levels)):
+                self._events.stored(i, [k for k, mask in self._where.items() if mask >> i & 1])
 
     def _level_index(self, tier: int | str) -> int:
         if isinstance(tier, int) and 0 <= tier < len(self._levels):
