@@ -9,16 +9,16 @@ store. Thread-safe: counted from engine threads and store callbacks alike.
 from __future__ import annotations
 
 import threading
-from typing import Any
 
 from kvstore._stats import COUNTERS, GAUGES
+from kvstore.api import StoreAPI
 
 
 class ConnectorMetrics:
     """Counters of one connector, attached to ``store`` under ``name`` (e.g. ``"vllm"``)
     until :meth:`close`."""
 
-    def __init__(self, store: Any, name: str) -> None:
+    def __init__(self, store: StoreAPI, name: str) -> None:
         self.name = name
         self._values = dict.fromkeys((*COUNTERS, *GAUGES), 0)
         self._lock = threading.Lock()

@@ -1,13 +1,23 @@
-"""Open the store a connector talks to: an embedded :class:`~kvstore.store.Store` or a
-:class:`kvstore.client.Client` of a cache server, both with the same API.
+"""Open the store a connector talks to, one way for every engine: an embedded
+:class:`~kvstore.store.Store` or a :class:`kvstore.client.Client` of a cache server,
+both a :class:`kvstore.api.StoreAPI`.
 
-Embedded stores live in a process-wide registry keyed by their config, so the
-scheduler-side and worker-side connector objects of one process (and a connector plus
-its offloading tier) share one Store. Embedded mode is for single-process serving:
-separate processes each get their own Store; use a server to share across processes.
+A connector passes its options mapping (vLLM's ``kv_connector_extra_config``, SGLang's
+``extra_config``, TensorRT-LLM's ``server_url``) and gets:
 
-Thread-safety: :func:`open_store` and :func:`release_store` may be called from any
-thread.
+- ``{"server": "host:port", "token": ..., "timeout_s": ...}``: a new Client of that
+  running ``kvstore serve``. The server is what processes share.
+- ``{"store": {...} | "path.yaml"}``: an embedded Store built from exactly that config;
+  ``KVSTORE_…`` environment variables are not applied to it.
+- neither: an embedded Store of the environment's config, ``$KVSTORE_CONFIG`` (with
+  ``KVSTORE_…`` overrides), else the built-in default (one DRAM tier).
+
+Embedded Stores are shared inside a process: every open of the same effective config
+(the scheduler and worker sides of one engine, a connector and its offloading tier)
+gets the same Store, counted, and the last :func:`release_store` closes it. Separate
+processes each get their own; use a server to share across processes.
+
+Thread-safety: :func:`open_store` and :func:`release_store` may be called from any thread.
 """
 
 from __future__ import annotations
@@ -16,33 +26,30 @@ import json
 import threading
 from typing import Any, Mapping
 
+from kvstore.api import StoreAPI
 from kvstore.config import load_config
 from kvstore.errors import ConfigError
 
 _lock = threading.Lock()
 _embedded: dict[str, list[Any]] = {}   # canonical config -> [store, refcount]
+_handles: dict[int, str] = {}          # id(embedded store) -> its canonical config
 
 
-def open_store(store: Mapping[str, Any] | str | None, server: str | None, token: str | None,
-               timeout_s: float | None = None) -> tuple[Any, str]:
-    """The store named by a connector's config and the handle to pass to
-    :func:`release_store`. Exactly one of ``store`` (a StoreConfig dict or YAML path)
-    and ``server`` (``host:port``) must be given. Environment variables are not read:
-    the embedded config is used exactly as given."""
-    if (store is None) == (server is None):
-        raise ConfigError("kvstore connector: set exactly one of 'store' (an embedded StoreConfig "
-                          "dict or YAML path) and 'server' ('host:port' of a kvstore server)")
+def open_store(options: Mapping[str, Any], *, owner: str) -> StoreAPI:
+    """The store ``options`` name (see the module docstring); ``owner`` names the
+    connector in errors. Hand the result back with :func:`release_store`."""
+    store_cfg, server = options.get("store"), options.get("server")
+    if store_cfg is not None and server is not None:
+        raise ConfigError(f"{owner}: give either 'store' (embedded) or 'server' (host:port), not both")
     if server is not None:
-        try:
-            from kvstore.client import Client
-        except ImportError as exc:
-            raise ConfigError(f"kvstore connector: 'server' is set but the kvstore client is not "
-                              f"available in this install ({exc}); use 'store' for an embedded store") from exc
-        kwargs = {"token": token}
-        if timeout_s is not None:
-            kwargs["timeout_s"] = timeout_s
-        return Client(server, **kwargs), ""
-    config = load_config(dict(store) if isinstance(store, Mapping) else store, env={})
+        return _client(options, server, owner)
+    if store_cfg is not None and not isinstance(store_cfg, (str, Mapping)):
+        raise ConfigError(f"{owner}: 'store' must be a StoreConfig mapping or a YAML path, "
+                          f"got {type(store_cfg).__name__}")
+    if store_cfg is None:
+        config = load_config(None)                      # $KVSTORE_CONFIG and overrides, else default
+    else:
+        config = load_config(dict(store_cfg) if isinstance(store_cfg, Mapping) else store_cfg, env={})
     handle = json.dumps(config.model_dump(mode="json"), sort_keys=True)
     from kvstore.store import Store
 
@@ -50,24 +57,41 @@ def open_store(store: Mapping[str, Any] | str | None, server: str | None, token:
         entry = _embedded.get(handle)
         if entry is None:
             entry = _embedded[handle] = [Store(config), 0]
+            _handles[id(entry[0])] = handle
         entry[1] += 1
-        return entry[0], handle
+        return entry[0]
 
 
-def release_store(store: Any, handle: str) -> None:
-    """Drop one reference; the last one closes the store."""
-    if not handle:
-        store.close()
-        return
+def release_store(store: StoreAPI) -> None:
+    """Give back a store from :func:`open_store`: a Client is closed, an embedded
+    Store when its last user gave it back."""
     with _lock:
-        entry = _embedded.get(handle)
-        if entry is None or entry[0] is not store:
-            return
-        entry[1] -= 1
-        if entry[1] > 0:
-            return
-        del _embedded[handle]
+        handle = _handles.get(id(store))
+        entry = _embedded.get(handle) if handle is not None else None
+        if entry is not None and entry[0] is store:
+            entry[1] -= 1
+            if entry[1] > 0:
+                return
+            del _embedded[handle], _handles[id(store)]
     store.close()
+
+
+def _client(options: Mapping[str, Any], server: Any, owner: str) -> StoreAPI:
+    if not isinstance(server, str) or not server.strip():
+        raise ConfigError(f"{owner}: 'server' must be 'host:port', got {server!r}")
+    token, timeout_s = options.get("token"), options.get("timeout_s")
+    if token is not None and not isinstance(token, str):
+        raise ConfigError(f"{owner}: 'token' must be a string")
+    if timeout_s is not None and (isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float))
+                                  or timeout_s <= 0):
+        raise ConfigError(f"{owner}: 'timeout_s' must be a positive number of seconds, got {timeout_s!r}")
+    try:
+        from kvstore.client import Client
+    except ImportError as exc:
+        raise ConfigError(f"{owner}: 'server' needs kvstore.client, which this kvstore build lacks "
+                          f"({exc}); use an embedded 'store' instead") from exc
+    kwargs = {"timeout_s": float(timeout_s)} if timeout_s is not None else {}
+    return Client(server, token=token, **kwargs)
 
 
 __all__ = ["open_store", "release_store"]

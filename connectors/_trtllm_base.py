@@ -5,7 +5,6 @@ server URL, the key scheme read from ``llm_args``, and stream helpers."""
 from __future__ import annotations
 
 import logging
-import threading
 from contextlib import nullcontext
 from typing import Any, Sequence
 
@@ -20,18 +19,15 @@ except ImportError:
         raise ImportError("connectors.trtllm needs TensorRT-LLM (PyTorch backend) with the KV cache "
                           "connector API; see docs/trtllm.md") from exc
 
-from connectors._open_store import open_store
+from connectors._store_handle import open_store, release_store
 from connectors._trtllm_plan import KeyScheme
+from kvstore.api import StoreAPI
 from kvstore.errors import ConfigError, RemoteError, StoreClosedError, TierError
 
 log = logging.getLogger("connectors.trtllm")
 STORE_FAILURES = (TierError, RemoteError, StoreClosedError, OSError)
 LEASE_S = 60.0
 STAGING_BYTES = 256 << 20   # host staging per connector object (scheduler, each worker)
-
-_shared_lock = threading.Lock()
-_shared: dict[str, list] = {}   # server url or "" -> [store, refcount]
-
 
 def connector_config(llm_args: Any) -> Any:
     return getattr(llm_args, "kv_connector_config", None) or getattr(llm_args, "connector_config", None)
@@ -44,25 +40,11 @@ def server_url(llm_args: Any) -> str | None:
     return url.split("://", 1)[-1].rstrip("/")
 
 
-def acquire_store(url: str | None) -> Any:
-    """One Store/Client per process and server URL, shared by scheduler and worker."""
-    with _shared_lock:
-        entry = _shared.get(url or "")
-        if entry is None:
-            entry = _shared[url or ""] = [open_store({"server": url} if url else {}, owner="trtllm connector"), 0]
-        entry[1] += 1
-        return entry[0]
-
-
-def release_store(url: str | None) -> None:
-    with _shared_lock:
-        entry = _shared.get(url or "")
-        if entry is None:
-            return
-        entry[1] -= 1
-        if entry[1] <= 0:
-            del _shared[url or ""]
-            entry[0].close()
+def acquire_store(url: str | None) -> StoreAPI:
+    """A Client of the server at ``url``, or without one the process's embedded Store
+    (``$KVSTORE_CONFIG``, else the default), shared by scheduler and worker; hand it
+    back with :func:`release_store` (see ``connectors/_store_handle.py``)."""
+    return open_store({"server": url} if url else {}, owner="trtllm connector")
 
 
 def text_of(value: Any) -> str:

@@ -227,8 +227,8 @@ class KVStoreConnectorWorker(KvCacheConnectorWorker):
         LOCAL.set_layout(self._url or "", self.rank, None)
         self.staging.clear()
         self.metrics.close()
-        self.store = None
-        release_store(self._url)
+        store, self.store = self.store, None
+        release_store(store)
 
     shutdown = close
 

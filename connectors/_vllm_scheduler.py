@@ -23,6 +23,7 @@ from typing import Any
 from connectors._metrics import ConnectorMetrics
 from connectors._vllm_config import KVShape, VllmConnectorConfig, request_salt, token_array
 from connectors._vllm_meta import ChunkTransfer, KVStoreConnectorMetadata, KVStoreWorkerMetadata
+from kvstore.api import StoreAPI
 from kvstore.errors import KVStoreError
 from kvstore.keys import BlockKey
 
@@ -54,7 +55,7 @@ class _Req:
 
 
 class SchedulerSide:
-    def __init__(self, config: VllmConnectorConfig, shape: KVShape, store: Any, metrics: ConnectorMetrics, *,
+    def __init__(self, config: VllmConnectorConfig, shape: KVShape, store: StoreAPI, metrics: ConnectorMetrics, *,
                  do_load: bool, do_save: bool) -> None:
         self.config = config
         self.shape = shape

@@ -41,6 +41,8 @@ from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, Tra
 
 from connectors._metrics import ConnectorMetrics
 from connectors._store_handle import open_store, release_store
+from kvstore.api import StoreAPI
+from kvstore.errors import ConfigError
 from kvstore.keys import BlockKey, Namespace
 
 log = logging.getLogger(__name__)
@@ -78,7 +80,10 @@ class KVStoreTier(SecondaryTierManager):
                                    0, 1, "")
         self._default_tokens = max(tokens, 1)
         self._group_tokens = {g.group_id: g.tokens_per_block * cfg.cache.blocks_per_chunk for g in cfg.groups}
-        self.store, self._handle = open_store(store, server, token)
+        if (store is None) == (server is None):
+            raise ConfigError("vLLM KVStoreTier: set exactly one of 'store' (an embedded StoreConfig dict "
+                              "or YAML path) and 'server' ('host:port' of a kvstore server)")
+        self.store = open_store({"store": store, "server": server, "token": token}, owner="vLLM KVStoreTier")
         self.metrics = ConnectorMetrics(self.store, "vllm_tier")
         self._lookups = _LeasedLookups(self.store, self._key, lease_s)
         self._lock = threading.Lock()
@@ -149,7 +154,7 @@ class KVStoreTier(SecondaryTierManager):
         self._lookups.close()
         self.metrics.close()
         store, self.store = self.store, None
-        release_store(store, self._handle)
+        release_store(store)
 
     # -- internals ------------------------------------------------------------------------
 
@@ -222,7 +227,7 @@ class _LeasedLookups:
     here (a request told HIT or about to be, a load job) needs the chunk.
     """
 
-    def __init__(self, store: Any, to_block: Callable[[OffloadKey], BlockKey], lease_s: float) -> None:
+    def __init__(self, store: StoreAPI, to_block: Callable[[OffloadKey], BlockKey], lease_s: float) -> None:
         self._store, self._to_block, self._lease_s = store, to_block, lease_s
         self._reqs: dict[str, _Probe] = {}
         self._holders: dict[OffloadKey, int] = {}    # chunk -> holders here

@@ -29,6 +29,7 @@ from connectors._vllm_config import KVShape, VllmConnectorConfig
 from connectors._vllm_loads import LoadPath
 from connectors._vllm_meta import ChunkTransfer, KVStoreConnectorMetadata, KVStoreWorkerMetadata
 from connectors._vllm_saves import SavePath
+from kvstore.api import StoreAPI
 from kvstore.errors import ConfigError
 from kvstore.paged import PagedLayers
 
@@ -36,7 +37,7 @@ log = logging.getLogger(__name__)
 
 
 class WorkerSide:
-    def __init__(self, config: VllmConnectorConfig, shape: KVShape, store: Any, metrics: ConnectorMetrics,
+    def __init__(self, config: VllmConnectorConfig, shape: KVShape, store: StoreAPI, metrics: ConnectorMetrics,
                  rank: int, *, writes: bool = True) -> None:
         self.config = config
         self.shape = shape

@@ -45,8 +45,9 @@ except ImportError as exc:  # pragma: no cover - exercised only without sglang
                       "see docs/sglang.md)") from exc
 
 from connectors._metrics import ConnectorMetrics
-from connectors._open_store import open_store
+from connectors._store_handle import open_store, release_store
 from connectors._sglang_pages import LeaseBook, PageKeys, PoolSegments, Staging, make_namespace, pool_signature
+from kvstore.api import StoreAPI
 from kvstore.buffers import copy_bytes, nbytes_of
 from kvstore.config import parse_size
 from kvstore.errors import (BufferSizeError, ConfigError, InvalidArgumentError, RemoteError,
@@ -136,8 +137,9 @@ class KVStoreHiCacheStorage(HiCacheStorage):
                 self._staging = Staging(nbytes, lambda held: self.metrics.set("staging_bytes", held))
 
     @property
-    def store(self) -> Any:
-        """The Store or Client behind this backend (owned by it)."""
+    def store(self) -> StoreAPI:
+        """The Store or Client behind this backend (an embedded Store is shared with the
+        other connectors of this process that name the same config)."""
         return self._store
 
     # -- generic (v0) path: one flat page per block --------------------------------------
@@ -252,8 +254,9 @@ class KVStoreHiCacheStorage(HiCacheStorage):
 
     def clear(self) -> None:
         """Remove this backend's pages (SGLang calls this on ``/flush_cache``, e.g.
-        after new weights are loaded, when stored KV is stale). An embedded Store is
-        this backend's own and is emptied; on a shared server only the key spaces
+        after new weights are loaded, when stored KV is stale). An embedded Store (this
+        process's, shared only with connectors naming the same config) is emptied; on a
+        shared server only the key spaces
         this backend uses (model, layout, shard, salt) are removed, so other engines'
         and tenants' pages stay. Raises when the store cannot clear: a flush that
         silently kept stale KV would serve it later."""
@@ -291,7 +294,8 @@ class KVStoreHiCacheStorage(HiCacheStorage):
         return {**self.counters, "store": self._store.stats()}
 
     def close(self) -> None:
-        """Close the Store/Client this backend opened. Idempotent."""
+        """Give back the Store/Client this backend opened (a shared embedded Store
+        closes with its last user). Idempotent."""
         with self._lock:
             if self._closed:
                 return
@@ -303,7 +307,7 @@ class KVStoreHiCacheStorage(HiCacheStorage):
         self.metrics.close()
         if self._staging is not None:
             self._staging.close()
-        self._store.close()
+        release_store(self._store)
 
     # -- internals ----------------------------------------------------------------------
 

@@ -268,8 +268,8 @@ class KVStoreConnectorScheduler(KvCacheConnectorScheduler):
             self._drop_pending(rid)
         self.staging.clear()
         self.metrics.close()
-        self.store = None
-        release_store(self._url)
+        store, self.store = self.store, None
+        release_store(store)
 
     shutdown = close
 

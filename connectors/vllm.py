@@ -61,8 +61,9 @@ class KVStoreConnector(KVConnectorBase_V1):
             # Store, and the scheduler's lookups would never see what workers saved.
             raise ConfigError("the embedded 'store' is for single-process serving (TP=1, PP=1); "
                               f"this engine has {self.shape.world_size} workers: use 'server'")
-        self.store, self._handle = open_store(self.config.store, self.config.server, self.config.token,
-                                              self.config.timeout_s)
+        self.store = open_store({"store": self.config.store, "server": self.config.server,
+                                 "token": self.config.token, "timeout_s": self.config.timeout_s},
+                                owner="vLLM kv_connector_extra_config")
         self.metrics = ConnectorMetrics(self.store, "vllm")
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
@@ -166,7 +167,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         if self.store is not None:
             self.metrics.close()
             store, self.store = self.store, None
-            release_store(store, self._handle)
+            release_store(store)
 
     # -- internals ------------------------------------------------------------------------
 

@@ -410,7 +410,7 @@ def test_a_requery_releases_the_lease_it_replaces(engine):
 
 
 def test_two_kv_dtypes_never_share_keys(engine, trt):
-    trt.acquire_store(None)                      # keep the shared embedded Store across engines
+    store = trt.acquire_store(None)              # keep the shared embedded Store across engines
     try:
         fp16 = engine(llm_args(kv_dtype="auto"))
         a = standin.LlmRequest(1, PROMPT)
@@ -426,7 +426,7 @@ def test_two_kv_dtypes_never_share_keys(engine, trt):
         again = engine(llm_args(kv_dtype="auto"))
         assert again.prefill(standin.LlmRequest(4, PROMPT)) == 4 * BS
     finally:
-        trt.release_store(None)
+        trt.release_store(store)
 
 
 def test_saves_never_synchronize_the_forward_stream(engine):
@@ -471,7 +471,7 @@ def test_counters_detach_on_close(engine, trt):
         eng.close()
         assert "trtllm" not in store.stats()["connectors"]
     finally:
-        trt.release_store(None)
+        trt.release_store(store)
 
 
 def test_tensor_parallel_needs_a_server(trt):

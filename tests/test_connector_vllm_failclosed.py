@@ -331,7 +331,7 @@ def test_mla_across_two_ranks_stores_one_copy_read_by_both(tmp_path):
     shape = KVShape(vc, kcc, CHUNK, None)
     assert shape.mla and shape.key_ranks == 1
     assert shape.key_rank(0) == shape.key_rank(1) == 0 and shape.writes(0) and not shape.writes(1)
-    store, handle = open_store(config.store, None, None)
+    store = open_store({"store": config.store}, owner="test")
     try:
         workers, caches = [], []
         for tp_rank in (0, 1):
@@ -356,7 +356,7 @@ def test_mla_across_two_ranks_stores_one_copy_read_by_both(tmp_path):
             for n in names:
                 assert torch.equal(cache[n][[10, 11, 12, 13]], caches[0][n][[1, 2, 3, 4]])
     finally:
-        release_store(store, handle)
+        release_store(store)
 
 
 def test_two_kv_dtypes_never_share_keys(tmp_path):

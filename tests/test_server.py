@@ -179,7 +179,7 @@ def test_idle_connections_are_closed_and_the_client_reconnects():
 
 
 def test_connectors_open_a_client_to_the_server(server):
-    from connectors._open_store import open_store
+    from connectors._store_handle import open_store, release_store
 
     store = open_store({"server": server.address}, owner="test")
     try:
@@ -189,4 +189,4 @@ def test_connectors_open_a_client_to_the_server(server):
         dst = np.zeros(4096, np.uint8)
         assert store.load(key, [dst]).result(10) == [True] and np.array_equal(dst, payload(8, 4096))
     finally:
-        store.close()
+        release_store(store)
