@@ -32,8 +32,13 @@ Trace = list[list[BlockKey]]
 
 def to_keys(requests: Sequence[Sequence[int]]) -> Trace:
     """Chained BlockKeys, one per id. Equal digests share one object, so dict lookups
-    take the identity fast path instead of ``BlockKey.__eq__``."""
+    take the identity fast path instead of ``BlockKey.__eq__``. Ids outside a token's
+    range (recorded traces hold 63-bit ids) are first renumbered densely, in order of
+    first appearance: equal ids stay equal, distinct ones distinct."""
     namespace = Namespace(model="trace", dtype="none", chunk_tokens=1)
+    if any(not 0 <= i < 1 << 32 for ids in requests for i in ids):
+        dense: dict[int, int] = {}
+        requests = [[dense.setdefault(i, len(dense)) for i in ids] for ids in requests]
     interned: dict[bytes, BlockKey] = {}
     return [[interned.setdefault(key.digest, key) for key in namespace.chunk_keys(ids)]
             for ids in requests]

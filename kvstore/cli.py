@@ -10,7 +10,7 @@ import sys
 
 from kvstore.errors import KVStoreError
 
-COMMANDS = ("config", "bench", "serve", "stats", "fsck", "doctor", "demo")
+COMMANDS = ("config", "bench", "serve", "stats", "fsck", "doctor", "demo", "replay")
 
 
 def build_parser() -> argparse.ArgumentParser:

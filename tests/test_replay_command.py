@@ -1,0 +1,130 @@
+"""``kvstore replay``: the what-if replay of an access trace through the real Store, on a
+slice of the production trace in the repo and on a trace recorded from a live server."""
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from benchmarks.policy_replay import replay
+from kvstore import Namespace
+from kvstore._replay import to_keys
+from kvstore.cli import main
+from kvstore.trace import read_trace
+
+TRACE = Path(__file__).parent / "data" / "conversation_trace_400.jsonl"
+
+
+def _run(capsys, *args):
+    code = main(["replay", *map(str, args), "--no-progress"])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_replay_of_the_repo_trace_tries_every_change_and_recommends(tmp_path, capsys):
+    config = tmp_path / "kvstore.yaml"
+    config.write_text("tiers:\n"
+                      "  - {name: hot, kind: dram, capacity: 64MiB, eviction: lru}\n"
+                      f"  - {{name: warm, kind: nvme, path: {tmp_path / 'unused'}, capacity: 256MiB}}\n")
+    code, out, _ = _run(capsys, TRACE, "--config", config, "--block-bytes", "1MiB", "--limit", "300",
+                        "--policies", "lru,lineage,s3fifo", "--png", tmp_path / "r.png", "--json", tmp_path / "r.json")
+    assert code == 0
+    report = json.loads((tmp_path / "r.json").read_text())
+    labels = [row["variant"] for row in report["rows"]]
+    for tier in ("hot", "warm"):
+        for change in ("eviction lineage", "eviction s3fifo", "min_hits 2", "min_hits 3",
+                       "capacity x0.5", "capacity x2", "capacity x4"):
+            assert f"{tier}: {change}" in labels
+    assert labels[0] == "as configured" and set(report["belady"]) == {"x0.5", "x1", "x2", "x4"}
+    assert not (tmp_path / "unused").exists()     # replays never touch the configured media
+    for row in report["rows"]:
+        # Per-tier hits add up to the prefix hits, and nothing beats the offline optimum.
+        assert sum(row["tier_hit_rates"].values()) == pytest.approx(row["prefix_hit_rate"])
+        capacity = sum(row["tier_capacity_blocks"].values())
+        scale = next(k for k, f in (("x0.5", 0.5), ("x1", 1), ("x2", 2), ("x4", 4)) if capacity <= 320 * f)
+        assert row["prefix_hit_rate"] <= report["belady"][scale] + 1e-9
+    rows = {row["variant"]: row for row in report["rows"]}
+    assert rows["warm: capacity x4"]["prefix_hit_rate"] >= rows["as configured"]["prefix_hit_rate"]
+    assert rows["warm: min_hits 3"]["tier_bytes_written"]["warm"] < rows["as configured"]["tier_bytes_written"]["warm"]
+    assert (tmp_path / "r.png").stat().st_size > 1000
+    assert "Belady" in out and ("Recommendation (same capacities):" in out or "keep the configured" in out)
+    if "Recommendation (same capacities):" in out:
+        assert "Expected: prefix hit rate" in out
+        assert any(label.startswith("recommended: ") for label in labels)
+
+
+def test_a_single_tier_replay_matches_the_policy_model(tmp_path, capsys):
+    """The configured row is the Store's own answer: the same as the policy model's."""
+    requests = [r.hash_ids for r in read_trace([TRACE], limit=200)]
+    trace = to_keys(requests)
+    distinct = len({k for keys in trace for k in keys})
+    blocks = distinct // 20
+    config = tmp_path / "one.yaml"
+    config.write_text(f"tiers:\n  - {{name: hot, kind: dram, capacity: {blocks * 4096}, eviction: lru}}\n")
+    _run(capsys, TRACE, "--config", config, "--block-bytes", "4096", "--limit", "200", "--policies", "lru",
+         "--png", "", "--json", tmp_path / "r.json")
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert report["rows"][0]["prefix_hit_rate"] == pytest.approx(replay("lru", trace, blocks), abs=1e-12)
+
+
+def test_bad_input_is_named(tmp_path, capsys):
+    config = tmp_path / "c.yaml"
+    config.write_text("tiers:\n  - {name: hot, kind: dram, capacity: 1MiB}\n")
+    code, _, err = _run(capsys, TRACE, "--config", config, "--png", "")
+    assert code == 2 and "records no block sizes; give --block-bytes" in err
+    code, _, err = _run(capsys, TRACE, "--config", config, "--block-bytes", "lots", "--png", "")
+    assert code == 2 and "--block-bytes" in err
+    code, _, err = _run(capsys, TRACE, "--config", config, "--block-bytes", "4096", "--policies", "lru,nope")
+    assert code == 2 and "unknown nope" in err
+    (tmp_path / "bad.jsonl").write_text('{"hash_ids": [1, 2]}\n{"hash_ids": "x"}\n')
+    code, _, err = _run(capsys, tmp_path / "bad.jsonl", "--config", config, "--block-bytes", "4096")
+    assert code == 2 and "line 2: hash_ids must be a list of integers" in err
+
+
+def test_replay_of_a_trace_recorded_by_a_live_server(tmp_path, capsys):
+    """A server with ``trace:`` records its clients' traffic; replaying that trace with
+    the server's own config reproduces the hit rate the clients saw."""
+    from kvstore.client import Client
+    from kvstore.testing import free_port
+    from tests._serve import start_server, stop_server
+
+    port, block = free_port(), 4096
+    tiers = "tiers:\n  - {name: hot, kind: dram, capacity: 160KiB, eviction: lru}\n"
+    config = tmp_path / "serve.yaml"
+    config.write_text(f"server: {{host: 127.0.0.1, port: {port}, admin_port: null}}\n{tiers}"
+                      f"trace: {{path: {tmp_path / 'trace.jsonl'}, max_bytes: 1MiB, max_files: 2}}\n")
+    ns = Namespace(model="m", dtype="u8", chunk_tokens=1)
+    rng = np.random.default_rng(7)
+    conversations = [list(rng.integers(0, 1 << 30, 4)) for _ in range(12)]
+    payload = np.full(block, 7, np.uint8)
+    dsts = [np.empty(block, np.uint8) for _ in range(64)]
+    hits = refs = 0
+    proc = start_server(str(config), port, tmp_path / "serve.log")
+    try:
+        with Client(f"127.0.0.1:{port}") as client:
+            for turn in range(60):
+                tokens = conversations[int(rng.integers(0, len(conversations)))]
+                tokens.extend(rng.integers(0, 1 << 30, int(rng.integers(1, 4))))
+                keys = ns.chunk_keys(tokens)
+                n = client.lookup(keys)
+                hits, refs = hits + n, refs + len(keys)
+                if n:
+                    assert all(client.load(keys[:n], dsts[:n]).result())
+                if n < len(keys):
+                    client.save(keys[n:], [payload] * (len(keys) - n)).result()
+    finally:
+        stop_server(proc)
+    recorded = list(read_trace([tmp_path / "trace.jsonl"]))
+    assert len(recorded) == 60 and not any(r.is_save for r in recorded)
+    assert {r.block_bytes for r in recorded[1:]} == {block}
+    assert 0 < hits < refs
+    replay_config = tmp_path / "replay.yaml"
+    replay_config.write_text(tiers)
+    code, out, err = _run(capsys, tmp_path / "trace.jsonl", "--config", replay_config, "--policies", "lru,lfu",
+                        "--png", "", "--json", tmp_path / "r.json")
+    assert code == 0, err
+    assert "Expected" in out or "keep the configured" in out
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert report["block_bytes"] == block and report["block_refs"] == refs
+    assert report["rows"][0]["prefix_hit_rate"] == pytest.approx(hits / refs, abs=1e-12)
