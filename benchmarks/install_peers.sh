@@ -31,8 +31,25 @@ if ! "$VENV/bin/python" -c "import lmcache" 2>/dev/null; then
         "setuptools>=77.0.3,<81" "setuptools_scm>=8" "transformers>=5.4" \
         "torch==$(python -c 'import torch; print(torch.__version__.split("+")[0])')"
 fi
+# kvstore's own runtime dependencies, read from pyproject.toml: the benchmarks run kvstore
+# under this Python too (nvme_paired.py --lmcache-python, server.py's peers), from a clean
+# clone. torch stays the system's; LMCache's pins (numpy, prometheus_client) hold.
+if ! "$VENV/bin/python" -c "import kvstore.store, tiers.nvme" 2>/dev/null; then
+    mapfile -t KV_DEPS < <("$VENV/bin/python" - <<'PY'
+import re
+import tomllib
+
+with open("pyproject.toml", "rb") as f:
+    for dep in tomllib.load(f)["project"]["dependencies"]:
+        if re.split(r"[\s<>=!~;\[]", dep, maxsplit=1)[0].lower() != "torch":
+            print(dep)
+PY
+)
+    printf '%s\n' "numpy<=2.2.6" "prometheus_client<=0.24.1" > "$VENV/kvstore-constraints.txt"
+    $PIP -c "$VENV/kvstore-constraints.txt" "${KV_DEPS[@]}"
+fi
 "$VENV/bin/python" - <<'PY'
-for mod in ("mooncake.store", "redis", "hiredis", "lmcache"):
+for mod in ("mooncake.store", "redis", "hiredis", "lmcache", "kvstore.store", "tiers.nvme"):
     try:
         __import__(mod)
         print(f"ok       {mod}")
