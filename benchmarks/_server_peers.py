@@ -110,7 +110,10 @@ class KvstorePeer(Peer):
         self.address = line.split("serving on ")[1].split()[0]
 
     def client_spec(self, system: str, worker: int) -> dict:
+        # "kvstore-tcp-unverified": the same client with Client(verify=False), to measure
+        # what checking every received block against its checksum costs
         return {"address": self.address, "transport": system.split("-")[1],
+                "verify": not system.endswith("-unverified"),
                 "copy_threads": int(os.environ["KVBENCH_COPY_THREADS"]) if "KVBENCH_COPY_THREADS" in os.environ else None}
 
     def describe(self) -> str:

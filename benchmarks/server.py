@@ -8,6 +8,9 @@ Systems (a peer that cannot start is skipped, with the reason printed; no number
 ever invented):
   kvstore-tcp    ``kvstore serve`` + ``Client(transport="tcp")``, loopback TCP
   kvstore-shm    the same server, same-host shared-memory path (Unix socket control)
+  kvstore-shm-unverified, kvstore-tcp-unverified
+                 the same clients with ``Client(verify=False)``: received blocks not checked
+                 against their checksums (measurement only), beside the verified default
   kvstore-nixl   the same server, NIXL path (UCX: cross-memory attach here, RDMA across
                  nodes); ``Client(transport="nixl")`` with registered buffers
   mooncake-tcp   ``mooncake_master`` + a ``mooncake_client`` storage node; its Python
@@ -97,7 +100,8 @@ def _collect(procs: list, clients: int, seconds: float) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--systems",
-                    default="kvstore-shm,kvstore-nixl,kvstore-tcp,mooncake-shm,mooncake-tcp,redis,lmcache")
+                    default="kvstore-shm,kvstore-shm-unverified,kvstore-nixl,kvstore-tcp,kvstore-tcp-unverified,"
+                            "mooncake-shm,mooncake-tcp,redis,lmcache")
     ap.add_argument("--blocks", default="262144,1048576", help="block sizes in bytes")
     ap.add_argument("--clients", default="1,4,16")
     ap.add_argument("--seconds", type=float, default=2.5, help="get phase per cell")
@@ -157,7 +161,7 @@ def main() -> int:
 
 
 def _row(r: dict) -> str:
-    head = f"{r['system']:<14}{r['block'] >> 10:>6} KiB{r['clients']:>4} cl"
+    head = f"{r['system']:<23}{r['block'] >> 10:>6} KiB{r['clients']:>4} cl"
     if "error" in r:
         return f"{head}  error: {' '.join(r['error'])[:160]}"
     flag = "" if r.get("verified", True) else "  UNVERIFIED (bytes differed, or a get failed/timed out)"
@@ -170,19 +174,21 @@ def _report(results: list[dict], skipped: dict, blocks: list[int], counts: list[
     ok = {(r["system"], r["block"], r["clients"]): r for r in results if "error" not in r}
     print("\nget throughput GB/s (p99 ms) per 64 MiB request; ratios vs peers")
     cols = [s for s in systems if s not in skipped]
-    print(f"{'block':>8}{'cl':>4}" + "".join(f"{s:>18}" for s in cols))
+    print(f"{'block':>8}{'cl':>4}" + "".join(f"{s:>24}" for s in cols))
     for b in blocks:
         for c in counts:
             line = f"{b >> 10:>5}KiB{c:>4}"
             for s in cols:
                 r = ok.get((s, b, c))
-                line += f"{r['get_gbps']:>9.2f} ({r['p99_ms']:5.0f})" if r else f"{'-':>18}"
+                line += f"{r['get_gbps']:>15.2f} ({r['p99_ms']:5.0f})" if r else f"{'-':>24}"
             print(line)
     ratios = {}
     for ours, theirs, target in (("kvstore-shm", "mooncake-shm", 1.0), ("kvstore-shm", "lmcache", 1.0),
                                  ("kvstore-shm", "redis", 3.0), ("kvstore-tcp", "mooncake-tcp", 1.5),
                                  ("kvstore-tcp", "redis", 1.0), ("kvstore-nixl", "kvstore-tcp", 2.0),
-                                 ("kvstore-nixl", "mooncake-tcp", 1.0)):
+                                 ("kvstore-nixl", "mooncake-tcp", 1.0),
+                                 ("kvstore-shm", "kvstore-shm-unverified", 0.9),
+                                 ("kvstore-tcp", "kvstore-tcp-unverified", 0.9)):
         vals = [ok[(ours, b, c)]["get_gbps"] / ok[(theirs, b, c)]["get_gbps"]
                 for b in blocks for c in counts if (ours, b, c) in ok and (theirs, b, c) in ok]
         if vals:

@@ -112,9 +112,11 @@ class SameHostPath:
                 if not verify:
                     copy_batch(*args)
                     continue
-                # Hashed as copied (a few percent of the copy): a block whose bytes are
-                # not the ones the server stored is a miss, never a hit.
-                bad = [i for i, csum in zip(ii, copy_batch_hashed(*args)) if csum != int(stored[i])]
+                # Each block is hashed on the arena side right after its copy (still in
+                # cache): one whose leased slot no longer holds the bytes the server
+                # stored is a miss, never a hit.
+                got_sums = copy_batch_hashed(*args, hash_source=True)
+                bad = [i for i, csum in zip(ii, got_sums) if csum != int(stored[i])]
                 for i in bad:
                     out[i] = False
                 if bad:

@@ -11,9 +11,9 @@ large batch shared out in 4 MiB pieces between the calling thread and a helper c
 in parallel, and no per-block numpy view is built. Device buffers are copied one by one (one H2D/D2H copy each).
 
 :func:`copy_batch_hashed` copies the same way and returns the XXH3-64 of every block's
-destination bytes, hashed piece by piece right after each piece is copied (while it is
-still in cache), so verification costs a few percent of a copy instead of a second pass
-over memory (``benchmarks/dram.py``).
+destination (or source) bytes, hashed right after each block (in pieces of at most
+``HASH_PIECE``) is copied, while it is still in cache, so verification does not cost a
+second pass over memory (``benchmarks/dram.py``, ``benchmarks/server.py``).
 
 Ownership: callers keep every buffer and the region mapped until the call returns;
 nothing is kept afterwards. Thread-safe (no shared state).
@@ -36,7 +36,7 @@ from kvstore.errors import BufferSizeError
 
 PARALLEL_BYTES = 8 << 20   # below this a batch is copied by the calling thread alone
 CHUNK_BYTES = 4 << 20      # large batches are shared out between threads in pieces of this size
-HASH_PIECE = 512 << 10     # copied then hashed while in cache (L2 is 1-2 MiB per core here)
+HASH_PIECE = 4 << 20       # copied then hashed while in cache (L2 2 MiB per core, L3 32 MiB here)
 _memmove = ctypes.memmove
 _Run = list  # [caller address, region address, nbytes]
 
