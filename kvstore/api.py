@@ -23,6 +23,7 @@ from __future__ import annotations
 from concurrent.futures import Future
 from typing import Any, ContextManager, Protocol, Sequence, runtime_checkable
 
+from kvstore.hint import Hint
 from kvstore.keys import BlockKey
 
 
@@ -58,17 +59,24 @@ class StoreAPI(Protocol):
 
     lends_memory: bool
 
-    def save(self, keys: Sequence[BlockKey], srcs: Sequence[Any]) -> "Future[list[bool]]":
+    def save(self, keys: Sequence[BlockKey], srcs: Sequence[Any], *,
+             hint: Hint | None = None) -> "Future[list[bool]]":
         """Store a copy of each buffer; resolves to whether each block is stored.
-        Callers must not modify ``srcs`` until the future is done."""
+        Callers must not modify ``srcs`` until the future is done. ``hint``: a
+        retention hint for every key (:class:`kvstore.Hint`)."""
 
     def load(self, keys: Sequence[BlockKey], dsts: Sequence[Any]) -> "Future[list[bool]]":
         """Copy blocks into caller-owned buffers; ``True`` only where the bytes in
         ``dst`` are verified (fail-closed)."""
 
-    def lookup(self, keys: Sequence[BlockKey], lease_s: float | None = None) -> int:
+    def lookup(self, keys: Sequence[BlockKey], lease_s: float | None = None, *,
+               hint: Hint | None = None) -> int:
         """Length of the cached prefix of ``keys``; with ``lease_s`` those blocks are
-        leased (not evicted) until loaded, released, or the lease expires."""
+        leased (not evicted) until loaded, released, or the lease expires. ``hint``: a
+        retention hint for the blocks of that prefix."""
+
+    def hint(self, keys: Sequence[BlockKey], hint: Hint) -> int:
+        """Give a retention hint to the cached blocks of ``keys``; returns how many."""
 
     def release(self, keys: Sequence[BlockKey]) -> None:
         """Drop one lease taken by :meth:`lookup` on each key without loading."""

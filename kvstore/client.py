@@ -39,6 +39,7 @@ from typing import Any, Callable, Iterator, Sequence
 from kvstore.buffers import nbytes_of
 from kvstore.errors import (ConfigError, InvalidArgumentError, KVStoreError, NotSupportedError, RemoteError,
                             StoreClosedError, TierUnavailableError, TransportError)
+from kvstore.hint import Hint, check_hint
 from kvstore.keys import BlockKey
 from kvstore.server import _protocol as P
 from kvstore._client_shm import SameHostPath
@@ -233,10 +234,13 @@ class Client:
         self._run(lambda c: c.call(P.Op.PING))
         return time.perf_counter() - t0
 
-    def lookup(self, keys: Sequence[BlockKey], lease_s: float | None = None) -> int:
+    def lookup(self, keys: Sequence[BlockKey], lease_s: float | None = None, *,
+               hint: Hint | None = None) -> int:
         """Length of the prefix of ``keys`` the server holds; with ``lease_s`` those
-        blocks are protected from eviction until loaded or the lease expires."""
+        blocks are protected from eviction until loaded or the lease expires. ``hint``
+        goes to that prefix in a second request (HINT), answered before this returns."""
         _check_keys(keys)
+        check_hint(hint)
         total = 0
         for part in self._chunks(keys):
             body = P.encode_lookup(part, lease_s)
@@ -244,7 +248,26 @@ class Client:
             total += n
             if n < len(part):
                 break
+        if hint is not None and total:
+            self._hint_quietly(keys[:total], hint)
         return total
+
+    def hint(self, keys: Sequence[BlockKey], hint: Hint) -> int:
+        """Give a retention hint to the blocks of ``keys`` the server holds (as
+        :meth:`kvstore.store.Store.hint`); returns how many it holds."""
+        _check_keys(keys)
+        if check_hint(hint) is None:
+            raise InvalidArgumentError("hint must be a kvstore.Hint, got None")
+        return sum(P.decode_u32(self._run(lambda c: c.call(P.Op.HINT, P.encode_hint(p, hint)))[1])
+                   for p in self._chunks(keys))
+
+    def _hint_quietly(self, keys: Sequence[BlockKey], hint: Hint) -> None:
+        """A hint after a lookup or save that succeeded: advice, so a failure to deliver
+        it is logged, never raised over the answer the caller already has."""
+        try:
+            self.hint(keys, hint)
+        except KVStoreError as exc:
+            log.warning("retention hint for %d blocks not delivered: %s", len(keys), exc)
 
     def contains(self, keys: Sequence[BlockKey]) -> list[bool]:
         _check_keys(keys)
@@ -320,10 +343,21 @@ class Client:
 
     # -- data operations ---------------------------------------------------------------------------
 
-    def save(self, keys: Sequence[BlockKey], srcs: Sequence[Any]) -> "Future[list[bool]]":
-        """Store copies of ``srcs`` on the server; resolves to whether each is stored."""
+    def save(self, keys: Sequence[BlockKey], srcs: Sequence[Any], *,
+             hint: Hint | None = None) -> "Future[list[bool]]":
+        """Store copies of ``srcs`` on the server; resolves to whether each is stored.
+        ``hint`` goes to every key the server holds after the save (one HINT request),
+        before the future resolves."""
         keys, srcs = _check_pairs(keys, srcs)
+        if check_hint(hint) is not None:
+            return self._submit(partial(self._save_hinted, hint=hint), keys, srcs)
         return self._submit(self._save, keys, srcs)
+
+    def _save_hinted(self, keys: list[BlockKey], srcs: list[Any], hint: Hint) -> list[bool]:
+        out = self._save(keys, srcs)
+        if keys:
+            self._hint_quietly(keys, hint)
+        return out
 
     def load(self, keys: Sequence[BlockKey], dsts: Sequence[Any]) -> "Future[list[bool]]":
         """Copy blocks into caller-owned buffers; ``True`` only where every byte arrived.

@@ -285,6 +285,20 @@ class Store(TierMovement, StoreHints):
                 written += bool(self._put(target, [key], [buf])[0])
         return written
 
+    def hint(self, keys: Sequence[BlockKey], hint: Hint) -> int:
+        """Give ``hint`` (:class:`kvstore.Hint`) to the blocks of ``keys`` cached in any
+        tier, as ``save``/``lookup`` do for theirs; returns how many were cached. For a
+        caller that learns the hint after the fact (the cache server's HINT request, a
+        block saved through a reservation)."""
+        self._check_open()
+        if check_hint(hint) is None:
+            raise InvalidArgumentError("hint must be a kvstore.Hint, got None")
+        with self._lock:
+            held = [k for k in keys if self._where.get(k)]
+            persist = self._give_hint(held, hint) if held else {}
+        self._persist_hints(persist)
+        return len(held)
+
     def contains(self, keys: Sequence[BlockKey]) -> list[bool]:
         """Whether each key is cached in any tier (may be stale on return)."""
         where = self._where

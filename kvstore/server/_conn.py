@@ -246,6 +246,10 @@ class Connection(SameHostOps):
         lease_s, keys = args
         await self._reply(P.Op.LOOKUP, rid, P.encode_u32(self.server.store.lookup(keys, lease_s)))
 
+    async def _op_hint(self, rid: int, args: tuple, header: P.Header) -> None:
+        hint, keys = args
+        await self._reply(P.Op.HINT, rid, P.encode_u32(self.server.store.hint(keys, hint)))
+
     async def _op_contains(self, rid: int, keys: list, header: P.Header) -> None:
         await self._reply(P.Op.CONTAINS, rid, bytes(self.server.store.contains(keys)))
 

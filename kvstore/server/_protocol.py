@@ -18,7 +18,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from kvstore.errors import ProtocolError
+from kvstore.errors import InvalidArgumentError, ProtocolError
+from kvstore.hint import Hint
 from kvstore.keys import KEY_WIRE_BYTES, BlockKey, _trusted
 
 MAGIC = b"KV"
@@ -71,6 +72,7 @@ class Op(enum.IntEnum):
     SHM_RESERVE = 24  # (key, nbytes)* -> reservation id, (nbytes, offset, where)* (client writes the arena)
     SHM_COMMIT = 25   # reservation id, commit/abort -> one byte per key
     CLEAR = 26        # namespace digests (none: all) -> u64 blocks removed
+    HINT = 27         # retention hint, keys -> u32 cached blocks hinted
 
 
 NO_REPLY = frozenset({Op.SHM_DONE})
@@ -212,6 +214,28 @@ def decode_lookup(body: Any, limits: Limits) -> tuple[float | None, list[BlockKe
     if not (lease_s == lease_s) or lease_s < 0 or lease_s > 86400:  # NaN, negative, absurd
         raise ProtocolError(f"lookup lease of {lease_s} s is out of range [0, 86400]")
     return (lease_s or None), decode_keys(mv, limits, offset=8)
+
+
+_HINT = struct.Struct("<dIB3x")   # retain_s (0: none), priority, discard
+
+
+def encode_hint(keys: Sequence[BlockKey], hint: Hint) -> bytes:
+    return (_HINT.pack(hint.retain_s or 0.0, hint.priority, hint.discard) + _U32.pack(len(keys))
+            + b"".join(k.to_bytes() for k in keys))
+
+
+def decode_hint(body: Any, limits: Limits) -> tuple[Hint, list[BlockKey]]:
+    mv = memoryview(body).cast("B")
+    if mv.nbytes < _HINT.size:
+        raise ProtocolError("hint body too short")
+    retain_s, priority, discard = _HINT.unpack_from(mv, 0)
+    if discard > 1:
+        raise ProtocolError(f"hint discard flag {discard} is not 0 or 1")
+    try:
+        hint = Hint(retain_s or None, priority, bool(discard))
+    except InvalidArgumentError as exc:
+        raise ProtocolError(f"bad hint: {exc}") from None
+    return hint, decode_keys(mv, limits, offset=_HINT.size)
 
 
 def encode_records(dtype: np.dtype, keys: Sequence[BlockKey], *columns: Sequence[int]) -> bytes:
@@ -362,6 +386,8 @@ def decode_request(header: Header, body: Any, limits: Limits) -> Any:
         args = decode_keys(body, limits)
     elif op is Op.CLEAR:
         args = decode_namespaces(body, limits)
+    elif op is Op.HINT:
+        args = decode_hint(body, limits)
     elif op is Op.GET or op is Op.SHM_GET or op is Op.SHM_RESERVE:
         args = decode_records(SIZED, body, limits)
     elif op is Op.PUT:
@@ -408,7 +434,7 @@ def parse_requests(data: Any, limits: Limits) -> tuple[list[tuple[Header, Any]],
 __all__ = ["HEADER", "HEADER_BYTES", "Header", "Limits", "MAGIC", "MISS", "NIXL_REC", "NOT_SENT", "NO_REPLY",
            "Op", "PLACED", "PRESENT", "PUT_REC", "SUMMED", "decode_summed", "encode_summed", "decode_commit", "encode_commit", "decode_nixl", "encode_nixl",
            "SIZED", "SIZE_MISMATCH", "STAGED", "Status", "VERSION", "WHERE_ARENA", "WHERE_SOCKET",
-           "WHERE_STAGING", "decode_flags", "decode_json", "decode_keys", "decode_lookup",
+           "WHERE_STAGING", "decode_flags", "decode_hint", "decode_json", "decode_keys", "decode_lookup", "encode_hint",
            "decode_placed", "decode_records", "decode_request", "decode_sizes", "decode_u32",
            "decode_u64", "encode_json", "parse_requests", "encode_keys", "encode_lookup", "encode_placed",
            "encode_records", "encode_sizes", "encode_u32", "encode_u64", "pack_header", "parse_header"]
