@@ -1,31 +1,46 @@
-"""Copies between host memory and one device, batched, on a dedicated stream.
+"""Copies between host memory and one device, batched, one stream per direction.
 
-A :class:`DeviceCopier` belongs to one device and is shared by the threads of a tier.
-A batch (``with copier.batch() as b: b.copy(dst, src) ...``) queues its copies on the
-copier's own CUDA stream and, on leaving the ``with``, waits on CUDA *events* recorded
-on that stream, never on the whole device. Leaving the block means every copy of the
-batch is complete, so the caller may release or reuse both sides.
+A :class:`DeviceCopier` belongs to one device and is shared by the threads of every
+tier. It has a lane per direction (:mod:`kvstore._copy_lane`): host→device, device→host
+and device→device, each with its own stream, and the two host directions each with
+their own ring of pinned staging buffers. A batch (``with copier.batch() as b:
+b.copy(dst, src) ...``) queues its copies on the lanes they need and, on leaving the
+``with``, waits on CUDA *events* recorded after its copies, never on the whole device.
+Leaving the block means every copy of the batch is complete, so the caller may release
+or reuse both sides.
+
+Batches run concurrently, also on one lane: no lock is held while a batch waits for the
+device, so an H2D batch parked in its wait never holds up a D2H batch (or another H2D
+batch). The lanes' locks guard only the claiming of staging slots.
+
+Consecutive copies of a batch whose ranges continue each other on both sides (the next
+source starts where the previous one ended, in the same allocation, and likewise the
+destination) are merged into one copy: blocks in adjacent slots of an arena, to or from
+adjacent pages of one tensor, move in one DMA.
 
 How a copy runs, per case:
 
 - host ↔ host: one ``numpy.copyto`` at once;
 - device ↔ device, or host memory that is already pinned (the DRAM tier's arena, a
-  caller's pinned tensor): one asynchronous ``copy_`` on the stream;
-- pageable host memory ↔ device: in chunks through a ring of pinned staging buffers
-  allocated once. Host→device: the CPU fills slot *k+1* while the DMA engine drains slot
-  *k*. Device→host: DMAs are issued ahead into free slots and each slot is copied out to
+  caller's pinned tensor): one asynchronous ``copy_`` on the direction's stream;
+- pageable host memory ↔ device: in chunks through the direction's staging ring.
+  Host→device: the CPU fills slot *k+1* while the DMA engine drains slot *k*.
+  Device→host: DMAs are issued ahead into free slots and each slot is copied out to
   the caller's memory once its event fires, so CPU copies overlap transfers.
 
-Ordering: a batch made for a Store call starts after the work the Store's caller had
-queued on its current stream when it called (:mod:`kvstore._streams`); any other batch
-starts after the work queued on the device's current stream of the calling thread.
+Ordering: before a batch's first copy on a lane, the lane's stream waits for the work
+the Store's caller had queued on its current stream when it called
+(:mod:`kvstore._streams`); for any other batch, for the work queued on the device's
+current stream of the calling thread.
 
 Without CUDA the same code runs with host tensors: copies complete synchronously and
 events are no-ops. ``force_staging=True`` sends every host↔tensor copy through the
-staging ring even then, so the chunking logic is exercised on CPU-only machines.
+staging rings even then, so the chunking logic is exercised on CPU-only machines;
+``runtime=`` replaces the CUDA calls (tests pass a recording stand-in, under which host
+tensors play the device).
 
-Thread-safety: one batch at a time per copier (a lock is held for the batch), because
-the stream and the staging ring are shared; copies of different devices run in parallel.
+Thread-safety: any number of batches at once, from any threads; a batch itself is used
+by the thread that opened it.
 """
 
 from __future__ import annotations
@@ -33,11 +48,11 @@ from __future__ import annotations
 import threading
 import warnings
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 import numpy as np
 
-from kvstore._streams import caller_order
+from kvstore._copy_lane import CudaRuntime, HostRuntime, Lane, LaneUse
 from kvstore.buffers import device_view, host_view, is_device, is_torch
 from kvstore.errors import BufferSizeError, InvalidArgumentError, TierIOError
 
@@ -88,10 +103,6 @@ def _side(buf: Any, *, writable: bool):
     return host_view(buf, writable=writable)
 
 
-def _on_host(side) -> bool:
-    return isinstance(side, np.ndarray) or side.device.type == "cpu"
-
-
 def _tensor(side):
     """A tensor over a side of a copy. Read-only numpy views (a tier's ``view()``) are
     wrapped too: torch warns that it could write through them, but sources are only read."""
@@ -108,109 +119,105 @@ def _np(side) -> np.ndarray:
     return side if isinstance(side, np.ndarray) else side.numpy()
 
 
+def _extent(side) -> tuple[Any, int, int] | None:
+    """Where a side lies: (its allocation, start offset in it, the allocation's size),
+    or None where that is unknown (it is then never merged with a neighbour)."""
+    if isinstance(side, np.ndarray):
+        root = side
+        while isinstance(root.base, np.ndarray):
+            root = root.base
+        if not (root.flags.c_contiguous or root.flags.f_contiguous):
+            return None
+        start = side.__array_interface__["data"][0] - root.__array_interface__["data"][0]
+        return id(root), start, root.nbytes   # root is alive while ``side`` is
+    storage = side.untyped_storage()
+    return (side.device, storage.data_ptr()), side.storage_offset(), storage.nbytes()
+
+
+def _span(first, nbytes: int):
+    """``first`` extended to ``nbytes`` over the same allocation (checked by the caller)."""
+    if isinstance(first, np.ndarray):
+        return np.lib.stride_tricks.as_strided(first, shape=(nbytes,), strides=(1,))
+    return first.as_strided((nbytes,), (1,))
+
+
+class _Run:
+    """Copies of one route whose ranges continue each other on both sides."""
+
+    __slots__ = ("route", "dst", "src", "nbytes", "parts", "dst_at", "src_at")
+
+    def __init__(self, route: str, dst, src, nbytes: int, dst_at, src_at) -> None:
+        self.route, self.dst, self.src, self.nbytes, self.parts = route, dst, src, nbytes, 1
+        self.dst_at, self.src_at = dst_at, src_at
+
+    def extend(self, route: str, nbytes: int, dst_at, src_at) -> bool:
+        """Take the next copy in if it starts where this run ends, on both sides."""
+        a, b = self.dst_at, self.src_at
+        if (route != self.route or a is None or b is None or dst_at is None or src_at is None
+                or a[0] == b[0]                                   # within one buffer: keep order
+                or dst_at[0] != a[0] or src_at[0] != b[0]
+                or dst_at[1] != a[1] + self.nbytes or src_at[1] != b[1] + self.nbytes
+                or dst_at[1] + nbytes > a[2] or src_at[1] + nbytes > b[2]):
+            return False
+        self.nbytes += nbytes
+        self.parts += 1
+        return True
+
+    def sides(self):
+        if self.parts == 1:
+            return self.dst, self.src
+        return _span(self.dst, self.nbytes), _span(self.src, self.nbytes)
+
+
+_LANE_OF = {"d2d": "d2d", "h2d": "h2d", "h2d_staged": "h2d", "d2h": "d2h", "d2h_staged": "d2h"}
+
+
 class DeviceCopier:
     """Copies for one device (``"cpu"`` or ``"cuda:N"``); see the module docstring.
 
-    ``chunk_bytes`` × ``slots`` of pinned staging memory are allocated on first use of
-    the staging path and kept for the copier's life.
+    Each host direction's ``chunk_bytes`` × ``slots`` of pinned staging memory are
+    allocated on that direction's first staged copy and kept for the copier's life.
+    ``runtime``: the device calls (default: CUDA's on a CUDA device; tests give a
+    stand-in).
     """
 
     def __init__(self, device: Any = "cpu", *, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-                 slots: int = DEFAULT_SLOTS, force_staging: bool = False) -> None:
+                 slots: int = DEFAULT_SLOTS, force_staging: bool = False, runtime: Any = None) -> None:
         if chunk_bytes <= 0 or slots < 2:
             raise InvalidArgumentError("staging needs chunk_bytes > 0 and at least 2 slots")
         self.device = resolve_device(device)
         self.cuda = self.device.type == "cuda"
         self.chunk_bytes, self.num_slots = int(chunk_bytes), int(slots)
         self.force_staging = force_staging
-        self._lock = threading.Lock()
-        self._stream = None
-        self._stage_t: list[Any] = []
-        self._stage_np: list[np.ndarray] = []
-        self._events: list[Any] = []
-        self._after: list[Callable[[], None] | None] = []
-        self._busy: list[bool] = []
-        self._next = 0
-        self.counters = {"batches": 0, "direct_copies": 0, "staged_chunks": 0, "bytes": 0}
-        if self.cuda:
-            torch = _torch()
-            with torch.cuda.device(self.device):
-                self._stream = torch.cuda.Stream(self.device)
+        # Without CUDA, host tensors play the device when the staging ring or a stand-in
+        # runtime is to be exercised; otherwise every copy is host memory to host memory.
+        self._tensors_are_device = not self.cuda and (force_staging or runtime is not None)
+        if runtime is None:
+            runtime = CudaRuntime(self.device) if self.cuda else HostRuntime(self.device)
+        self.lanes = {name: Lane(name, runtime, self.device, self.chunk_bytes, self.num_slots)
+                      for name in ("h2d", "d2h", "d2d")}
+        self._counters_lock = threading.Lock()
+        self.counters = {"batches": 0, "direct_copies": 0, "staged_chunks": 0, "merged_copies": 0, "bytes": 0}
 
     @contextmanager
     def batch(self) -> Iterator["_Batch"]:
         """Queue copies with ``b.copy(dst, src)``; all are complete when the block exits,
         also when it exits with an exception (so no DMA outlives the caller's buffers)."""
-        with self._lock:
-            if self.cuda:
-                order = caller_order()
-                if order is not None:       # a Store call: after the caller's stream, not ours
-                    order.gate(self._stream, self.device)
-                else:
-                    self._stream.wait_stream(_torch().cuda.current_stream(self.device))
-            self.counters["batches"] += 1
-            b = _Batch(self)
-            try:
-                yield b
-            finally:
-                self._finish()
-
-    # -- internals (caller holds self._lock) --------------------------------------------
-
-    def _ensure_staging(self) -> None:
-        if self._stage_t:
-            return
-        torch = _torch()
-        for _ in range(self.num_slots):
-            if self.cuda:
-                t = torch.empty(self.chunk_bytes, dtype=torch.uint8, pin_memory=True)
-                self._events.append(torch.cuda.Event())
-            else:
-                t = torch.empty(self.chunk_bytes, dtype=torch.uint8)
-                self._events.append(None)
-            arr = t.numpy()
-            arr.fill(0)  # pre-fault once: first touch of new memory is slow on these VMs
-            self._stage_t.append(t)
-            self._stage_np.append(arr)
-            self._after.append(None)
-            self._busy.append(False)
-
-    def _claim(self) -> int:
-        """The next ring slot, once the transfer that last used it has completed."""
-        k = self._next
-        self._next = (k + 1) % self.num_slots
-        self._settle(k)
-        return k
-
-    def _settle(self, k: int) -> None:
-        if self._busy[k]:
-            if self._events[k] is not None:
-                self._events[k].synchronize()
-            self._busy[k] = False
-        after, self._after[k] = self._after[k], None
-        if after is not None:
-            after()
-
-    def _record(self, k: int) -> None:
-        if self._events[k] is not None:
-            self._events[k].record(self._stream)
-        self._busy[k] = True
-
-    def _finish(self) -> None:
+        b = _Batch(self)
         try:
-            if self.cuda:
-                done = _torch().cuda.Event()
-                done.record(self._stream)
-                done.synchronize()
-            # Staging slots settle in issue order, oldest first: the next one to be claimed.
-            for i in range(self.num_slots):
-                if self._stage_t:
-                    self._settle((self._next + i) % self.num_slots)
-        except BaseException:
-            # A failed batch's copy-outs must never run later, into a buffer its caller
-            # has moved on from (the next batch would otherwise settle them).
-            self._after = [None] * len(self._after)
-            raise
+            yield b
+        finally:
+            b._close()
+
+    def _add(self, counts: dict[str, int]) -> None:
+        with self._counters_lock:
+            for name, n in counts.items():
+                self.counters[name] += n
+
+    def _is_device(self, side) -> bool:
+        if isinstance(side, np.ndarray):
+            return False
+        return side.device.type != "cpu" or self._tensors_are_device
 
     def _is_pinned(self, host) -> bool:
         try:
@@ -218,93 +225,102 @@ class DeviceCopier:
         except RuntimeError:
             return False
 
-    def _copy(self, dst, src, pinned: bool) -> None:
-        torch = _torch()
-        d, s = _side(dst, writable=True), _side(src, writable=False)
-        n = d.nbytes if isinstance(d, np.ndarray) else d.numel()
-        ns = s.nbytes if isinstance(s, np.ndarray) else s.numel()
-        if n != ns:
-            raise BufferSizeError(f"destination has {n} bytes, source has {ns}")
-        self.counters["bytes"] += n
-        d_host, s_host = _on_host(d), _on_host(s)
-        if d_host and s_host and not self.force_staging:
-            np.copyto(_np(d), _np(s), casting="no")
-            return
-        if not d_host and not s_host:
-            self.counters["direct_copies"] += 1
-            if self.cuda:
-                with torch.cuda.stream(self._stream):
-                    d.copy_(s, non_blocking=True)
-            else:
-                d.copy_(s)
-            return
-        host = d if d_host else s
-        if self.cuda and not self.force_staging and (pinned or self._is_pinned(host)):
-            self.counters["direct_copies"] += 1
-            with torch.cuda.stream(self._stream):
-                _tensor(d).copy_(_tensor(s), non_blocking=True)
-            return
-        # Staging: the device side is a tensor; with force_staging on host-only copies,
-        # the tensor side plays the device.
-        into_tensor = not d_host or (s_host and not isinstance(d, np.ndarray))
-        if d_host and s_host and isinstance(d, np.ndarray) and isinstance(s, np.ndarray):
-            np.copyto(d, s, casting="no")
-            return
-        self._ensure_staging()
-        if into_tensor:
-            self._stage_in(d, _np(s), n)
-        else:
-            self._stage_out(_np(d), s, n)
-
-    def _stage_in(self, d, src: np.ndarray, n: int) -> None:
-        torch = _torch()
-        for off in range(0, n, self.chunk_bytes):
-            m = min(self.chunk_bytes, n - off)
-            k = self._claim()
-            np.copyto(self._stage_np[k][:m], src[off:off + m], casting="no")
-            if self.cuda:
-                with torch.cuda.stream(self._stream):
-                    d[off:off + m].copy_(self._stage_t[k][:m], non_blocking=True)
-            else:
-                d[off:off + m].copy_(self._stage_t[k][:m])
-            self._record(k)
-            self.counters["staged_chunks"] += 1
-
-    def _stage_out(self, dst: np.ndarray, s, n: int) -> None:
-        torch = _torch()
-        for off in range(0, n, self.chunk_bytes):
-            m = min(self.chunk_bytes, n - off)
-            k = self._claim()
-            if self.cuda:
-                with torch.cuda.stream(self._stream):
-                    self._stage_t[k][:m].copy_(s[off:off + m], non_blocking=True)
-            else:
-                self._stage_t[k][:m].copy_(s[off:off + m])
-            self._record(k)
-            stage, out = self._stage_np[k][:m], dst[off:off + m]
-            self._after[k] = lambda out=out, stage=stage: np.copyto(out, stage, casting="no")
-            self.counters["staged_chunks"] += 1
+    def _route(self, d, s, pinned: bool) -> str:
+        d_dev, s_dev = self._is_device(d), self._is_device(s)
+        if d_dev and s_dev:
+            return "d2d"
+        if not d_dev and not s_dev:
+            return "host"
+        host = s if d_dev else d
+        staged = self.force_staging or (self.cuda and not (pinned or self._is_pinned(host)))
+        return ("h2d" if d_dev else "d2h") + ("_staged" if staged else "")
 
 
 class _Batch:
-    """Handle of one open batch; valid only inside ``DeviceCopier.batch()``."""
+    """Handle of one open batch; valid only inside ``DeviceCopier.batch()``, in the
+    thread that opened it."""
 
-    __slots__ = ("_copier",)
+    __slots__ = ("_copier", "_uses", "_run", "_staging", "_counts")
 
     def __init__(self, copier: DeviceCopier) -> None:
         self._copier = copier
+        self._uses = {name: LaneUse(lane) for name, lane in copier.lanes.items()}
+        self._run: _Run | None = None
+        self._staging: LaneUse | None = None      # the lane whose ring slots this batch holds
+        self._counts = {"batches": 1, "direct_copies": 0, "staged_chunks": 0, "merged_copies": 0, "bytes": 0}
 
     def copy(self, dst: Any, src: Any, *, pinned: bool = False) -> None:
         """Queue a copy of all bytes of ``src`` into ``dst`` (equal sizes). ``pinned``:
         the host side is known to be page-locked (skips the staging ring). Raises
         :class:`BufferSizeError` on a size mismatch, :class:`TierIOError` when the
         device reports an error."""
+        d, s = _side(dst, writable=True), _side(src, writable=False)
+        n = d.nbytes if isinstance(d, np.ndarray) else d.numel()
+        ns = s.nbytes if isinstance(s, np.ndarray) else s.numel()
+        if n != ns:
+            raise BufferSizeError(f"destination has {n} bytes, source has {ns}")
+        if n == 0:
+            return
+        self._counts["bytes"] += n
+        route = self._copier._route(d, s, pinned)
+        d_at, s_at = _extent(d), _extent(s)
+        run = self._run
+        if run is not None and run.extend(route, n, d_at, s_at):
+            self._counts["merged_copies"] += 1
+            return
+        self._run = _Run(route, d, s, n, d_at, s_at)
+        if run is not None:
+            self._issue(run)
+
+    def _issue(self, run: _Run) -> None:
+        d, s = run.sides()
         try:
-            self._copier._copy(dst, src, pinned)
+            if run.route == "host":
+                np.copyto(_np(d), _np(s), casting="no")
+                return
+            use = self._uses[_LANE_OF[run.route]]
+            if run.route.endswith("_staged"):
+                if self._staging is not None and self._staging is not use:
+                    self._staging.drain()        # never wait for a ring while holding another's slots
+                self._staging = use
+                if run.route == "h2d_staged":
+                    self._counts["staged_chunks"] += use.stage_in(d, _np(s), run.nbytes)
+                else:
+                    self._counts["staged_chunks"] += use.stage_out(_np(d), s, run.nbytes)
+                return
+            use.copy(_tensor(d), _tensor(s))
+            self._counts["direct_copies"] += 1
         except (BufferSizeError, InvalidArgumentError):
             raise
         except RuntimeError as exc:
             raise TierIOError(f"copy on {self._copier.device} failed: {exc}") from exc
+
+    def _close(self) -> None:
+        """Issue what is queued, wait for every lane used, run copy-outs, return slots."""
+        try:
+            run, self._run = self._run, None
+            if run is not None:
+                self._issue(run)
+        finally:
+            self._finish()
+
+    def _finish(self) -> None:
+        uses = [use for use in self._uses.values() if use.used]
+        error: BaseException | None = None
+        try:
+            dones = [use.record_done() for use in uses]    # all recorded first: the waits overlap
+        except RuntimeError as exc:
+            dones, error = [None] * len(uses), exc
+        for use, done in zip(uses, dones):
+            try:
+                use.finish(done)    # each lane's slots are returned even when another failed
+            except BaseException as exc:
+                error = error or exc
+        self._copier._add(self._counts)
+        if isinstance(error, RuntimeError) and not isinstance(error, TierIOError):
+            raise TierIOError(f"copy on {self._copier.device} failed: {error}") from error
+        if error is not None:
+            raise error
 
 
 _COPIERS: dict[str, DeviceCopier] = {}
