@@ -51,6 +51,18 @@ def build_tier(cfg: TierConfig) -> Tier:
                             protocol=cfg.protocol, device=cfg.device, local_hostname=cfg.local_hostname,
                             global_segment_size=cfg.global_segment_size, local_buffer_size=cfg.local_buffer_size,
                             staging_bytes=cfg.staging_bytes, prefix=cfg.prefix)
+    if cfg.kind == "redis":
+        try:
+            from tiers.redis import RedisTier
+        except ImportError as exc:
+            raise ConfigError(f"tiers.{cfg.name}.kind: the redis tier needs redis-py "
+                              f"(pip install 'kvstore[redis]'): {exc}") from exc
+        tls = cfg.tls if not isinstance(cfg.tls, bool) else None
+        return RedisTier(cfg.capacity, name=cfg.name, url=cfg.url, nodes=cfg.nodes or (), cluster=cfg.cluster,
+                         username=cfg.username, password=cfg.resolved_password(), tls=bool(cfg.tls),
+                         tls_ca=tls and tls.ca, tls_cert=tls and tls.cert, tls_key=tls and tls.key,
+                         prefix=cfg.prefix, concurrency=cfg.concurrency, timeout_s=cfg.timeout_s,
+                         max_attempts=cfg.max_attempts, ttl_s=cfg.ttl_s)
     raise ConfigError(f"tiers.{cfg.name}.kind: tier kind {cfg.kind!r} is not available in this build")
 
 

@@ -15,7 +15,8 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, Mapping, Union
 
 import yaml
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, SecretStr, ValidationError, field_validator,
+                      model_validator)
 
 from kvstore.errors import ConfigError
 
@@ -163,8 +164,60 @@ class MooncakeTierConfig(_TierBase):
     prefix: str = "kvstore"
 
 
+class RedisTlsConfig(_Frozen):
+    """TLS to Redis/Valkey: ``ca`` verifies the server (none: not verified); ``cert`` and
+    ``key`` authenticate this client where the server asks for it."""
+
+    ca: str | None = None
+    cert: str | None = None
+    key: str | None = None
+
+    @model_validator(mode="after")
+    def _pair(self) -> "RedisTlsConfig":
+        if (self.cert is None) != (self.key is None):
+            raise ValueError("give both cert and key, or neither")
+        return self
+
+
+class RedisTierConfig(_TierBase):
+    """Redis or Valkey, standalone or Cluster (see ``docs/redis.md``)."""
+
+    kind: Literal["redis"]
+    url: str | None = None                      # redis://host:port[/db], rediss:// for TLS
+    nodes: list[str] | None = None              # host:port of Cluster (or standalone) nodes
+    cluster: Literal["auto"] | bool = "auto"
+    username: str | None = None                 # ACL user (default: the server's default user)
+    password: SecretStr | None = None
+    password_env: str | None = None             # name of an environment variable holding the password
+    tls: RedisTlsConfig | bool = False          # true: TLS without client certificate or CA check
+    prefix: str = Field("kvstore", min_length=1)
+    concurrency: int = Field(8, ge=1)
+    timeout_s: float = Field(2.0, gt=0)
+    max_attempts: int = Field(3, ge=1)
+    ttl_s: float | None = Field(None, gt=0)     # expire blocks in Redis after this long
+
+    @model_validator(mode="after")
+    def _one_source(self) -> "RedisTierConfig":
+        if (self.url is None) == (not self.nodes):
+            raise ValueError("give exactly one of url or nodes")
+        if self.password is not None and self.password_env is not None:
+            raise ValueError("give password or password_env, not both")
+        return self
+
+    def resolved_password(self) -> str | None:
+        """The password, from ``password`` or the variable ``password_env`` names."""
+        if self.password_env is None:
+            return self.password.get_secret_value() if self.password is not None else None
+        value = os.environ.get(self.password_env)
+        if not value:
+            raise ConfigError(f"tiers.{self.name}.password_env: environment variable {self.password_env} "
+                              "is not set (or empty)")
+        return value
+
+
 TierConfig = Annotated[
-    Union[DramTierConfig, GpuTierConfig, NvmeTierConfig, S3TierConfig, RemoteTierConfig, MooncakeTierConfig],
+    Union[DramTierConfig, GpuTierConfig, NvmeTierConfig, S3TierConfig, RemoteTierConfig, MooncakeTierConfig,
+          RedisTierConfig],
     Field(discriminator="kind"),
 ]
 
@@ -359,5 +412,5 @@ def dump_config(config: StoreConfig) -> str:
 
 
 __all__ = ["AdmissionConfig", "DEFAULT_CONFIG", "DramTierConfig", "EventsConfig", "GpuTierConfig", "NvmeTierConfig",
-           "PlacementConfig", "RemoteTierConfig", "S3TierConfig", "ServerConfig", "StoreConfig",
-           "TierConfig", "TraceConfig", "dump_config", "load_config", "parse_size"]
+           "PlacementConfig", "RedisTierConfig", "RedisTlsConfig", "RemoteTierConfig", "S3TierConfig", "ServerConfig",
+           "StoreConfig", "TierConfig", "TraceConfig", "dump_config", "load_config", "parse_size"]

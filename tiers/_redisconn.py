@@ -1,0 +1,212 @@
+"""Connections of the redis tier: standalone or Cluster, credentials, TLS, routing of a
+batch's keys to the node that owns their slot, start-up checks and the health probe.
+
+redis-py (with hiredis where installed) owns every socket: connection pools per node,
+the AUTH/ACL handshake, TLS and timeouts, and for a Cluster the slot map
+(``CLUSTER SLOTS``) kept by its ``NodesManager``. The tier's own block I/O runs on those
+connections (:mod:`tiers._redisio`). Thread-safe: pools and the slot map take their own
+locks; :meth:`Endpoints.refresh` may run while batches are in flight.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Sequence
+from urllib.parse import unquote, urlsplit
+
+import redis
+from redis.cluster import ClusterNode, RedisCluster
+from redis.exceptions import AuthenticationError, NoPermissionError, RedisError, ResponseError
+
+from kvstore.errors import ConfigError
+
+log = logging.getLogger(__name__)
+_SCHEMES = {"redis": False, "valkey": False, "rediss": True, "valkeys": True}
+
+
+@dataclass(frozen=True)
+class RedisSettings:
+    """What the tier connects with (see ``RedisTierConfig``); ``where`` names it in errors."""
+
+    name: str
+    url: str | None = None
+    nodes: tuple[str, ...] = ()
+    cluster: str | bool = "auto"
+    username: str | None = None
+    password: str | None = None
+    tls: bool = False
+    tls_ca: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    concurrency: int = 8
+    timeout_s: float = 2.0
+    max_attempts: int = 3
+
+    @property
+    def where(self) -> str:
+        return self.url or ",".join(self.nodes)
+
+
+def parse_endpoints(s: RedisSettings) -> tuple[list[tuple[str, int]], bool, int]:
+    """``([(host, port)…], tls, db)`` from ``url`` or ``nodes``; raises ConfigError."""
+    field = f"tiers.{s.name}"
+    if (s.url is None) == (not s.nodes):
+        raise ConfigError(f"{field}: give exactly one of url or nodes")
+    if s.url is not None:
+        parts = urlsplit(s.url)
+        if parts.scheme not in _SCHEMES:
+            raise ConfigError(f"{field}.url: scheme must be redis://, rediss://, valkey:// or valkeys:// "
+                              f"(got {s.url!r})")
+        if parts.username or parts.password:
+            raise ConfigError(f"{field}.url: put credentials in username / password / password_env, "
+                              "not in the URL")
+        try:
+            port = parts.port or 6379
+        except ValueError as exc:
+            raise ConfigError(f"{field}.url: {exc} (got {s.url!r})") from None
+        path = unquote(parts.path).strip("/")
+        if path and not path.isdigit():
+            raise ConfigError(f"{field}.url: the path may only name a database number (got {s.url!r})")
+        if not parts.hostname:
+            raise ConfigError(f"{field}.url: no host in {s.url!r}")
+        return [(parts.hostname, port)], s.tls or _SCHEMES[parts.scheme], int(path or 0)
+    endpoints = []
+    for node in s.nodes:
+        host, _, port = node.rpartition(":")
+        if not host or not port.isdigit():
+            raise ConfigError(f"{field}.nodes: each node is host:port (got {node!r})")
+        endpoints.append((host.strip("[]"), int(port)))
+    return endpoints, s.tls, 0
+
+
+def _client_kwargs(s: RedisSettings, tls: bool) -> dict[str, Any]:
+    kw: dict[str, Any] = dict(username=s.username, password=s.password, socket_timeout=s.timeout_s,
+                              socket_connect_timeout=s.timeout_s, max_connections=4 * s.concurrency,
+                              single_connection_client=False, protocol=2)   # tiers._redisio speaks RESP2
+    if tls:
+        kw.update(ssl=True, ssl_ca_certs=s.tls_ca, ssl_certfile=s.tls_cert, ssl_keyfile=s.tls_key,
+                  ssl_cert_reqs="required" if s.tls_ca else "none")
+    return kw
+
+
+def startup_error(s: RedisSettings, exc: BaseException) -> ConfigError:
+    """A failure at start-up, mapped to a ConfigError naming the setting to fix."""
+    field, text = f"tiers.{s.name}", f"{type(exc).__name__}: {exc}"
+    if isinstance(exc, AuthenticationError) or "WRONGPASS" in str(exc) or "invalid username-password" in str(exc):
+        return ConfigError(f"{field}.password: {s.where} refused the credentials (username "
+                           f"{s.username or 'default'!r}): {text}")
+    if "NOAUTH" in str(exc):
+        return ConfigError(f"{field}.password: {s.where} requires authentication; set username and "
+                           f"password (or password_env): {text}")
+    if isinstance(exc, NoPermissionError) or "NOPERM" in str(exc):
+        return ConfigError(f"{field}.username: user {s.username or 'default'!r} lacks a permission the tier "
+                           f"needs (GET/SET/DEL/GETRANGE/STRLEN/SCAN on its prefix): {text}")
+    if "SSL" in str(exc) or "certificate" in str(exc):
+        return ConfigError(f"{field}.tls: TLS handshake with {s.where} failed: {text}")
+    key = "url" if s.url else "nodes"
+    return ConfigError(f"{field}.{key}: cannot use {s.where}: {text}")
+
+
+class Endpoints:
+    """The servers behind the tier: one standalone server, or a Cluster's primaries.
+
+    ``route(names)`` groups a batch by owning node: ``{node id: (pool, [index…])}``.
+    """
+
+    def __init__(self, settings: RedisSettings) -> None:
+        self.settings = s = settings
+        endpoints, tls, db = parse_endpoints(s)
+        kw = _client_kwargs(s, tls)
+        first, clustered = self._detect(endpoints, kw, db)
+        if s.cluster is True and not clustered:
+            raise ConfigError(f"tiers.{s.name}.cluster: {s.where} is not a Cluster node (cluster_enabled:0); "
+                              "set cluster: false or auto")
+        if s.cluster is False and clustered:
+            raise ConfigError(f"tiers.{s.name}.cluster: {s.where} is a Cluster node; set cluster: true or auto")
+        self.clustered = clustered
+        if clustered:
+            first.close()
+            if db:
+                raise ConfigError(f"tiers.{s.name}.url: a Cluster has only database 0")
+            kw.pop("single_connection_client")
+            try:
+                self._cluster = RedisCluster(startup_nodes=[ClusterNode(h, p) for h, p in endpoints],
+                                             require_full_coverage=False,
+                                             cluster_error_retry_attempts=s.max_attempts, **kw)
+            except RedisError as exc:
+                raise startup_error(s, exc) from exc
+            self._single = None
+        else:
+            self._cluster = None
+            self._single = first
+
+    def _detect(self, endpoints: list[tuple[str, int]], kw: dict, db: int) -> tuple[redis.Redis, bool]:
+        """Connect to the first endpoint that answers; ``INFO cluster`` says the mode."""
+        last: BaseException | None = None
+        for host, port in endpoints:
+            client = redis.Redis(host=host, port=port, db=db, **kw)
+            try:
+                info = client.info("cluster")
+            except (AuthenticationError, NoPermissionError) as exc:
+                client.close()
+                raise startup_error(self.settings, exc) from exc
+            except RedisError as exc:
+                client.close()
+                if isinstance(exc, ResponseError):
+                    raise startup_error(self.settings, exc) from exc
+                last = exc
+                continue
+            return client, bool(info.get("cluster_enabled"))
+        assert last is not None
+        raise startup_error(self.settings, last) from last
+
+    # -- routing -------------------------------------------------------------------------
+
+    def route(self, names: Sequence[bytes]) -> dict[str, tuple[Any, list[int]]]:
+        """Indices of ``names`` grouped by the node owning each key's slot. A slot no
+        node covers (failover in progress) raises ``SlotNotCoveredError``."""
+        if self._cluster is None:
+            return {"single": (self._single.connection_pool, list(range(len(names))))}
+        groups: dict[str, tuple[Any, list[int]]] = {}
+        manager, cluster = self._cluster.nodes_manager, self._cluster
+        for i, name in enumerate(names):
+            node = manager.get_node_from_slot(cluster.keyslot(name))
+            group = groups.get(node.name)
+            if group is None:
+                group = groups[node.name] = (cluster.get_redis_connection(node).connection_pool, [])
+            group[1].append(i)
+        return groups
+
+    def primaries(self) -> list[redis.Redis]:
+        """A client per server holding data (SCAN runs on each)."""
+        if self._cluster is None:
+            return [self._single]
+        return [self._cluster.get_redis_connection(node) for node in self._cluster.get_primaries()]
+
+    def refresh(self) -> None:
+        """Reload a Cluster's slot map (after MOVED/ASK or a failed node)."""
+        if self._cluster is not None:
+            self._cluster.nodes_manager.initialize()
+
+    def probe(self) -> None:
+        """Raise unless every server holding data answers: standalone PING; Cluster:
+        reload the slot map, every slot covered, every primary answers PING."""
+        if self._cluster is None:
+            self._single.ping()
+            return
+        self.refresh()
+        manager = self._cluster.nodes_manager
+        if any(not manager.slots_cache.get(slot) for slot in range(16384)):
+            raise ConnectionError("cluster slots not fully covered (failover in progress)")
+        for client in self.primaries():
+            info = client.execute_command("CLUSTER INFO")
+            text = info if isinstance(info, (bytes, str)) else "\n".join(f"{k}:{v}" for k, v in info.items())
+            if "cluster_state:ok" not in (text.decode() if isinstance(text, bytes) else text):
+                raise ConnectionError("a primary reports the cluster down (cluster_state is not ok)")
+
+    def close(self) -> None:
+        if self._cluster is not None:
+            self._cluster.close()
+        if self._single is not None:
+            self._single.close()

@@ -1,0 +1,478 @@
+"""Redis / Valkey tier, standalone or Cluster (``kind: redis``), through redis-py.
+
+One key per block, ``<prefix>:<namespace digest hex>:<key digest hex>`` (``_`` for keys
+without a namespace); no hash tags, so a Cluster spreads blocks over every slot. The
+value is the 128-byte version-2 block header (key digest, length, XXH3 checksum, parent
+digest) followed by the payload. Every read verifies header, key digest, length and
+checksum; a bad value is a miss, is deleted and is counted in ``corrupt_blocks``. Nodes
+and processes sharing a prefix share the blocks: :meth:`recover` (Store start-up) finds
+the others' through ``SCAN``, and :meth:`read_into` reads any key directly.
+
+Capacity: the tier keeps a byte budget over the blocks it knows (its index) and never
+evicts on its own choosing; the Store picks victims and calls :meth:`delete`. Redis may
+still drop a block itself (``maxmemory`` eviction, ``ttl_s`` expiry, another node's
+delete): reading it is then a clean miss and the tier forgets it.
+
+Batches: a batch's keys are grouped by the node owning their slot, each group is one
+pipeline on one pooled connection, groups run in parallel (``concurrency`` threads).
+Payloads move without an extra copy (:mod:`tiers._redisio`): ``GET`` replies are
+received straight into the caller's buffers and ``SET`` sends header and payload from
+where they are. Device (CUDA) buffers go through a per-thread host staging buffer.
+
+Faults: a node down, a reset or timed-out connection, a failover in progress (``MOVED``,
+``CLUSTERDOWN``, uncovered slots) fail the batch with :class:`TierUnavailableError`,
+which the Store counts and turns into misses; the tier then fails fast and probes the
+servers in the background with backoff (:mod:`tiers._s3health`, shared with the S3
+tier) until every slot is served again, and comes back by itself. Blocks stay indexed
+through an outage. Thread-safe.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Sequence
+
+import numpy as np
+from redis.exceptions import RedisError, TimeoutError as RedisTimeoutError
+
+from kvstore.block import EXT_HEADER_BYTES, encode_ext_header
+from kvstore.buffers import copy_bytes, host_view, is_device, nbytes_of
+from kvstore.errors import (BufferSizeError, ConfigError, CorruptBlockError, InvalidArgumentError, TierIOError,
+                            TierUnavailableError)
+from kvstore.keys import BlockKey
+from tiers import _redisio as rio
+from tiers._redisconn import Endpoints, RedisSettings, startup_error
+from tiers._redisrecover import NO_NAMESPACE, check_header, header_requests, parse_name, read_header_replies
+from tiers._s3health import Health
+from tiers.base import RecoveredBlock, Tier, TierCapabilities
+
+log = logging.getLogger(__name__)
+# Reply errors that mean "this node cannot serve the key right now", not a broken request.
+_UNAVAILABLE = {"MOVED", "ASK", "CLUSTERDOWN", "TRYAGAIN", "LOADING", "MASTERDOWN", "READONLY", "BUSY"}
+_FAULTS = (OSError, RedisError, rio.ProtocolViolation)
+
+
+@dataclass
+class _Entry:
+    key: BlockKey
+    nbytes: int
+
+
+class _Fault(Exception):
+    """A node group's batch failed as a whole (connection, timeout, uncovered slot)."""
+
+
+class RedisTier(Tier):
+    """Blocks as Redis strings under ``prefix``, within ``capacity_bytes``.
+
+    Connection settings mirror ``RedisTierConfig``. The constructor connects, detects
+    (or checks) Cluster mode, and writes, reads and deletes a probe key under the prefix;
+    wrong credentials, a missing permission, an unreachable server or a failed TLS
+    handshake raise :class:`ConfigError` naming the setting.
+    """
+
+    def __init__(self, capacity_bytes: int, *, name: str = "redis", url: str | None = None,
+                 nodes: Sequence[str] = (), cluster: str | bool = "auto", username: str | None = None,
+                 password: str | None = None, tls: bool = False, tls_ca: str | None = None,
+                 tls_cert: str | None = None, tls_key: str | None = None, prefix: str = "kvstore",
+                 concurrency: int = 8, timeout_s: float = 2.0, max_attempts: int = 3,
+                 ttl_s: float | None = None) -> None:
+        if capacity_bytes <= 0:
+            raise InvalidArgumentError(f"redis tier capacity must be positive, got {capacity_bytes}")
+        if not prefix or ":" in prefix.strip(":") or any(c in prefix for c in "*?[]"):
+            raise ConfigError(f"tiers.{name}.prefix: use a non-empty name without ':' or glob characters "
+                              f"(got {prefix!r})")
+        if ttl_s is not None and ttl_s <= 0:
+            raise ConfigError(f"tiers.{name}.ttl_s: must be positive (got {ttl_s})")
+        self.name = name
+        self.prefix = prefix.strip(":")
+        self._capacity = int(capacity_bytes)
+        self._ttl_ms = None if ttl_s is None else max(1, int(ttl_s * 1000))
+        self._settings = RedisSettings(name=name, url=url, nodes=tuple(nodes), cluster=cluster, username=username,
+                                       password=password, tls=tls, tls_ca=tls_ca, tls_cert=tls_cert,
+                                       tls_key=tls_key, concurrency=concurrency, timeout_s=timeout_s,
+                                       max_attempts=max_attempts)
+        self._endpoints = Endpoints(self._settings)
+        try:
+            self._check_access()
+        except BaseException:
+            self._endpoints.close()
+            raise
+        self._max_attempts = max_attempts
+        self._health = Health(name, self._endpoints.probe)
+        self._pool = ThreadPoolExecutor(concurrency, thread_name_prefix=f"kvstore-{name}")
+        self._local = threading.local()
+        self._index: dict[BlockKey, _Entry] = {}
+        self._used = 0
+        self._reserved = 0
+        self._lock = threading.Lock()
+        self._closed = False
+        self._counters = dict.fromkeys(("gets", "puts", "deletes", "corrupt_blocks", "vanished", "faults",
+                                        "oom_refused", "bytes_read", "bytes_written"), 0)
+        self.capabilities = TierCapabilities(device="redis", persistent=True, max_concurrency=concurrency)
+
+    def _check_access(self) -> None:
+        """SET, GET, GETRANGE, STRLEN, DEL and SCAN under the prefix, as the tier will."""
+        probe = f"{self.prefix}:probe".encode()
+        groups = self._endpoints.route([probe])
+        pool, _ = next(iter(groups.values()))
+        conn = pool.get_connection()
+        try:
+            requests = [rio.pack(b"SET", probe, b"ok"), rio.pack(b"GET", probe), rio.pack(b"GETRANGE", probe, b"0", b"1"),
+                        rio.pack(b"STRLEN", probe), rio.pack(b"DEL", probe)]
+            replies = rio.run_batch(conn, requests, lambda r: [r.reply() for _ in requests])
+            for client in self._endpoints.primaries():
+                client.scan(0, match=f"{self.prefix}:*", count=1)
+        except _FAULTS as exc:
+            raise startup_error(self._settings, exc) from exc
+        finally:
+            pool.release(conn)
+        for reply in replies:
+            if isinstance(reply, rio.ReplyError):
+                raise startup_error(self._settings, reply)
+
+    # -- naming and accounting ---------------------------------------------------------------
+
+    def key_name(self, key: BlockKey) -> bytes:
+        """``<prefix>:<namespace hex>:<key hex>`` as the Redis key."""
+        ns = key.namespace.hex() if key.namespace else NO_NAMESPACE
+        return f"{self.prefix}:{ns}:{key.hex()}".encode()
+
+    def nbytes(self, key: BlockKey) -> int | None:
+        entry = self._index.get(key)
+        return entry.nbytes if entry else None
+
+    def contains(self, keys: Sequence[BlockKey]) -> list[bool]:
+        """From the index (no request): stale for blocks Redis evicted or expired and for
+        blocks other nodes wrote since :meth:`recover` (which :meth:`read_into` still finds)."""
+        index = self._index
+        return [k in index for k in keys]
+
+    def _forget(self, key: BlockKey) -> None:
+        """Caller holds the lock."""
+        entry = self._index.pop(key, None)
+        if entry is not None:
+            self._used -= entry.nbytes
+
+    # -- batches --------------------------------------------------------------------------
+
+    def _run(self, names: Sequence[bytes], build: Callable[[int], list], parse: Callable[[rio.Reader, int], Any]
+             ) -> list[Any]:
+        """Per index: ``parse``'s outcome, or a :class:`_Fault` where that key's node failed.
+        Each node's keys go in one pipeline; a dropped connection is retried on a fresh one
+        (``max_attempts`` in all), a timeout is not."""
+        self._health.check()
+        try:
+            groups = self._endpoints.route(names)
+        except _FAULTS as exc:  # an uncovered slot: failover in progress
+            return [_Fault(f"{type(exc).__name__}: {exc}")] * len(names)
+        out: list[Any] = [None] * len(names)
+
+        def one(pool: Any, idx: list[int]) -> None:
+            for attempt in range(self._max_attempts):
+                try:
+                    conn = pool.get_connection()
+                except _FAULTS as exc:
+                    fault: BaseException = exc
+                else:
+                    try:
+                        got = rio.run_batch(conn, [p for i in idx for p in build(i)],
+                                            lambda r: [parse(r, i) for i in idx])
+                    except _FAULTS as exc:
+                        fault = exc
+                    else:
+                        for i, o in zip(idx, got):
+                            out[i] = o
+                        return
+                    finally:
+                        pool.release(conn)
+                if isinstance(fault, (TimeoutError, RedisTimeoutError)) or attempt + 1 == self._max_attempts:
+                    break
+            marker = _Fault(f"{type(fault).__name__}: {fault}")
+            for i in idx:
+                out[i] = marker
+
+        work = list(groups.values())
+        if len(work) == 1:
+            one(*work[0])
+        else:
+            list(self._pool.map(lambda g: one(*g), work))
+        return out
+
+    def _raise_faults(self, outcomes: Sequence[Any]) -> None:
+        """Count and raise the batch's faults (node down, failover): the Store turns
+        :class:`TierUnavailableError` into misses; the probe brings the tier back."""
+        faults = {id(o): o for o in outcomes
+                  if isinstance(o, _Fault) or (isinstance(o, rio.ReplyError) and o.kind in _UNAVAILABLE)}
+        if not faults:
+            return
+        first = next(iter(faults.values()))
+        with self._lock:
+            self._counters["faults"] += len(faults)
+        self._health.failed(first)
+        raise TierUnavailableError(f"{len(faults)} node request(s) failed: {first}", tier=self.name)
+
+    def _staging(self, nbytes: int) -> np.ndarray:
+        """This thread's host buffer for device blocks, grown on demand and reused."""
+        buf = getattr(self._local, "buf", None)
+        if buf is None or buf.nbytes < nbytes:
+            buf = np.empty(max(nbytes, 1 << 20), np.uint8)
+            buf.fill(0)   # touch the pages once now, not on every request
+            self._local.buf = buf
+        return buf[:nbytes]
+
+    # -- reads ------------------------------------------------------------------------------
+
+    def read_into(self, keys: Sequence[BlockKey], dsts: Sequence[Any]) -> list[bool]:
+        if len(keys) != len(dsts):
+            raise InvalidArgumentError(f"{len(keys)} keys but {len(dsts)} buffers")
+        for key, dst in zip(keys, dsts):
+            entry = self._index.get(key)
+            if entry is not None and nbytes_of(dst) != entry.nbytes:
+                raise BufferSizeError(f"[{self.name}] buffer has {nbytes_of(dst)} bytes, block has {entry.nbytes}")
+        if not keys:
+            return []
+        names = [self.key_name(k) for k in keys]
+        staged = [is_device(d) for d in dsts]
+        host = self._staging(sum(nbytes_of(d) for d, s in zip(dsts, staged) if s)) if any(staged) else None
+        targets, at = [], 0
+        for dst, s in zip(dsts, staged):
+            if s:
+                n = nbytes_of(dst)
+                targets.append(memoryview(host[at:at + n]))
+                at += n
+            else:
+                targets.append(memoryview(host_view(dst, writable=True)).cast("B"))
+        headers = np.empty((len(keys), EXT_HEADER_BYTES), np.uint8)
+
+        def parse(reader: rio.Reader, i: int) -> rio.ReadOutcome:
+            return rio.read_block(reader, keys[i].digest, targets[i], memoryview(headers[i]))
+
+        outcomes = self._run(names, lambda i: [rio.pack(b"GET", names[i])], parse)
+        result = [False] * len(keys)
+        corrupt, sizes = [], []
+        with self._lock:
+            for j, (key, o) in enumerate(zip(keys, outcomes)):
+                if not isinstance(o, rio.ReadOutcome):
+                    continue
+                if o.status == "hit":
+                    n = targets[j].nbytes
+                    result[j] = True
+                    self._counters["gets"] += 1
+                    self._counters["bytes_read"] += n
+                    if key not in self._index and self._used + self._reserved + n <= self._capacity:
+                        # Another node wrote it: now this tier knows (and budgets) it too.
+                        self._index[key] = _Entry(key, n)
+                        self._used += n
+                elif o.status == "nil":
+                    if key in self._index:   # Redis evicted or expired it, or a peer deleted it
+                        self._counters["vanished"] += 1
+                        self._forget(key)
+                elif o.status == "corrupt":
+                    log.warning("tier %s: dropping corrupt value %s: %s", self.name, names[j].decode(), o.detail)
+                    self._counters["corrupt_blocks"] += 1
+                    self._forget(key)
+                    corrupt.append(j)
+                elif o.status == "size":
+                    sizes.append((j, o.detail))
+                elif o.status == "error" and o.detail.kind not in _UNAVAILABLE:
+                    outcomes[j] = TierIOError(f"GET {names[j].decode()}: {o.detail}", tier=self.name)
+                else:
+                    outcomes[j] = o.detail
+        if corrupt:
+            self._delete_names([names[j] for j in corrupt], quiet=True)
+        if sizes:
+            j, n = sizes[0]
+            raise BufferSizeError(f"[{self.name}] buffer has {targets[j].nbytes} bytes, block has {n}")
+        self._raise_faults(outcomes)
+        for o in outcomes:
+            if isinstance(o, TierIOError):
+                raise o
+        for j, s in enumerate(staged):
+            if s and result[j]:
+                copy_bytes(dsts[j], targets[j])
+        return result
+
+    # -- writes -----------------------------------------------------------------------------
+
+    def write(self, keys: Sequence[BlockKey], srcs: Sequence[Any]) -> list[bool]:
+        if len(keys) != len(srcs):
+            raise InvalidArgumentError(f"{len(keys)} keys but {len(srcs)} buffers")
+        self._health.check()
+        first: dict[BlockKey, int] = {}
+        for j, key in enumerate(keys):
+            first.setdefault(key, j)
+        done: dict[int, bool] = {}
+        todo: list[int] = []
+        with self._lock:   # reserve room before anything is sent
+            for j in first.values():
+                n = nbytes_of(srcs[j])
+                if keys[j] in self._index:
+                    done[j] = True
+                elif self._used + self._reserved + n > self._capacity:
+                    done[j] = False
+                else:
+                    self._reserved += n
+                    todo.append(j)
+        try:
+            stored = self._write_new([keys[j] for j in todo], [srcs[j] for j in todo])
+        finally:
+            with self._lock:
+                for j in todo:
+                    self._reserved -= nbytes_of(srcs[j])
+        done.update(zip(todo, stored))
+        return [done[first[k]] for k in keys]
+
+    def _write_new(self, keys: list[BlockKey], srcs: list[Any]) -> list[bool]:
+        if not keys:
+            return []
+        names = [self.key_name(k) for k in keys]
+        sizes = [nbytes_of(s) for s in srcs]
+        host = self._staging(sum(n for s, n in zip(srcs, sizes) if is_device(s))) if any(map(is_device, srcs)) \
+            else None
+        payloads, at = [], 0
+        for src, n in zip(srcs, sizes):
+            if is_device(src):
+                copy_bytes(host[at:at + n], src)
+                payloads.append(memoryview(host[at:at + n]))
+                at += n
+            else:
+                payloads.append(memoryview(host_view(src)).cast("B"))
+        headers = []
+        for key, payload in zip(keys, payloads):
+            header = bytearray(EXT_HEADER_BYTES)
+            encode_ext_header(key.digest, key.parent, payload, header)
+            headers.append(bytes(header))
+        outcomes = self._run(names, lambda i: rio.pack_set(names[i], headers[i], payloads[i], self._ttl_ms),
+                             lambda r, i: r.reply())
+        result = [o == b"OK" for o in outcomes]
+        with self._lock:
+            for j, (key, ok, o) in enumerate(zip(keys, result, outcomes)):
+                if ok:
+                    self._counters["puts"] += 1
+                    self._counters["bytes_written"] += sizes[j]
+                    if key not in self._index:   # a racing writer of the same key may have won
+                        self._index[key] = _Entry(key, sizes[j])
+                        self._used += sizes[j]
+                elif isinstance(o, rio.ReplyError) and o.kind == "OOM":
+                    self._counters["oom_refused"] += 1   # maxmemory with noeviction: no room
+        try:
+            self._raise_faults(outcomes)
+        except TierUnavailableError:
+            # The Store counts the whole batch as failed: forget what did land so the
+            # budget stays in step with its index (recover() finds those values again).
+            with self._lock:
+                for key, ok in zip(keys, result):
+                    if ok:
+                        self._forget(key)
+            raise
+        for name, o in zip(names, outcomes):
+            if isinstance(o, rio.ReplyError) and o.kind != "OOM":
+                raise TierIOError(f"SET {name.decode()}: {o}", tier=self.name)
+        return result
+
+    # -- removal, listing, recovery ---------------------------------------------------------
+
+    def delete(self, keys: Sequence[BlockKey]) -> int:
+        """Forget the keys and delete their values. Returns how many were indexed. While a
+        node is down its values stay (``recover`` finds them again) and
+        :class:`TierUnavailableError` is raised after the index is updated."""
+        removed = []
+        with self._lock:
+            for key in dict.fromkeys(keys):
+                if key in self._index:
+                    self._forget(key)
+                    removed.append(key)
+        if removed:
+            self._delete_names([self.key_name(k) for k in removed])
+        return len(removed)
+
+    def _delete_names(self, names: list[bytes], *, quiet: bool = False) -> None:
+        try:
+            outcomes = self._run(names, lambda i: [rio.pack(b"DEL", names[i])], lambda r, i: r.reply())
+            self._raise_faults(outcomes)
+        except TierUnavailableError:
+            if not quiet:
+                raise
+            return
+        with self._lock:
+            self._counters["deletes"] += sum(isinstance(o, int) and o > 0 for o in outcomes)
+
+    def _scan(self) -> Iterator[BlockKey]:
+        """Every block key under the prefix on every primary (``SCAN``), without parents."""
+        self._health.check()
+        try:
+            for client in self._endpoints.primaries():
+                for name in client.scan_iter(match=f"{self.prefix}:*", count=1000):
+                    key = parse_name(self.prefix, name)
+                    if key is not None:
+                        yield key
+        except _FAULTS as exc:
+            self._health.failed(exc)
+            raise TierUnavailableError(f"SCAN failed: {type(exc).__name__}: {exc}", tier=self.name) from exc
+
+    def keys(self) -> Iterator[BlockKey]:
+        """A fresh ``SCAN``: every block under the prefix, whichever node wrote it (keys
+        carry their namespace; parents where this tier indexed them or in :meth:`recover`)."""
+        with self._lock:
+            known = {k: k for k in self._index}
+        return iter([known.get(key, key) for key in self._scan()])
+
+    def recover(self) -> list[RecoveredBlock]:
+        """Rebuild the index from a ``SCAN`` of the prefix, least recently used first
+        (``OBJECT IDLETIME``). Each value's header is read with ``GETRANGE`` and
+        verified, its length checked with ``STRLEN``; a bad one is counted in
+        ``corrupt_blocks``, deleted and left out. Blocks past the byte budget are still
+        returned so the Store can evict down to it. Raises :class:`TierUnavailableError`
+        when a node does not answer."""
+        scanned = list(dict.fromkeys(self._scan()))
+        names = [self.key_name(k) for k in scanned]
+        outcomes = self._run(names, lambda i: header_requests(names[i]), read_header_replies) if names else []
+        self._raise_faults(outcomes)
+        now, found, corrupt = time.time(), [], []
+        for key, name, o in zip(scanned, names, outcomes):
+            if o is None:           # gone since the SCAN
+                continue
+            if isinstance(o, rio.ReplyError):   # refused (e.g. NOPERM): say so, delete nothing
+                raise TierIOError(f"reading the header of {name.decode()}: {o}", tier=self.name)
+            try:
+                nbytes, parent, idle_s = check_header(o, key.digest)
+            except CorruptBlockError as exc:
+                log.warning("tier %s: dropping corrupt value %s: %s", self.name, name.decode(), exc)
+                corrupt.append(name)
+                continue
+            full = BlockKey(key.digest, parent, key.namespace) if parent else key
+            found.append(RecoveredBlock(full, nbytes, now - idle_s))
+        if corrupt:
+            with self._lock:
+                self._counters["corrupt_blocks"] += len(corrupt)
+            self._delete_names(corrupt, quiet=True)
+        found.sort(key=lambda b: b.last_access)
+        with self._lock:
+            self._index = {b.key: _Entry(b.key, b.nbytes) for b in found}
+            self._used = sum(b.nbytes for b in found)
+        return found
+
+    # -- lifecycle --------------------------------------------------------------------------
+
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            counters = dict(self._counters)
+            blocks = len(self._index)
+        return {**self._health.stats(), **counters, "blocks": blocks, "prefix": self.prefix,
+                "mode": "cluster" if self._endpoints.clustered else "standalone",
+                "endpoint": self._settings.where}
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._health.close()
+        self._pool.shutdown(wait=True)
+        self._endpoints.close()
+
