@@ -1,8 +1,10 @@
 """The admin HTTP port: ``GET /healthz``, ``GET /metrics`` (Prometheus text),
-``GET /stats`` (JSON), ``POST /clear``. A deliberately tiny HTTP/1.1 subset on asyncio
-streams: one request per connection, small bodies, bounded header reads.
+``GET /stats`` (JSON), ``POST /clear``, ``POST /v1/lookup`` (JSON; the cached prefix of a
+prompt per tier, :mod:`kvstore.server._lookup`). A deliberately tiny HTTP/1.1 subset on
+asyncio streams: one request per connection, bounded bodies, bounded header reads.
 
-With a server token, ``/stats`` and ``/clear`` need ``Authorization: Bearer <token>``;
+With a server token, ``/stats``, ``/clear`` and ``/v1/lookup`` need
+``Authorization: Bearer <token>``;
 ``/healthz`` and ``/metrics`` stay open so probes and scrapers need no secret.
 """
 
@@ -14,18 +16,20 @@ import json
 import logging
 from typing import TYPE_CHECKING
 
+from kvstore.server import _lookup
+
 if TYPE_CHECKING:
     from kvstore.server._server import Server
 
 log = logging.getLogger("kvstore.server")
 _REASONS = {200: "OK", 400: "Bad Request", 401: "Unauthorized", 404: "Not Found", 405: "Method Not Allowed",
-            503: "Service Unavailable"}
+            411: "Length Required", 413: "Content Too Large", 503: "Service Unavailable"}
 
 
 async def handle_admin(server: "Server", reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
     try:
         head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5.0)
-        status, ctype, body = await _route(server, head)
+        status, ctype, body = await _route(server, head, reader)
     except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, asyncio.TimeoutError, ConnectionError):
         status, ctype, body = 400, "text/plain", b"bad request\n"
     except Exception as exc:  # report, never kill the admin port
@@ -41,7 +45,7 @@ async def handle_admin(server: "Server", reader: asyncio.StreamReader, writer: a
         writer.close()
 
 
-async def _route(server: "Server", head: bytes) -> tuple[int, str, bytes]:
+async def _route(server: "Server", head: bytes, reader: asyncio.StreamReader) -> tuple[int, str, bytes]:
     lines = head.decode("latin-1").split("\r\n")
     parts = lines[0].split()
     if len(parts) != 3:
@@ -59,8 +63,8 @@ async def _route(server: "Server", head: bytes) -> tuple[int, str, bytes]:
         return 200, "text/plain", b"ok\n"
     if path == "/metrics":
         return 200, "text/plain; version=0.0.4; charset=utf-8", await loop.run_in_executor(None, server.metrics.render)
-    if path not in ("/stats", "/clear"):
-        return 404, "text/plain", b"not found; try /healthz, /metrics, /stats, POST /clear\n"
+    if path not in ("/stats", "/clear", "/v1/lookup"):
+        return 404, "text/plain", b"not found; try /healthz, /metrics, /stats, POST /clear, POST /v1/lookup\n"
     token = server.config.server.token
     if token is not None:
         header = headers.get("authorization", "")
@@ -74,8 +78,29 @@ async def _route(server: "Server", head: bytes) -> tuple[int, str, bytes]:
         return 200, "application/json", json.dumps(stats, default=str).encode()
     if method != "POST":
         return 405, "text/plain", b"use POST\n"
+    if path == "/v1/lookup":
+        return await _lookup_route(server, headers, reader)
     removed = await loop.run_in_executor(None, server.store.clear)
     return 200, "application/json", json.dumps({"removed": removed}).encode()
+
+
+async def _lookup_route(server: "Server", headers: dict[str, str],
+                        reader: asyncio.StreamReader) -> tuple[int, str, bytes]:
+    length = headers.get("content-length", "")
+    if not length.isdigit():
+        return 411, "application/json", _error("a Content-Length header is required")
+    if int(length) > _lookup.MAX_BODY_BYTES:
+        return 413, "application/json", _error(f"body over {_lookup.MAX_BODY_BYTES} bytes")
+    body = await asyncio.wait_for(reader.readexactly(int(length)), 30.0)
+    try:
+        answer = await asyncio.get_running_loop().run_in_executor(None, _lookup.answer, server.store, body)
+    except _lookup.BadLookup as exc:
+        return 400, "application/json", _error(str(exc))
+    return 200, "application/json", json.dumps(answer).encode()
+
+
+def _error(message: str) -> bytes:
+    return json.dumps({"error": message}).encode()
 
 
 __all__ = ["handle_admin"]

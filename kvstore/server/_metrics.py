@@ -28,6 +28,24 @@ _TIER_COUNTERS = {
 }
 _TIER_GAUGES = {"used_bytes": "payload bytes stored", "capacity_bytes": "configured capacity",
                 "blocks": "blocks stored"}
+# KV events (kvstore._events), when the config has an events section
+_EVENT_COUNTERS = {
+    "batches": "event batches published (the next one gets sequence number batches)",
+    "events": "events published",
+    "blocks_stored": "blocks reported stored in a tier",
+    "blocks_removed": "blocks reported removed from a tier",
+    "cleared": "AllBlocksCleared events published",
+    "tokens_missing": "blocks published in BlockStored without token ids",
+    "overflows": "times the event queue overflowed and was replaced by AllBlocksCleared",
+    "replays": "replay requests answered",
+    "errors": "publishing failures",
+}
+_EVENT_GAUGES = {
+    "sequence": ("kvstore_events_sequence", "sequence number of the last published batch (-1: none yet)"),
+    "queued": ("kvstore_events_queued", "block reports waiting to be published"),
+    "lag_s": ("kvstore_events_lag_seconds", "age of the oldest report not yet published (0: none waiting)"),
+    "last_lag_s": ("kvstore_events_last_lag_seconds", "report-to-publish time of the last batch"),
+}
 _LATENCY_BUCKETS = (50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3, 50e-3,
                     100e-3, 250e-3, 500e-3, 1.0, 2.5, 10.0)
 
@@ -59,6 +77,13 @@ class _StoreCollector:
             yield fam
         for name in ("blocks", "leases", "pins"):
             yield GaugeMetricFamily(f"kvstore_store_{name}", f"{name} held by the store", value=stats[name])
+        events = stats.get("events")
+        if events is not None:
+            for name, doc in _EVENT_COUNTERS.items():
+                metric = "kvstore_events_published" if name == "events" else f"kvstore_events_{name}"
+                yield CounterMetricFamily(metric, doc, value=events[name])
+            for name, (metric, doc) in _EVENT_GAUGES.items():
+                yield GaugeMetricFamily(metric, doc, value=events[name])
 
 
 class ServerMetrics:
