@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
 
+from kvstore.hint import Hint
 from kvstore.keys import BlockKey
 
 
@@ -31,6 +32,7 @@ class ChunkTransfer:
     hold: bool = False
     per: int = 0                  # blocks per chunk (0: taken from nested block_ids)
     serial: int = 0               # loads: names this load in the workers' report
+    hint: Hint | None = None      # saves: the request's retention hint (connectors/_hints.py)
 
     def __post_init__(self) -> None:
         if self.block_ids and isinstance(self.block_ids[0], list):

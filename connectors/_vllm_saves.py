@@ -127,7 +127,8 @@ class SavePath:
         futures = []
         for lo, hi in groups(n) if n else []:
             try:
-                futures.append(self.w.store.save(keys[lo:hi], [save.buf[i * cb:(i + 1) * cb] for i in range(lo, hi)]))
+                futures.append(self.w.store.save(keys[lo:hi], [save.buf[i * cb:(i + 1) * cb] for i in range(lo, hi)],
+                                                 hint=save.spec.hint))
             except KVStoreError as exc:
                 log.warning("request %s: save refused: %s", save.spec.req_id, exc)
                 self.w.metrics.add("dropped_saves", n - lo)
@@ -161,6 +162,11 @@ class SavePath:
             ids = save.ids if len(idx) == len(keys) else save.ids[idx]
             for lo, hi, dst in spans([res.views[i] for i in idx]):
                 pages.gather(ids[lo:hi], dst)
+        if save.spec.hint is not None and len(res.missing) < len(keys):
+            try:
+                self.w.store.hint(keys, save.spec.hint)   # the committed ones
+            except KVStoreError as exc:
+                log.warning("request %s: retention hint not given: %s", save.spec.req_id, exc)
         return res.missing
 
     def finished(self, finished_req_ids: set[str]) -> set[str]:

@@ -20,11 +20,13 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
+from connectors._hints import request_hint, with_hint_actions
 from connectors._metrics import ConnectorMetrics
 from connectors._vllm_config import KVShape, VllmConnectorConfig, request_salt, token_array
 from connectors._vllm_meta import ChunkTransfer, KVStoreConnectorMetadata, KVStoreWorkerMetadata
 from kvstore.api import StoreAPI
 from kvstore.errors import KVStoreError
+from kvstore.hint import Hint
 from kvstore.keys import BlockKey
 
 log = logging.getLogger(__name__)
@@ -52,6 +54,17 @@ class _Req:
     alloc: tuple[Any, int] | None = None  # the planned load's KVCacheBlocks and end block
     pending: set[int] = field(default_factory=set)  # serials of sync loads its saves wait for
     no_save_from: int | None = None   # first chunk computed over a failed load's block: never saved
+    hint: Hint | None = None          # retention hint from the request (vllm_hint)
+
+
+def vllm_hint(request: Any) -> Hint | None:
+    """The retention hint of a vLLM request: ``kv_transfer_params["kvstore"]`` (the
+    OpenAI API's ``extra_body``) or a ``"kvstore"`` action of its ``kv_hints``, and
+    vLLM's ``priority``, where a lower value is served first (default 0): a request
+    ranked above the default (negative) keeps its blocks at kvstore priority
+    ``-priority``."""
+    params = with_hint_actions(getattr(request, "kv_transfer_params", None), getattr(request, "kv_hints", None))
+    return request_hint(params, max(0, -int(getattr(request, "priority", 0) or 0)), request_id=request.request_id)
 
 
 class SchedulerSide:
@@ -90,7 +103,7 @@ class SchedulerSide:
         usable = (len(st.tokens) - 1) // self.shape.chunk_tokens
         if usable <= 0:
             return 0, False
-        hit = min(self.store.lookup(keys[:usable]) for keys in st.keys)
+        hit = min(self.store.lookup(keys[:usable], hint=st.hint) for keys in st.keys)
         st.hit_chunks, st.offer_from = hit, num_computed_tokens
         external = hit * self.shape.chunk_tokens - num_computed_tokens
         if external <= 0:
@@ -273,7 +286,7 @@ class SchedulerSide:
             tokens = token_array(request.prompt_token_ids)
             salt = request_salt(request)
             keys = [self.shape.namespace(r, salt).chunk_keys(tokens) for r in range(self.shape.key_ranks)]
-            st = self._reqs[request.request_id] = _Req(tokens, keys)
+            st = self._reqs[request.request_id] = _Req(tokens, keys, hint=vllm_hint(request))
         return st
 
     def _note_shared_loads(self, req_id: str, st: _Req, computed: int) -> None:
@@ -318,7 +331,7 @@ class SchedulerSide:
             return
         lo = st.saved_chunks
         meta.saves.append(ChunkTransfer(req_id, [k[lo:full] for k in st.keys], st.block_ids[lo * p:full * p],
-                                        first_chunk=lo, hold=hold, per=p))
+                                        first_chunk=lo, hold=hold, per=p, hint=st.hint))
         st.saved_chunks = full
         st.had_saves = True
 

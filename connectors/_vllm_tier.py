@@ -39,6 +39,7 @@ from vllm.v1.kv_offload.base import (LookupResult, Medium, OffloadKey, ReqContex
                                      ScheduleEndContext)
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 
+from connectors._hints import request_hint, with_hint_actions
 from connectors._metrics import ConnectorMetrics
 from connectors._store_handle import open_store, release_store
 from kvstore.api import StoreAPI
@@ -114,7 +115,9 @@ class KVStoreTier(SecondaryTierManager):
     def submit_store(self, job_metadata: TransferJob) -> None:
         keys = [self._key(k) for k in job_metadata.keys]
         rows = [self._rows[int(c)] for c in job_metadata.chunk_ids]
-        self._submit(job_metadata, lambda: self.store.save(keys, rows))
+        ctx = job_metadata.req_context
+        hint = request_hint(with_hint_actions(ctx.kv_transfer_params, ctx.kv_hints), request_id=ctx.req_id)
+        self._submit(job_metadata, lambda: self.store.save(keys, rows, hint=hint))
 
     def submit_load(self, job_metadata: TransferJob) -> None:
         self._held[job_metadata.job_id] = self._lookups.hold(job_metadata.keys)
