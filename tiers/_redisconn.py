@@ -132,8 +132,7 @@ class Endpoints:
             kw.pop("single_connection_client")
             try:
                 self._cluster = RedisCluster(startup_nodes=[ClusterNode(h, p) for h, p in endpoints],
-                                             require_full_coverage=False,
-                                             cluster_error_retry_attempts=s.max_attempts, **kw)
+                                             require_full_coverage=False, **kw)
             except RedisError as exc:
                 raise startup_error(s, exc) from exc
             self._single = None
