@@ -44,6 +44,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without sglang
     raise ImportError("connectors.sglang needs sglang==0.5.23 (install: scripts/deps/50-sglang.sh, "
                       "see docs/sglang.md)") from exc
 
+from connectors._hints import request_hint
 from connectors._metrics import ConnectorMetrics
 from connectors._store_handle import open_store, release_store
 from connectors._sglang_pages import LeaseBook, PageKeys, PoolSegments, Staging, make_namespace, pool_signature
@@ -52,6 +53,7 @@ from kvstore.buffers import copy_bytes, nbytes_of
 from kvstore.config import parse_size
 from kvstore.errors import (BufferSizeError, ConfigError, InvalidArgumentError, RemoteError,
                             StoreClosedError, TierError)
+from kvstore.hint import Hint
 
 log = logging.getLogger(__name__)
 
@@ -195,7 +197,7 @@ class KVStoreHiCacheStorage(HiCacheStorage):
         block_keys = space.keys(keys, prefix)
         lease_s = self.lease_s or None
         try:
-            n = self._store.lookup(block_keys, lease_s=lease_s)
+            n = self._store.lookup(block_keys, lease_s=lease_s, hint=_hint_of(extra_info))
         except _STORE_FAILURES as exc:
             self._failure("lookup", exc)
             return 0
@@ -233,13 +235,14 @@ class KVStoreHiCacheStorage(HiCacheStorage):
             return [True] * len(keys)
         prefix = getattr(extra_info, "prefix_keys", None) if extra_info is not None else None
         block_keys = space.keys(keys, prefix)
+        hint = _hint_of(extra_info)
         start = time.perf_counter()
         if segs.staged:
-            ok = self._staged_save(segs, block_keys, segs.page_starts(host_indices, len(keys)))
+            ok = self._staged_save(segs, block_keys, segs.page_starts(host_indices, len(keys)), hint)
             self._count_save(ok, segs.page_bytes * len(keys), start)
             return ok
         views = segs.views(host_indices, len(keys))
-        raw = self._save(block_keys, views)
+        raw = self._save(block_keys, views, hint)
         ok = self._per_page(raw, space.segments)
         stray = [k for i, k in enumerate(block_keys) if raw[i] and not ok[i // space.segments]]
         if stray:
@@ -342,13 +345,13 @@ class KVStoreHiCacheStorage(HiCacheStorage):
             ok += got
         return ok
 
-    def _staged_save(self, segs: PoolSegments, keys: list, starts: Any) -> list[bool]:
+    def _staged_save(self, segs: PoolSegments, keys: list, starts: Any, hint: Hint | None = None) -> list[bool]:
         """Gather pages into staging and store one block per page."""
         pb, ok = segs.page_bytes, []
         for lo, n, buf in self._staged_batches(len(keys), pb):
             segs.gather(starts[lo:lo + n], buf[:n * pb])
             host = buf.numpy()
-            ok += self._save(keys[lo:lo + n], [host[i * pb:(i + 1) * pb] for i in range(n)])
+            ok += self._save(keys[lo:lo + n], [host[i * pb:(i + 1) * pb] for i in range(n)], hint)
         return ok
 
     def _staged_batches(self, count: int, page_bytes: int) -> Any:
@@ -394,10 +397,10 @@ class KVStoreHiCacheStorage(HiCacheStorage):
             self._failure("load", exc)
             return False
 
-    def _save(self, keys: list, srcs: list) -> list[bool]:
+    def _save(self, keys: list, srcs: list, hint: Hint | None = None) -> list[bool]:
         first, uniq = _first_positions(keys)
         try:
-            got = self._store.save([keys[i] for i in uniq], [srcs[i] for i in uniq]).result()
+            got = self._store.save([keys[i] for i in uniq], [srcs[i] for i in uniq], hint=hint).result()
         except _STORE_FAILURES as exc:
             self._failure("save", exc)
             got = [False] * len(uniq)
@@ -429,6 +432,14 @@ class KVStoreHiCacheStorage(HiCacheStorage):
             if self.storage_config.enable_storage_metrics and good:
                 self._metrics["backup_pgs"].append(good)
                 self._metrics["backup_bandwidth"].append(nbytes / max(time.perf_counter() - start, 1e-9) / 1e9)
+
+
+def _hint_of(extra_info: Any) -> Hint | None:
+    """A retention hint from ``extra_info.extra_info["kvstore"]``. SGLang's HiCache
+    fills only ``prefix_keys`` (no request priority; its extra key is already in the
+    page hash), so hints arrive where a deployment's own hook sets that dict."""
+    fields = getattr(extra_info, "extra_info", None)
+    return request_hint(fields) if fields else None
 
 
 def _first_positions(keys: list) -> tuple[dict, list[int]]:
