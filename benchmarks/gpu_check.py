@@ -1,13 +1,17 @@
 """One-command GPU check: conformance on the device, transfer throughput through the
-Store against raw torch copies, kvikio through the NVMe tier against raw kvikio, and
-paged gather/scatter — each side by side with its baseline in the same run.
+Store against raw torch copies, kvikio through the NVMe tier against raw kvikio, paged
+gather/scatter, and correctness checks of the GPU data path (stream order, stale
+pinning, a corrupted byte on disk read into device memory, host syncs on the paged
+path) — each side by side with its baseline in the same run.
 
-    python benchmarks/gpu_check.py            # ~1 min on a GPU, no network
+    python benchmarks/gpu_check.py            # < 5 min on one GPU, no network
     python benchmarks/gpu_check.py --quick    # smaller sizes
 
-Runs on machines without a GPU too: every figure is then labelled ``cpu`` (host
-memcpy through the same code paths) and the CUDA-only parts say ``skipped: <reason>``.
-Writes benchmarks/results/gpu_check.json and prints one table.
+Every check is a function in :data:`CHECKS`; one that raises becomes a failed row and
+the others still run. Runs on machines without a GPU too: every figure is then labelled
+``cpu`` (host memcpy through the same code paths) and the CUDA-only parts say
+``skipped: <reason>``. Writes benchmarks/results/gpu_check.json and prints one table;
+exits 1 when the conformance suite, a check or any bytes failed.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -27,6 +32,8 @@ sys.path.insert(0, str(ROOT))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
+from benchmarks._gpu_checks import (Context, nvme_corrupt_payload, paged_sync_free, stale_pinning,  # noqa: E402
+                                    stream_order)
 from kvstore.keys import Namespace  # noqa: E402
 
 TARGET = 0.8
@@ -64,11 +71,12 @@ def _paired(fn, baseline, rounds: int, setup=None) -> tuple[float, float]:
 
 
 def conformance(dev: torch.device) -> dict:
-    """The GPU tier and copier test suites, in a child pytest (they parametrize on
-    ``cuda:0`` themselves when CUDA is present)."""
+    """The GPU tier, copier, kvikio, paged and pinning test suites, in a child pytest
+    (they parametrize on ``cuda:0`` themselves when CUDA is present)."""
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-           "tests/test_tier_gpu.py", "tests/test_transfer.py", "tests/test_kvikio.py", "tests/test_paged.py",
-           "tests/test_streams.py", "tests/test_tier_dram_pinning.py"]
+           "tests/test_tier_gpu.py", "tests/test_transfer.py", "tests/test_transfer_lanes.py",
+           "tests/test_kvikio.py", "tests/test_paged.py", "tests/test_streams.py", "tests/test_tier_dram_pinning.py",
+           "tests/test_nvme_device_verify.py"]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240)
     tail = (proc.stdout.strip().splitlines() or ["(no output)"])[-1]
@@ -76,11 +84,12 @@ def conformance(dev: torch.device) -> dict:
             "seconds": round(time.perf_counter() - t0, 1)}
 
 
-def store_transfers(dev: torch.device, block: int, n: int, rounds: int) -> list[dict]:
+def store_transfers(ctx: Context) -> list[dict]:
     """D2H (save) and H2D (load) through a Store with a DRAM tier, and device↔device
     through a Store with a GPU tier, each against raw torch copies of the same bytes."""
     from kvstore.store import Store
 
+    dev, block, n, rounds = ctx.dev, ctx.block, ctx.n, ctx.rounds
     ns = Namespace(model="gpu-check", dtype="uint8", chunk_tokens=1)
     keys = ns.chunk_keys(np.arange(n))
     gen = torch.Generator(device="cpu").manual_seed(0)
@@ -133,11 +142,14 @@ def store_transfers(dev: torch.device, block: int, n: int, rounds: int) -> list[
     return rows
 
 
-def kvikio_io(dev: torch.device, block: int, n: int, rounds: int, workdir: str) -> list[dict]:
+def kvikio_io(ctx: Context) -> list[dict]:
     """Device buffers to and from a file: raw ``kvikio.CuFile`` against our helper
     (``tiers._kvikio``) and against the NVMe tier when this build has one."""
+    if not ctx.cuda:
+        return [{"check": "kvikio read/write", "skipped": "no CUDA device (kvikio needs a GPU)"}]
     from tiers._kvikio import KvikioFile, kvikio_available
 
+    dev, block, n, rounds, workdir = ctx.dev, ctx.block, ctx.n, ctx.rounds, ctx.workdir
     ok, reason = kvikio_available()
     if not ok:
         return [{"check": "kvikio read/write", "skipped": reason}]
@@ -237,9 +249,10 @@ def _nvme_tier_row(dev, block, n, rounds, workdir, blocks_src, blocks_dst, raw_p
             "baseline_gbps": total / t_raw / 1e9, "ratio": t_raw / t_tier, "bytes_ok": ok}
 
 
-def paged(dev: torch.device, rounds: int, quick: bool) -> list[dict]:
+def paged(ctx: Context) -> list[dict]:
     """Gather/scatter of scattered pages (kvstore.paged) against one contiguous copy of
     the same bytes (the memory-bandwidth ceiling)."""
+    dev, rounds, quick = ctx.dev, ctx.rounds, ctx.quick
     try:
         from kvstore import paged as paged_mod
     except ImportError:
@@ -277,49 +290,65 @@ def paged(dev: torch.device, rounds: int, quick: bool) -> list[dict]:
     rows = [{"check": name, "device": str(dev), "bytes": total, "store_gbps": total / t / 1e9,
              "baseline": "contiguous copy_", "baseline_gbps": total / t_base / 1e9, "ratio": t_base / t,
              "bytes_ok": ok} for name, t in (("paged gather", t_g), ("paged scatter", t_s))]
-    rows.append(_paged_sync_free(dev, cache, out))
     return rows
 
 
-def _paged_sync_free(dev: torch.device, cache: torch.Tensor, out: torch.Tensor) -> dict:
-    """The connectors' hot path (host-side ids and keep masks, as the scheduler lists
-    them) makes no host<->device synchronisation: torch's sync debug mode raises on one."""
-    if dev.type != "cuda":
-        return {"check": "paged host syncs per call", "skipped": "no CUDA device"}
-    from kvstore.paged import PagedLayers
+# The checks, in the order they run. Each takes the Context and returns rows; one that
+# raises becomes a failed row and the rest still run (see ``run_checks``).
+# >>> Add the device-checksum-vs-host check (segmented checksum kernel) to this list. <<<
+CHECKS = [
+    store_transfers,        # H2D / D2H through the Store vs raw pinned copy_ (>= 0.8x), D2D via the GPU tier
+    stream_order,           # producer delayed on a side stream, then save and load: bytes exact
+    stale_pinning,          # DRAM tier open/close/reopen at one size, device loads exact
+    kvikio_io,              # kvikio helper and NVMe tier vs raw kvikio.CuFile
+    nvme_corrupt_payload,   # a flipped payload byte on disk read into device memory: a counted miss
+    paged,                  # paged gather/scatter vs one contiguous copy
+    paged_sync_free,        # no host sync on the paged path (sync debug mode "error")
+]
 
-    layers = PagedLayers([cache], blocks_per_chunk=4)
-    ids = torch.arange(8).view(2, 4)                      # host ids
-    keep = torch.ones(2, 4, dtype=torch.bool)
-    keep[0, 0] = False                                    # host mask (a prefix-cache hit)
-    buf = out[: 2 * layers.chunk_bytes]
-    torch.cuda.synchronize(dev)
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        layers.gather(ids, buf)
-        layers.scatter(ids, buf, keep=keep)
-        note, ok = "0 syncs (sync debug mode 'error')", True
-    except RuntimeError as exc:
-        note, ok = f"synchronised: {exc}"[:120], False
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
-    return {"check": "paged host syncs per call", "device": str(dev), "bytes": buf.numel(), "store_gbps": 0.0,
-            "baseline": note, "baseline_gbps": 0.0, "ratio": TARGET if ok else 0.0, "bytes_ok": ok}
+
+def run_checks(ctx: Context, checks=None) -> list[dict]:
+    """Every check's rows; an exception in one is its failed row."""
+    rows = []
+    for check in CHECKS if checks is None else checks:
+        t0 = time.perf_counter()
+        try:
+            rows += check(ctx)
+        except Exception as exc:  # one broken check must not hide the others
+            where = traceback.extract_tb(exc.__traceback__)[-1]
+            rows.append({"check": check.__name__, "failed": f"{type(exc).__name__}: {exc}"[:300],
+                         "where": f"{os.path.basename(where.filename)}:{where.lineno}"})
+        finally:
+            if ctx.cuda:
+                torch.cuda.set_sync_debug_mode(0)
+        print(f"  {check.__name__}: {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+    return rows
+
+
+def passed(row: dict) -> bool:
+    return "failed" not in row and row.get("bytes_ok", True)
 
 
 def table(result: dict) -> str:
+    """One table: throughput rows with their ratio, correctness rows with their note."""
+    w = max([36] + [len(r["check"]) + 2 for r in result["rows"]])
     lines = [f"GPU check on {result['device']} ({result['device_name']})",
              f"conformance: {'PASS' if result['conformance']['passed'] else 'FAIL'} "
              f"({result['conformance']['summary']})",
-             f"{'check':<28}{'kvstore GB/s':>13}{'baseline GB/s':>15}{'ratio':>7}  baseline / note"]
+             f"{'check':<{w}}{'kvstore GB/s':>13}{'baseline GB/s':>15}{'ratio':>7}  baseline / note"]
     for row in result["rows"]:
-        if "skipped" in row:
-            lines.append(f"{row['check']:<28}{'-':>13}{'-':>15}{'-':>7}  skipped: {row['skipped']}")
-            continue
-        flag = "" if row["ratio"] >= TARGET else f"  (< {TARGET}x target)"
-        bad = "" if row["bytes_ok"] else "  BYTES WRONG"
-        lines.append(f"{row['check']:<28}{row['store_gbps']:>13.2f}{row['baseline_gbps']:>15.2f}"
-                     f"{row['ratio']:>7.2f}  {row['baseline']}{flag}{bad}")
+        head = f"{row['check']:<{w}}"
+        if "failed" in row:
+            lines.append(f"{head}{'-':>13}{'-':>15}{'-':>7}  FAILED: {row['failed']} ({row.get('where', '?')})")
+        elif "skipped" in row:
+            lines.append(f"{head}{'-':>13}{'-':>15}{'-':>7}  skipped: {row['skipped']}")
+        elif "ratio" not in row:
+            lines.append(f"{head}{'-':>13}{'-':>15}{'-':>7}  {'ok' if row['bytes_ok'] else 'FAIL'}: {row['note']}")
+        else:
+            flag = "" if row["ratio"] >= TARGET else f"  (< {TARGET}x target)"
+            bad = "" if row["bytes_ok"] else "  BYTES WRONG"
+            lines.append(f"{head}{row['store_gbps']:>13.2f}{row['baseline_gbps']:>15.2f}"
+                         f"{row['ratio']:>7.2f}  {row['baseline']}{flag}{bad}")
     return "\n".join(lines)
 
 
@@ -340,18 +369,15 @@ def main(argv: list[str] | None = None) -> int:
               "block_bytes": block, "blocks": n, "target_ratio": TARGET, "rows": []}
     result["conformance"] = ({"passed": True, "summary": "skipped (--skip-tests)", "device": str(dev)}
                              if args.skip_tests else conformance(dev))
-    result["rows"] += store_transfers(dev, block, n, rounds)
     with tempfile.TemporaryDirectory(prefix="kvstore-gpucheck-") as workdir:
-        if cuda:
-            result["rows"] += kvikio_io(dev, block, n, rounds, workdir)
-        else:
-            result["rows"].append({"check": "kvikio read/write", "skipped": "no CUDA device (kvikio needs a GPU)"})
-    result["rows"] += paged(dev, rounds, args.quick)
+        ctx = Context(dev=dev, block=block, n=n, rounds=rounds, quick=args.quick, workdir=workdir)
+        result["rows"] = run_checks(ctx)
+    result["passed"] = result["conformance"]["passed"] and all(passed(r) for r in result["rows"])
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2))
     print(table(result))
     print(f"wrote {args.out}")
-    return 0 if result["conformance"]["passed"] and all(r.get("bytes_ok", True) for r in result["rows"]) else 1
+    return 0 if result["passed"] else 1
 
 
 if __name__ == "__main__":
