@@ -1,0 +1,73 @@
+"""Tiers on distributed engines against those engines' own clients, side by side in one
+run (issue 21, "Measured"): each path contributes rows of one batch put and got through
+the kvstore tier and through the raw client on the same server or pool.
+
+    python -m benchmarks.cluster [--paths redis,mooncake] [--block-kib 1024] [--blocks 64] [--repeat 7]
+
+Paths (each a ``rows`` function returning a list of dicts with ``path, op, block_bytes,
+blocks, kvstore_gbps, baseline, baseline_gbps, ratio``; add a path by adding one):
+- ``redis``: the redis tier vs raw redis-py pipelines, standalone and a 3-master Cluster
+  (``benchmarks/_cluster_redis.py``; needs redis-server, scripts/deps/25-redis.sh);
+- ``mooncake``: the mooncake tier vs Mooncake's Python client on one pool
+  (``benchmarks/_cluster_mooncake.py``; needs the Mooncake wheel).
+
+Target: ratio (raw time / tier time) >= 0.9 for every row. Prints one table and writes
+benchmarks/results/cluster.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from benchmarks._common import print_table, write_json  # noqa: E402
+
+
+def _redis(block_bytes: int, blocks: int, repeat: int) -> list[dict]:
+    from benchmarks._cluster_redis import redis_rows
+
+    return redis_rows(block_bytes, blocks, repeat)
+
+
+def _mooncake(block_bytes: int, blocks: int, repeat: int) -> list[dict]:
+    from benchmarks._cluster_mooncake import mooncake_rows
+
+    return mooncake_rows(block_bytes, blocks, repeat)
+
+
+PATHS = {"redis": _redis, "mooncake": _mooncake}
+TARGET = 0.9
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--paths", default="redis,mooncake", help="comma-separated: " + ", ".join(PATHS))
+    ap.add_argument("--block-kib", type=int, default=1024)
+    ap.add_argument("--blocks", type=int, default=64)
+    ap.add_argument("--repeat", type=int, default=7)
+    args = ap.parse_args(argv)
+    rows: list[dict] = []
+    skipped: dict[str, str] = {}
+    for name in args.paths.split(","):
+        if name not in PATHS:
+            ap.error(f"unknown path {name!r}; choose from {', '.join(PATHS)}")
+        try:
+            rows += PATHS[name](args.block_kib << 10, args.blocks, args.repeat)
+        except ImportError as exc:   # a peer that is not installed here: said, never silent
+            skipped[name] = f"{type(exc).__name__}: {exc}"
+            print(f"{name}: skipped ({skipped[name]})")
+    print_table(["path", "op", "kvstore GB/s", "baseline", "baseline GB/s", "ratio", "target"],
+                [[r["path"], r["op"], r["kvstore_gbps"], r["baseline"], r["baseline_gbps"], r["ratio"],
+                  "ok" if r["ratio"] >= TARGET else f"< {TARGET}"] for r in rows])
+    path = write_json("cluster", {"command": "python -m benchmarks.cluster " + " ".join(argv or sys.argv[1:]),
+                                  "target_ratio": TARGET, "rows": rows, "skipped": skipped})
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
