@@ -23,6 +23,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
+from kvstore.hint import Hint
 from kvstore.keys import BlockKey, Namespace
 
 
@@ -214,6 +215,7 @@ class Transfer:
     request_id: int
     block_id: int
     content: bytes
+    hint: Hint | None = None   # saves: from the block's retention priority (trtllm.retention_hint)
 
 
 @dataclass
@@ -260,6 +262,7 @@ class RequestState:
     block_ids: list[int] = field(default_factory=list)
     content: list[bytes] = field(default_factory=list)
     saved_upto: int = 0        # blocks below this are stored (or being stored)
+    priorities: list[int | None] = field(default_factory=list)   # per block, as TensorRT-LLM reports them
     saves_scheduled: bool = False
 
     def content_upto(self, scheme: KeyScheme, n_blocks: int) -> list[bytes]:

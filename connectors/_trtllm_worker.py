@@ -139,17 +139,17 @@ class KVStoreConnectorWorker(KvCacheConnectorWorker):
         self._reap()
         if self.layout.mla and self.rank != 0:
             return
-        by_request: dict[int, list[Transfer]] = {}
+        by_request: dict[tuple, list[Transfer]] = {}
         for t in meta.saves:
-            by_request.setdefault(t.request_id, []).append(t)
-        for request_id, transfers in by_request.items():
+            by_request.setdefault((t.request_id, t.hint), []).append(t)
+        for (request_id, hint), transfers in by_request.items():
             bufs = self.staging.take(self.layout.block_nbytes, len(transfers))
             if bufs is None:
                 self.metrics.add("dropped_saves", len(transfers))
                 continue
             srcs = [self.kv_cache[t.block_id] for t in transfers]
             event = self._copy_out(stream, srcs, bufs)
-            self._saves.setdefault(request_id, []).append(self._submit_save(self._keys(transfers), bufs, event))
+            self._saves.setdefault(request_id, []).append(self._submit_save(self._keys(transfers), bufs, event, hint))
 
     def _copy_out(self, stream: Any, srcs: list, bufs: list) -> Any:
         import torch
@@ -160,18 +160,18 @@ class KVStoreConnectorWorker(KvCacheConnectorWorker):
             event = record_event(stream, srcs)
         return event
 
-    def _submit_save(self, keys: list, bufs: list, event: Any) -> Future:
+    def _submit_save(self, keys: list, bufs: list, event: Any, hint: Any = None) -> Future:
         def run() -> list[bool]:
             try:
                 if event is not None:
                     event.synchronize()
-                return list(self.store.save(keys, bufs).result())
+                return list(self.store.save(keys, bufs, hint=hint).result())
             finally:
                 self.staging.give(bufs)
 
         if event is None:              # the copy is done (host tensors): no thread needed
             try:
-                future = self.store.save(keys, bufs)
+                future = self.store.save(keys, bufs, hint=hint)
             except STORE_FAILURES as exc:
                 self.staging.give(bufs)
                 failed: Future = Future()

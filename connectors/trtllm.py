@@ -44,6 +44,7 @@ from connectors._trtllm_plan import (LOCAL, ConnectorMeta, HostStaging, LoadGrou
                                      RequestState, Transfer)
 from connectors._trtllm_worker import KVStoreConnectorWorker
 from kvstore.errors import BufferSizeError
+from kvstore.hint import Hint
 
 log = logging.getLogger(__name__)
 
@@ -178,6 +179,7 @@ class KVStoreConnectorScheduler(KvCacheConnectorScheduler):
             state = self._requests[rid] = RequestState(salt=getattr(data, "cache_salt", None))
             state.tokens = list(data.new_tokens)
             state.block_ids = list(data.new_block_ids) or self._allocated.get(rid, [])
+            state.priorities = _priorities(data, len(state.block_ids))
             external = 0
             if pending is not None:
                 external = self._plan_load(meta, rid, state, pending)
@@ -188,6 +190,7 @@ class KVStoreConnectorScheduler(KvCacheConnectorScheduler):
                 continue
             state.tokens.extend(data.new_tokens)
             state.block_ids.extend(data.new_block_ids)
+            state.priorities.extend(_priorities(data, len(data.new_block_ids)))
             self._plan_saves(meta, data.request_id, state, data.computed_position + data.num_scheduled_tokens)
         return meta
 
@@ -230,7 +233,9 @@ class KVStoreConnectorScheduler(KvCacheConnectorScheduler):
         content = state.content_upto(self.scheme, full)
         for idx in range(state.saved_upto, full):
             if state.block_ids[idx] >= 0:
-                meta.saves.append(Transfer(request_id, state.block_ids[idx], content[idx]))
+                priority = state.priorities[idx] if idx < len(state.priorities) else None
+                meta.saves.append(Transfer(request_id, state.block_ids[idx], content[idx],
+                                           retention_hint(priority)))
         state.saved_upto = full
         state.saves_scheduled = True
 
@@ -274,5 +279,28 @@ class KVStoreConnectorScheduler(KvCacheConnectorScheduler):
     shutdown = close
 
 
-__all__ = ["ConnectorMeta", "KVStoreConnectorScheduler", "KVStoreConnectorWorker", "STAGING_BYTES", "acquire_store",
-           "release_store"]
+# TensorRT-LLM's retention priorities run 0..100; a block without a retention config
+# has 35 (KvCacheRetentionConfig's default). Higher is evicted later, as in kvstore.
+DEFAULT_RETENTION_PRIORITY = 35
+
+
+def retention_hint(priority: int | None) -> Hint | None:
+    """kvstore's hint for a block of TensorRT-LLM retention ``priority``: above the
+    default, a hint of priority ``priority - 35`` without expiry (the connector API
+    reports priorities per block, not the config's ``duration_ms``); at or below it,
+    none (kvstore has no class between unhinted and one-shot ``discard``)."""
+    if priority is None or priority <= DEFAULT_RETENTION_PRIORITY:
+        return None
+    return Hint(None, int(priority) - DEFAULT_RETENTION_PRIORITY)
+
+
+def _priorities(data: Any, count: int) -> list[int | None]:
+    """The retention priority of each of ``data``'s new blocks: ``RequestData.priorities``
+    (TensorRT-LLM fills it from the request's ``KvCacheRetentionConfig`` on KV cache
+    manager V1; ``None`` without one, or on V2)."""
+    given = getattr(data, "priorities", None) or []
+    return [int(p) if p is not None else None for p in given[:count]] + [None] * (count - len(given))
+
+
+__all__ = ["ConnectorMeta", "DEFAULT_RETENTION_PRIORITY", "KVStoreConnectorScheduler", "KVStoreConnectorWorker",
+           "STAGING_BYTES", "acquire_store", "release_store", "retention_hint"]

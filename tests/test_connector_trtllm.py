@@ -125,9 +125,11 @@ class MiniEngine:
             w.wait_for_save(stream)
             w._clear_connector_meta()
 
-    def prefill(self, req, device_matched: int = 0, accept: int | None = None, stream=None) -> int:
+    def prefill(self, req, device_matched: int = 0, accept: int | None = None, stream=None,
+                priorities: list[int] | None = None) -> int:
         """``accept``: tokens the runtime takes of the offer (KVCacheManagerV2 reports a
-        shorter honour through ``cancel_load``); by default all of it."""
+        shorter honour through ``cancel_load``); by default all of it. ``priorities``:
+        per block, what TensorRT-LLM derives from the request's KvCacheRetentionConfig."""
         tokens = req.get_tokens(0)
         matched, is_async = self.scheduler.get_num_new_matched_tokens(req, device_matched)
         assert is_async is False
@@ -142,13 +144,13 @@ class MiniEngine:
         self.scheduler.update_state_after_alloc(req, blocks)
         data = standin.RequestData(req.request_id, list(tokens), list(blocks), computed_position=device_matched,
                                    num_scheduled_tokens=len(tokens) - device_matched - matched,
-                                   cache_salt=req.cache_salt)
+                                   cache_salt=req.cache_salt, priorities=priorities)
         meta = self.scheduler.build_connector_meta(standin.SchedulerOutput(new_requests=[data]))
         self.last_meta = meta
         self._forward(meta, req, device_matched + matched, len(tokens), stream)
         return matched
 
-    def decode(self, req, token: int) -> None:
+    def decode(self, req, token: int, priority: int | None = None) -> None:
         req.add_new_token(token, 0)
         tokens = req.get_tokens(0)
         new_blocks = []
@@ -156,7 +158,8 @@ class MiniEngine:
             new_blocks = [self.free.pop(0)]
             self.blocks[req.request_id] += new_blocks
         data = standin.RequestData(req.request_id, [token], new_blocks, computed_position=len(tokens) - 1,
-                                   num_scheduled_tokens=1)
+                                   num_scheduled_tokens=1,
+                                   priorities=[priority] * len(new_blocks) if priority is not None else None)
         meta = self.scheduler.build_connector_meta(standin.SchedulerOutput(cached_requests=[data]))
         self._forward(meta, req, len(tokens) - 1, len(tokens))
 
