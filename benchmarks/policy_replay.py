@@ -21,6 +21,11 @@ Belady's offline optimum for prefix hits runs in the same replay
 ``--ttl-bound`` adds an offline estimate of how far any policy that ranks blocks only
 by reference count and recency can get (see :func:`count_ttl_bound`).
 
+``--hints`` replays instead LRU with simulated client retention hints ("this
+conversation continues") at precision/recall 1.0, 0.8, 0.6 and a wrong-hint client at
+precision 0.3, at 1%, 5% and 25% of the distinct blocks, beside LRU and Belady
+(``benchmarks/_policy_hints.py``; writes ``policy_replay_hints.json``).
+
 ``--synthetic`` adds a seeded synthetic workload (Zipf-popular shared system prompts,
 multi-turn conversations that extend their own previous prompt, one-off requests) to
 show whether a policy's gain carries over to a trace it was not designed on.
@@ -171,7 +176,9 @@ def count_ttl_bound(trace: Trace, capacity_blocks: int) -> float:
     return hits / refs if refs else 0.0
 
 
-def synthetic_trace(seed: int, num_requests: int = 12000) -> list[list[int]]:
+def synthetic_trace(seed: int, num_requests: int = 12000, *, conversation_share: float = 0.45,
+                    return_p: float = 0.6, think_mean: float = 400, zipf_s: float = 1.1,
+                    num_prompts: int = 64) -> list[list[int]]:
     """A seeded conversation workload with the structure of the real one.
 
     - 64 shared system prompts of 1-8 blocks, chosen by Zipf popularity (s = 1.1);
@@ -180,12 +187,15 @@ def synthetic_trace(seed: int, num_requests: int = 12000) -> list[list[int]]:
       (mean 400 arrivals), extending its previous request by 1-12 blocks. As in the
       real trace a request's last block is partial, so the next turn re-hashes it;
     - the other arrivals are one-off requests: prompt + 1-60 new blocks.
+
+    The keyword arguments change those figures (:data:`SECOND_TRACE`: a workload with
+    other statistics, to check a policy's gain is not tuned to one trace).
     """
     rng = random.Random(seed)
     next_id = iter(range(1, 1 << 62))
-    prompt_ranks = range(1, 65)
+    prompt_ranks = range(1, num_prompts + 1)
     prompts = [[next(next_id) for _ in range(rng.randint(1, 8))] for _ in prompt_ranks]
-    weights = [1.0 / rank ** 1.1 for rank in prompt_ranks]
+    weights = [1.0 / rank ** zipf_s for rank in prompt_ranks]
     returning: list[tuple[float, int, list[int]]] = []  # (due arrival, tiebreak, ids)
     requests: list[list[int]] = []
     for arrival in range(num_requests):
@@ -194,17 +204,23 @@ def synthetic_trace(seed: int, num_requests: int = 12000) -> list[list[int]]:
             ids = previous[:-1] + [next(next_id) for _ in range(1 + rng.randint(1, 12))]
         else:
             prompt = rng.choices(prompts, weights)[0]
-            conversation = rng.random() < 0.45
+            conversation = rng.random() < conversation_share
             length = rng.randint(1, 30) if conversation else rng.randint(1, 60)
             ids = [0] + prompt + [next(next_id) for _ in range(length)]
             if not conversation:
                 requests.append(ids)
                 continue
         requests.append(ids)
-        if rng.random() < 0.6:
-            due = arrival + 1 + rng.expovariate(1 / 400)
+        if rng.random() < return_p:
+            due = arrival + 1 + rng.expovariate(1 / think_mean)
             heapq.heappush(returning, (due, arrival, ids))
     return requests
+
+
+# A second synthetic workload with other statistics: more, shorter-lived conversations
+# that come back more often and sooner, and a flatter spread over four times the prompts.
+SECOND_TRACE = {"conversation_share": 0.7, "return_p": 0.75, "think_mean": 120, "zipf_s": 0.8,
+                "num_prompts": 256}
 
 
 def run(traces: dict[str, list[list[int]]], policies: Sequence[str],
@@ -287,17 +303,36 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--synthetic", action="store_true", help="also replay a seeded synthetic trace")
     parser.add_argument("--seed", type=int, default=1, help="seed of the synthetic trace")
     parser.add_argument("--policies", default=",".join(EVICTION_NAMES), help="comma-separated names")
-    parser.add_argument("--capacities", default=",".join(map(str, CAPACITY_FRACTIONS)),
-                        help="comma-separated fractions of the distinct blocks")
+    parser.add_argument("--capacities", default=None,
+                        help="comma-separated fractions of the distinct blocks (default "
+                             f"{','.join(map(str, CAPACITY_FRACTIONS))}; with --hints 0.01,0.05,0.25)")
     parser.add_argument("--ttl-bound", action="store_true",
                         help="also estimate the best count-and-recency policy (column ttl-cls)")
     parser.add_argument("--through-store", default="",
                         help="comma-separated policies to replay through a real Store as well")
+    parser.add_argument("--hints", action="store_true",
+                        help="instead: LRU with simulated client retention hints at several accuracies "
+                             "(benchmarks/_policy_hints.py), through a real Store")
+    parser.add_argument("--hint-retain-s", type=float, default=600.0,
+                        help="the retain_s a hinting client sends (default 600)")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="directory for JSON and PNG")
     args = parser.parse_args(argv)
+    command = " ".join(["python", "-m", "benchmarks.policy_replay", *(argv or sys.argv[1:])])
+    if args.hints:
+        from benchmarks._policy_hints import hints_table, load_timed_trace, run_hints
+
+        requests, times = load_timed_trace(args.trace, args.requests)
+        fractions = [float(f) for f in (args.capacities or "0.01,0.05,0.25").split(",") if f]
+        results = run_hints(requests, times, args.hint_retain_s, args.seed, fractions)
+        results["command"] = command
+        print(hints_table(results))
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "policy_replay_hints.json").write_text(json.dumps(results, indent=2) + "\n")
+        print(f"wrote {args.out / 'policy_replay_hints.json'}")
+        return 0
 
     policies = [name for name in args.policies.split(",") if name]
-    fractions = [float(f) for f in args.capacities.split(",") if f]
+    fractions = [float(f) for f in (args.capacities or ",".join(map(str, CAPACITY_FRACTIONS))).split(",") if f]
     traces = {args.trace.stem: load_trace(args.trace, args.requests)}
     if args.synthetic:
         traces["synthetic"] = synthetic_trace(args.seed, args.requests or 12000)
@@ -305,7 +340,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     bounds = ["belady", "ttl-cls"] if args.ttl_bound else ["belady"]
     bounds += [f"store:{name}" for name in args.through_store.split(",") if name]
     results = run(traces, policies, fractions, bounds)
-    results["command"] = " ".join(["python", "benchmarks/policy_replay.py", *(argv or sys.argv[1:])])
+    results["command"] = command
     print(table(results))
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "policy_replay.json").write_text(json.dumps(results, indent=2) + "\n")

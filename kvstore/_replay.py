@@ -64,31 +64,40 @@ class ReplayResult:
 
 
 def replay_store(config: Any, trace: Trace, saves: Sequence[bool] | None = None,
-                 on_request: Callable[[], None] | None = None) -> ReplayResult:
+                 on_request: Callable[[], None] | None = None, *, hints: Sequence[Any] | None = None,
+                 times_s: Sequence[float] | None = None) -> ReplayResult:
     """Replay ``trace`` through a real :class:`~kvstore.store.Store` built from
     ``config`` (a dict or StoreConfig whose blocks are :data:`PAYLOAD_BYTES` each).
     ``saves[i]`` marks request ``i`` as a bare save (stored, not looked up, not counted).
-    ``on_request`` is called after each request (a progress bar)."""
+    ``hints[i]`` (a :class:`kvstore.Hint` or ``None``) goes with request ``i``'s lookup
+    and save, as a client would send it; ``times_s[i]`` is its arrival time, which the
+    Store's clock (lease and hint expiry) follows. ``on_request`` is called after each
+    request (a progress bar)."""
     import numpy as np
 
+    from kvstore.config import load_config
     from kvstore.store import Store
 
     longest = max(map(len, trace), default=1)
     srcs = [np.zeros(PAYLOAD_BYTES, np.uint8)] * longest
     dsts = [np.empty(PAYLOAD_BYTES, np.uint8) for _ in range(longest)]
     result = ReplayResult()
-    with Store.from_config(config) as store:
+    now = [0.0]
+    with Store(load_config(config), clock=lambda: now[0]) as store:
         for index, keys in enumerate(trace):
+            hint = hints[index] if hints is not None else None
+            if times_s is not None:
+                now[0] = times_s[index]
             if saves is not None and saves[index]:
-                store.save(keys, srcs[:len(keys)]).result()
+                store.save(keys, srcs[:len(keys)], hint=hint).result()
             else:
                 result.refs += len(keys)
-                hit = store.lookup(keys)
+                hit = store.lookup(keys, hint=hint)
                 result.hits += hit
                 if hit:
                     store.load(keys[:hit], dsts[:hit]).result()
                 if hit < len(keys):
-                    store.save(keys[hit:], srcs[:len(keys) - hit]).result()
+                    store.save(keys[hit:], srcs[:len(keys) - hit], hint=hint).result()
             if on_request is not None:
                 on_request()
         tiers = store.stats()["tiers"]
