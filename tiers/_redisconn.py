@@ -12,16 +12,20 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, Sequence
+from concurrent.futures import Executor
+from typing import Any, Callable, Sequence
 from urllib.parse import unquote, urlsplit
 
 import redis
 from redis.cluster import ClusterNode, RedisCluster
 from redis.exceptions import AuthenticationError, NoPermissionError, RedisError, ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from kvstore.errors import ConfigError
+from tiers import _redisio as rio
 
 log = logging.getLogger(__name__)
+FAULTS = (OSError, RedisError, rio.ProtocolViolation)   # a node or connection failed
 _SCHEMES = {"redis": False, "valkey": False, "rediss": True, "valkeys": True}
 
 
@@ -108,6 +112,10 @@ def startup_error(s: RedisSettings, exc: BaseException) -> ConfigError:
     return ConfigError(f"{field}.{key}: cannot use {s.where}: {text}")
 
 
+class Fault(Exception):
+    """A node group's batch failed as a whole (connection, timeout, uncovered slot)."""
+
+
 class Endpoints:
     """The servers behind the tier: one standalone server, or a Cluster's primaries.
 
@@ -176,6 +184,51 @@ class Endpoints:
                 group = groups[node.name] = (cluster.get_redis_connection(node).connection_pool, [])
             group[1].append(i)
         return groups
+
+    def run(self, names: Sequence[bytes], build: Callable[[int], list], parse: Callable[[Any, int], Any],
+            pool: Executor) -> list[Any]:
+        """One pipelined batch: per index, ``parse``'s outcome, or a :class:`Fault` where
+        that key's node failed. Each node's keys go in one pipeline on one pooled
+        connection (``build(i)``: the request pieces of key ``i``), the nodes in parallel
+        on ``pool``. A dropped connection is retried on a fresh one (``max_attempts`` in
+        all), a timeout is not."""
+        try:
+            groups = self.route(names)
+        except FAULTS as exc:  # an uncovered slot: failover in progress
+            return [Fault(f"{type(exc).__name__}: {exc}")] * len(names)
+        out: list[Any] = [None] * len(names)
+        attempts = self.settings.max_attempts
+
+        def one(conns: Any, idx: list[int]) -> None:
+            for attempt in range(attempts):
+                try:
+                    conn = conns.get_connection()
+                except FAULTS as exc:
+                    fault: BaseException = exc
+                else:
+                    try:
+                        got = rio.run_batch(conn, [p for i in idx for p in build(i)],
+                                            lambda r: [parse(r, i) for i in idx])
+                    except FAULTS as exc:
+                        fault = exc
+                    else:
+                        for i, o in zip(idx, got):
+                            out[i] = o
+                        return
+                    finally:
+                        conns.release(conn)
+                if isinstance(fault, (TimeoutError, RedisTimeoutError)):
+                    break
+            marker = Fault(f"{type(fault).__name__}: {fault}")
+            for i in idx:
+                out[i] = marker
+
+        work = list(groups.values())
+        if len(work) == 1:
+            one(*work[0])
+        else:
+            list(pool.map(lambda g: one(*g), work))
+        return out
 
     def primaries(self) -> list[redis.Redis]:
         """A client per server holding data (SCAN runs on each)."""

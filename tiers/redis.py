@@ -37,7 +37,6 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
-from redis.exceptions import RedisError, TimeoutError as RedisTimeoutError
 
 from kvstore.block import EXT_HEADER_BYTES, encode_ext_header
 from kvstore.buffers import copy_bytes, host_view, is_device, nbytes_of
@@ -45,7 +44,7 @@ from kvstore.errors import (BufferSizeError, ConfigError, CorruptBlockError, Inv
                             TierUnavailableError)
 from kvstore.keys import BlockKey
 from tiers import _redisio as rio
-from tiers._redisconn import Endpoints, RedisSettings, startup_error
+from tiers._redisconn import FAULTS, Endpoints, Fault, RedisSettings, startup_error
 from tiers._redisrecover import NO_NAMESPACE, check_header, header_requests, parse_name, read_header_replies
 from tiers._s3health import Health
 from tiers.base import RecoveredBlock, Tier, TierCapabilities
@@ -53,17 +52,12 @@ from tiers.base import RecoveredBlock, Tier, TierCapabilities
 log = logging.getLogger(__name__)
 # Reply errors that mean "this node cannot serve the key right now", not a broken request.
 _UNAVAILABLE = {"MOVED", "ASK", "CLUSTERDOWN", "TRYAGAIN", "LOADING", "MASTERDOWN", "READONLY", "BUSY"}
-_FAULTS = (OSError, RedisError, rio.ProtocolViolation)
 
 
 @dataclass
 class _Entry:
     key: BlockKey
     nbytes: int
-
-
-class _Fault(Exception):
-    """A node group's batch failed as a whole (connection, timeout, uncovered slot)."""
 
 
 class RedisTier(Tier):
@@ -102,7 +96,6 @@ class RedisTier(Tier):
         except BaseException:
             self._endpoints.close()
             raise
-        self._max_attempts = max_attempts
         self._health = Health(name, self._endpoints.probe)
         self._pool = ThreadPoolExecutor(concurrency, thread_name_prefix=f"kvstore-{name}")
         self._local = threading.local()
@@ -127,7 +120,7 @@ class RedisTier(Tier):
             replies = rio.run_batch(conn, requests, lambda r: [r.reply() for _ in requests])
             for client in self._endpoints.primaries():
                 client.scan(0, match=f"{self.prefix}:*", count=1)
-        except _FAULTS as exc:
+        except FAULTS as exc:
             raise startup_error(self._settings, exc) from exc
         finally:
             pool.release(conn)
@@ -162,52 +155,15 @@ class RedisTier(Tier):
 
     def _run(self, names: Sequence[bytes], build: Callable[[int], list], parse: Callable[[rio.Reader, int], Any]
              ) -> list[Any]:
-        """Per index: ``parse``'s outcome, or a :class:`_Fault` where that key's node failed.
-        Each node's keys go in one pipeline; a dropped connection is retried on a fresh one
-        (``max_attempts`` in all), a timeout is not."""
+        """Per index: ``parse``'s outcome, or a :class:`Fault` where that key's node failed."""
         self._health.check()
-        try:
-            groups = self._endpoints.route(names)
-        except _FAULTS as exc:  # an uncovered slot: failover in progress
-            return [_Fault(f"{type(exc).__name__}: {exc}")] * len(names)
-        out: list[Any] = [None] * len(names)
-
-        def one(pool: Any, idx: list[int]) -> None:
-            for attempt in range(self._max_attempts):
-                try:
-                    conn = pool.get_connection()
-                except _FAULTS as exc:
-                    fault: BaseException = exc
-                else:
-                    try:
-                        got = rio.run_batch(conn, [p for i in idx for p in build(i)],
-                                            lambda r: [parse(r, i) for i in idx])
-                    except _FAULTS as exc:
-                        fault = exc
-                    else:
-                        for i, o in zip(idx, got):
-                            out[i] = o
-                        return
-                    finally:
-                        pool.release(conn)
-                if isinstance(fault, (TimeoutError, RedisTimeoutError)) or attempt + 1 == self._max_attempts:
-                    break
-            marker = _Fault(f"{type(fault).__name__}: {fault}")
-            for i in idx:
-                out[i] = marker
-
-        work = list(groups.values())
-        if len(work) == 1:
-            one(*work[0])
-        else:
-            list(self._pool.map(lambda g: one(*g), work))
-        return out
+        return self._endpoints.run(names, build, parse, self._pool)
 
     def _raise_faults(self, outcomes: Sequence[Any]) -> None:
         """Count and raise the batch's faults (node down, failover): the Store turns
         :class:`TierUnavailableError` into misses; the probe brings the tier back."""
         faults = {id(o): o for o in outcomes
-                  if isinstance(o, _Fault) or (isinstance(o, rio.ReplyError) and o.kind in _UNAVAILABLE)}
+                  if isinstance(o, Fault) or (isinstance(o, rio.ReplyError) and o.kind in _UNAVAILABLE)}
         if not faults:
             return
         first = next(iter(faults.values()))
@@ -411,7 +367,7 @@ class RedisTier(Tier):
                     key = parse_name(self.prefix, name)
                     if key is not None:
                         yield key
-        except _FAULTS as exc:
+        except FAULTS as exc:
             self._health.failed(exc)
             raise TierUnavailableError(f"SCAN failed: {type(exc).__name__}: {exc}", tier=self.name) from exc
 
