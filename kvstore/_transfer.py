@@ -99,6 +99,8 @@ def _side(buf: Any, *, writable: bool):
     """One side of a copy: a flat ``uint8`` tensor for torch buffers (host or device),
     a flat ``uint8`` numpy view for every other host buffer. No copy."""
     if is_torch(buf):
+        if buf.dtype is _torch().uint8 and buf.dim() == 1 and buf.is_contiguous():
+            return buf          # already a flat byte view (uint8 never carries autograd)
         return device_view(buf)
     return host_view(buf, writable=writable)
 
@@ -119,19 +121,22 @@ def _np(side) -> np.ndarray:
     return side if isinstance(side, np.ndarray) else side.numpy()
 
 
-def _extent(side) -> tuple[Any, int, int] | None:
-    """Where a side lies: (its allocation, start offset in it, the allocation's size),
-    or None where that is unknown (it is then never merged with a neighbour)."""
+def _address(side) -> int:
+    return side.__array_interface__["data"][0] if isinstance(side, np.ndarray) else side.data_ptr()
+
+
+def _allocation_end(side) -> int | None:
+    """The end address of the allocation holding ``side`` (one tensor storage, one host
+    array's memory), or None where that is unknown (the side then never grows)."""
     if isinstance(side, np.ndarray):
         root = side
         while isinstance(root.base, np.ndarray):
             root = root.base
         if not (root.flags.c_contiguous or root.flags.f_contiguous):
             return None
-        start = side.__array_interface__["data"][0] - root.__array_interface__["data"][0]
-        return id(root), start, root.nbytes   # root is alive while ``side`` is
+        return root.__array_interface__["data"][0] + root.nbytes
     storage = side.untyped_storage()
-    return (side.device, storage.data_ptr()), side.storage_offset(), storage.nbytes()
+    return storage.data_ptr() + storage.nbytes()
 
 
 def _span(first, nbytes: int):
@@ -142,22 +147,27 @@ def _span(first, nbytes: int):
 
 
 class _Run:
-    """Copies of one route whose ranges continue each other on both sides."""
+    """Copies of one route whose ranges continue each other on both sides. Addresses are
+    unique across host and devices (CUDA's unified addressing), so a range that starts
+    where the run ends and stays inside the allocation of the run's first copy is the
+    same memory as the run's extension."""
 
-    __slots__ = ("route", "dst", "src", "nbytes", "parts", "dst_at", "src_at")
+    __slots__ = ("route", "dst", "src", "nbytes", "parts", "dst_at", "src_at", "ends")
 
-    def __init__(self, route: str, dst, src, nbytes: int, dst_at, src_at) -> None:
+    def __init__(self, route: str, dst, src, nbytes: int, dst_at: int, src_at: int) -> None:
         self.route, self.dst, self.src, self.nbytes, self.parts = route, dst, src, nbytes, 1
         self.dst_at, self.src_at = dst_at, src_at
+        self.ends: tuple[int | None, int | None] | None = None     # found on the first candidate
 
-    def extend(self, route: str, nbytes: int, dst_at, src_at) -> bool:
+    def extend(self, route: str, nbytes: int, dst_at: int, src_at: int) -> bool:
         """Take the next copy in if it starts where this run ends, on both sides."""
-        a, b = self.dst_at, self.src_at
-        if (route != self.route or a is None or b is None or dst_at is None or src_at is None
-                or a[0] == b[0]                                   # within one buffer: keep order
-                or dst_at[0] != a[0] or src_at[0] != b[0]
-                or dst_at[1] != a[1] + self.nbytes or src_at[1] != b[1] + self.nbytes
-                or dst_at[1] + nbytes > a[2] or src_at[1] + nbytes > b[2]):
+        if route != self.route or dst_at != self.dst_at + self.nbytes or src_at != self.src_at + self.nbytes:
+            return False
+        if self.ends is None:
+            self.ends = (_allocation_end(self.dst), _allocation_end(self.src))
+        dst_end, src_end = self.ends
+        if (dst_end is None or src_end is None or dst_end == src_end    # within one buffer: keep order
+                or dst_at + nbytes > dst_end or src_at + nbytes > src_end):
             return False
         self.nbytes += nbytes
         self.parts += 1
@@ -263,7 +273,7 @@ class _Batch:
             return
         self._counts["bytes"] += n
         route = self._copier._route(d, s, pinned)
-        d_at, s_at = _extent(d), _extent(s)
+        d_at, s_at = _address(d), _address(s)
         run = self._run
         if run is not None and run.extend(route, n, d_at, s_at):
             self._counts["merged_copies"] += 1

@@ -155,12 +155,15 @@ def test_runs_break_where_either_side_is_not_adjacent(rt):
     assert np.array_equal(dev.numpy()[:4 * BLOCK], np.concatenate(separate))
 
     rt.log.clear()
-    a, z = torch.zeros(BLOCK, dtype=torch.uint8), torch.zeros(BLOCK, dtype=torch.uint8)
-    with c.batch() as b:                        # adjacent addresses are not enough: other tensors
-        b.copy(a, host[blk[0]])
-        b.copy(z, host[blk[1]])
+    whole = np.zeros(2 * BLOCK, np.uint8)          # two arrays over adjacent memory, each its own
+    first = np.frombuffer(memoryview(whole)[:BLOCK], np.uint8)      # allocation as far as the
+    second = np.frombuffer(memoryview(whole)[BLOCK:], np.uint8)     # copier can tell: not merged
+    assert second.ctypes.data == first.ctypes.data + BLOCK
+    with c.batch() as b:
+        b.copy(first, dev[blk[0]])
+        b.copy(second, dev[blk[1]])
     assert len(rt.copies()) == 2
-    assert np.array_equal(torch.cat([a, z]).numpy(), host[:2 * BLOCK])
+    assert np.array_equal(whole, dev.numpy()[:2 * BLOCK])
 
 
 def test_merged_staged_copies_fill_the_ring_chunks(rt):
