@@ -76,8 +76,11 @@ class _PutPlan:
 class TierMovement:
     """Tier-to-tier block movement for the Store (see the module docstring)."""
 
-    def _put(self, i: int, keys: list[BlockKey], srcs: list[Any]) -> list[bool]:
-        """Store blocks into level ``i``, evicting (and spilling) to make room."""
+    def _put(self, i: int, keys: list[BlockKey], srcs: list[Any],
+             checksums: list[int | None] | None = None) -> list[bool]:
+        """Store blocks into level ``i``, evicting (and spilling) to make room.
+        ``checksums``: the XXH3-64 each source was stored with in the tier it comes
+        from, kept by a tier that takes them (``write_checksums``) instead of a re-hash."""
         lvl = self._levels[i]
         sizes = [nbytes_of(src) for src in srcs]
         plan = self._plan_put(i, keys, sizes)
@@ -85,7 +88,9 @@ class TierMovement:
         chosen = plan.chosen
         if not chosen:
             return plan.result
-        ok = self._tier_call(lvl, "write", [keys[j] for j in chosen], [srcs[j] for j in chosen])
+        if checksums is None or not lvl.tier.capabilities.write_checksums:
+            checksums = None
+        ok = self._write(lvl, chosen, keys, srcs, checksums)
         self._unstage(i, keys, plan, ok)
         if ok is not None and not all(ok):
             # Fragmentation or a racing writer: make room for the rest once more.
@@ -95,12 +100,20 @@ class TierMovement:
                                                protect=plan.parents)
             if victims:
                 self._evict(i, victims)
-                again = self._tier_call(lvl, "write", [keys[j] for j in retry], [srcs[j] for j in retry])
+                again = self._write(lvl, retry, keys, srcs, checksums)
                 if again is not None:
                     redo = dict(zip(retry, again))
                     ok = [good or redo.get(j, False) for j, good in zip(chosen, ok)]
         self._index_put(i, keys, sizes, plan, ok)
         return plan.result
+
+    def _write(self, lvl: Level, idx: list[int], keys: list[BlockKey], srcs: list[Any],
+               checksums: list[int | None] | None) -> list[bool] | None:
+        """The tier's ``write`` of the blocks at ``idx`` (with their checksums, when given)."""
+        args = [[keys[j] for j in idx], [srcs[j] for j in idx]]
+        if checksums is not None:
+            args.append([checksums[j] for j in idx])
+        return self._tier_call(lvl, "write", *args)
 
     def _plan_put(self, i: int, keys: list[BlockKey], sizes: list[int], *, evict: bool = True) -> "_PutPlan":
         """Admission and room for new blocks in level ``i``: which to write, and the
@@ -267,9 +280,10 @@ class TierMovement:
         size = self._sizes.get(key)
         if size is None:
             return False
-        with self._levels[src].tier.view(key) as view:
+        tier = self._levels[src].tier
+        with tier.view(key) as view:   # verified by a tier that keeps checksums
             if view is not None:
-                return self._put(dst, [key], [view])[0]
+                return self._put(dst, [key], [view], tier.checksums([key]))[0]
         buf = self._staging(size)
         ok = self._tier_call(self._levels[src], "read_into", [key], [buf])
         if not ok or not ok[0]:

@@ -218,7 +218,8 @@ class Store(TierMovement, StoreHints):
                 del self._leases[key]
 
     @contextmanager
-    def borrow(self, keys: Sequence[BlockKey], *, offsets: bool = False) -> Iterator[list[Any]]:
+    def borrow(self, keys: Sequence[BlockKey], *, offsets: bool = False,
+               verify: bool = True) -> Iterator[list[Any]]:
         """Zero-copy, read-only views of blocks held in the first tier, for the cache
         server's send and shared-memory paths. Yields one entry per key: a view, or
         ``None`` where the first tier does not hold the key or cannot expose its memory
@@ -226,7 +227,10 @@ class Store(TierMovement, StoreHints):
         inside the first tier's arena instead of views (``None`` too where the tier has
         no arena), for a peer that maps the arena itself. Views are hits like a load
         (counted, recency updated, leases dropped); each stays valid, its slot never
-        reused, until the ``with`` block exits. Thread-safe; exit the block from any thread."""
+        reused, until the ``with`` block exits. Each block is verified against its
+        checksum first: one that fails is ``None`` (a miss) and dropped. ``verify=False``
+        only for a caller that sends :meth:`checksums` to a reader that verifies the bytes
+        it receives (the cache server). Thread-safe; exit the block from any thread."""
         self._check_open()
         lvl = self._levels[0]
         where = self._where
@@ -234,14 +238,19 @@ class Store(TierMovement, StoreHints):
         present = [k for k in held if k is not None]
         if offsets:
             slots = getattr(lvl.tier, "slots", None)
-            cm = slots(present) if slots is not None else nullcontext([None] * len(present))
+            cm = slots(present, verify=verify) if slots is not None else nullcontext([None] * len(present))
         else:
-            cm = lvl.tier.views(present)
+            cm = lvl.tier.views(present, verify=verify)
         with cm as got:
             it = iter(got)
             views = [next(it) if k is not None else None for k in held]
+            # indexed here but refused by the tier: dropped there as corrupt, or just evicted
+            gone = [k for k, v in zip(held, views) if k is not None and v is None]
+            gone = [k for k, there in zip(gone, lvl.tier.contains(gone)) if not there] if gone else gone
             with self._lock:
                 self._ops["loads"] += len(keys)
+                for key in gone:
+                    self._drop(key, 0)
                 counters, policy = lvl.counters, lvl.policy
                 for key, view in zip(keys, views):
                     if view is None:
@@ -272,9 +281,10 @@ class Store(TierMovement, StoreHints):
         written = 0
         for key, mask in todo:
             src = next(i for i in range(len(self._levels)) if mask >> i & 1)
-            with self._levels[src].tier.view(key) as view:
+            tier = self._levels[src].tier
+            with tier.view(key) as view:
                 if view is not None:
-                    written += bool(self._put(target, [key], [view])[0])
+                    written += bool(self._put(target, [key], [view], tier.checksums([key]))[0])
                     continue
             size = self._sizes.get(key)
             if size is None:
@@ -556,11 +566,15 @@ class Store(TierMovement, StoreHints):
 
     def _write_below(self, keys: list[BlockKey]) -> None:
         """Write-through for blocks committed into the first tier by a reservation: one
-        batch per lower tier, straight from the first tier's slots (held meanwhile)."""
-        with self._levels[0].tier.views(keys) as views:
+        batch per lower tier, straight from the first tier's slots (held meanwhile,
+        verified: a corrupt one is dropped, never written down), each with the checksum
+        it was stored with."""
+        first = self._levels[0].tier
+        with first.views(keys) as views:
             held = [(k, v) for k, v in zip(keys, views) if v is not None]
+            sums = first.checksums([k for k, _ in held])
             for i in range(1, len(self._levels)):
-                self._put(i, [k for k, _ in held], [v for _, v in held])
+                self._put(i, [k for k, _ in held], [v for _, v in held], sums)
 
     def _prefetch(self, keys: list[BlockKey], target: int) -> int:
         with self._lock:

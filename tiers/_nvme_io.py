@@ -75,9 +75,11 @@ def io_error(message: str, exc: OSError) -> TierIOError:
     return err
 
 
-def write_block(fd: int, offset: int, digest: bytes, payload: np.ndarray, flags: int = 0) -> int:
+def write_block(fd: int, offset: int, digest: bytes, payload: np.ndarray, flags: int = 0,
+                payload_checksum: int | None = None) -> int:
     """Write header page + payload at ``offset``; returns the payload's checksum (the
-    kind ``flags`` selects, see :mod:`kvstore.block`).
+    kind ``flags`` selects, see :mod:`kvstore.block`): ``payload_checksum`` when given
+    (its writer's, of that kind), else hashed here.
 
     ``payload`` is a flat ``uint8`` host view owned by the caller, read only during the
     call. Raises :class:`TierIOError` (``errno`` kept) on a failed or short write.
@@ -86,7 +88,9 @@ def write_block(fd: int, offset: int, digest: bytes, payload: np.ndarray, flags:
     n = payload.nbytes
     full = n - n % PAGE
     header = s.out
-    csum = encode_header(digest, payload, s.out_head, payload_checksum=checksum(payload, flags), flags=flags)
+    if payload_checksum is None:
+        payload_checksum = checksum(payload, flags)
+    csum = encode_header(digest, payload, s.out_head, payload_checksum=payload_checksum, flags=flags)
     if is_aligned(payload):
         iov = [header, payload if full == n else payload[:full]] if full else [header]
         if n > full:
@@ -214,18 +218,21 @@ def plan_runs(items: list[tuple[object, int, int, bool]], max_blocks: int,
     return runs
 
 
-def write_run(fd: int, offset: int, digests: list[bytes], payloads: list[np.ndarray], flags: int = 0) -> list[int]:
+def write_run(fd: int, offset: int, digests: list[bytes], payloads: list[np.ndarray], flags: int = 0,
+              payload_checksums: list[int | None] | None = None) -> list[int]:
     """Write consecutive blocks (header page + payload each) from ``offset`` in one
-    ``pwritev``; returns their checksums (of the kind ``flags`` selects). Payloads are :func:`joinable` host views owned
+    ``pwritev``; returns their checksums (of the kind ``flags`` selects; given ones in
+    ``payload_checksums`` kept as they are). Payloads are :func:`joinable` host views owned
     by the caller, read only during the call. Errors as :func:`write_block`, for the
     whole run."""
     pages = _scratch.pages_of("out_pages", len(payloads))   # padding past 64 bytes stays zero
     iov: list[np.ndarray] = []
     sums = []
     total = 0
-    for page, digest, payload in zip(pages, digests, payloads):
-        sums.append(encode_header(digest, payload, page[:HEADER_BYTES], payload_checksum=checksum(payload, flags),
-                                  flags=flags))
+    given = payload_checksums or [None] * len(payloads)
+    for page, digest, payload, csum in zip(pages, digests, payloads, given):
+        csum = checksum(payload, flags) if csum is None else csum
+        sums.append(encode_header(digest, payload, page[:HEADER_BYTES], payload_checksum=csum, flags=flags))
         iov += (page, payload)
         total += PAGE + payload.nbytes
     _write_all(fd, iov, offset, total)

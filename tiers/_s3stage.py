@@ -35,9 +35,10 @@ class Staging:
             self._local.buf = buf
         return buf[:nbytes]
 
-    def stage(self, key: BlockKey, src: Any, n: int) -> list[bytearray]:
+    def stage(self, key: BlockKey, src: Any, n: int, payload_checksum: int | None = None) -> list[bytearray]:
         """Version-2 header + payload copied once into this thread's upload buffers: one
-        for a single PUT, one per part for a multipart upload.
+        for a single PUT, one per part for a multipart upload. The header carries
+        ``payload_checksum`` (the writer's XXH3-64) when given, else a hash of ``src``.
 
         ``bytearray`` because botocore sends one as it is, in one ``sendall``, and resends
         it unchanged when it retries; a ``bytes`` body it wraps in ``BytesIO``, which it
@@ -52,7 +53,7 @@ class Staging:
         total = hb + n
         piece = self._part_size if total >= self._multipart_threshold else total
         pieces = self._upload_buffers(total, piece)
-        encode_ext_header(key.digest, key.parent, host, memoryview(pieces[0])[:hb])
+        encode_ext_header(key.digest, key.parent, host, memoryview(pieces[0])[:hb], payload_checksum=payload_checksum)
         for k, buf in enumerate(pieces):
             a = k * piece                      # this piece's offset in the object
             lo = max(a, hb)

@@ -24,6 +24,9 @@ class TierCapabilities:
     alignment: int = 1           # byte alignment the tier prefers for caller buffers
     max_concurrency: int = 1     # requests one batch may keep in flight
     zero_copy_view: bool = False  # ``view()`` exposes stored bytes without a copy
+    # ``write(keys, srcs, checksums)`` keeps the given XXH3-64 (``kvstore.block.checksum``,
+    # flags 0) of each source as its block's checksum instead of hashing the source again
+    write_checksums: bool = False
 
 
 @dataclass(frozen=True)
@@ -75,8 +78,18 @@ class Tier(ABC):
 
         Returns per key whether it is stored now (``False``: no room). A key already
         stored is left as it is and reported ``True``. Media failures raise
-        :class:`~kvstore.errors.TierIOError` / ``TierUnavailableError``.
+        :class:`~kvstore.errors.TierIOError` / ``TierUnavailableError``. A tier that
+        declares ``capabilities.write_checksums`` also takes ``checksums``: one per
+        source, the XXH3-64 its writer computed (``None``: hash it here), stored as the
+        block's own, so a source changed since its writer hashed it fails its first read.
         """
+
+    def checksums(self, keys: Sequence[BlockKey]) -> list[int | None]:
+        """The XXH3-64 (:func:`kvstore.block.checksum`, flags 0) each key's block was
+        stored with, ``None`` where absent or not kept (the default). A block read from
+        this tier is verified against it; the Store hands it to the tier a block moves
+        into (see ``TierCapabilities.write_checksums``)."""
+        return [None] * len(keys)
 
     @abstractmethod
     def delete(self, keys: Sequence[BlockKey]) -> int:
@@ -109,9 +122,12 @@ class Tier(ABC):
         yield None
 
     @contextmanager
-    def views(self, keys: Sequence[BlockKey]) -> Iterator[list[Any]]:
+    def views(self, keys: Sequence[BlockKey], *, verify: bool = True) -> Iterator[list[Any]]:
         """:meth:`view` for a batch: one entry per key (``None`` where absent), all
-        valid until the ``with`` exits. Tiers with cheap batch pinning override it."""
+        valid until the ``with`` exits. Tiers with cheap batch pinning override it.
+        A tier that keeps :meth:`checksums` verifies each block first (a failed one is
+        ``None``) unless ``verify=False``: only for a caller that sends the checksums
+        along to a reader that verifies what it receives."""
         with ExitStack() as stack:
             yield [stack.enter_context(self.view(key)) for key in keys]
 

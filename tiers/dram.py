@@ -223,42 +223,49 @@ class DramTier(ArenaTier):
     @contextmanager
     def view(self, key: BlockKey) -> Iterator[np.ndarray | None]:
         """A read-only view of one block, verified against its checksum first (the Store
-        spills through it: a lower tier then hashes bytes already known good). A block
-        that fails is dropped and yields ``None``."""
-        slots = self._index.acquire_many([key])
-        slot = slots[0]
-        try:
-            view = None
-            if slot is not None:
-                view = self._readonly[slot.offset:slot.offset + slot.nbytes]
-                if hash_ranges(self.arena.ctypes.data, [slot.offset], [slot.nbytes])[0] != slot.checksum:
-                    view = None
-            yield view
-        finally:
-            self._index.release_many(slots)
-        if slot is not None and view is None:
-            self._drop_corrupt(key, slot, "spill")
+        spills through it, handing :meth:`checksums` to the lower tier). A block that
+        fails is dropped and yields ``None``."""
+        with self.views([key]) as got:
+            yield got[0]
 
     @contextmanager
-    def views(self, keys: Sequence[BlockKey]) -> Iterator[list[np.ndarray | None]]:
-        """Read-only views of many blocks, their slots held under one lock round trip
-        each way (the cache server borrows whole batches this way). Not verified here:
-        the server sends :meth:`checksums` along and its clients verify."""
-        slots = self._index.acquire_many(keys)
-        try:
+    def views(self, keys: Sequence[BlockKey], *, verify: bool = True) -> Iterator[list[np.ndarray | None]]:
+        """Read-only views of many blocks (``None`` where absent), their slots held under
+        one lock round trip each way until the ``with`` exits. Each block is verified
+        against its checksum first: one that fails is dropped (counted in
+        ``corrupt_blocks``) and its entry is ``None``, a miss. ``verify=False`` only for
+        a caller that sends :meth:`checksums` along to a reader that verifies the bytes
+        it receives (the cache server's clients)."""
+        with self._held(keys, verify, "borrow") as slots:
             ro = self._readonly
             yield [ro[s.offset:s.offset + s.nbytes] if s is not None else None for s in slots]
-        finally:
-            self._index.release_many(slots)
 
     @contextmanager
-    def slots(self, keys: Sequence[BlockKey]) -> Iterator[list[tuple[int, int] | None]]:
+    def slots(self, keys: Sequence[BlockKey], *, verify: bool = True) -> Iterator[list[tuple[int, int] | None]]:
         """``(offset, nbytes)`` inside the arena of many blocks (``None`` where absent),
-        held like :meth:`views`: for a process that maps the arena itself (the cache
-        server's same-host clients), without building a view per block."""
+        held and verified like :meth:`views`: for a process that maps the arena itself
+        (the cache server's same-host clients), without building a view per block."""
+        with self._held(keys, verify, "borrow") as slots:
+            yield [(s.offset, s.nbytes) if s is not None else None for s in slots]
+
+    @contextmanager
+    def _held(self, keys: Sequence[BlockKey], verify: bool, what: str) -> Iterator[list[Any]]:
+        """The keys' slots with a reader held on each until the ``with`` exits; with
+        ``verify``, a slot whose bytes no longer match its checksum is dropped and
+        given as ``None``."""
         slots = self._index.acquire_many(keys)
         try:
-            yield [(s.offset, s.nbytes) if s is not None else None for s in slots]
+            shown = slots
+            if verify:
+                held = [(i, s) for i, s in enumerate(slots) if s is not None]
+                sums = hash_ranges(self.arena.ctypes.data, [s.offset for _, s in held], [s.nbytes for _, s in held])
+                bad = [i for (i, s), csum in zip(held, sums) if csum != s.checksum]
+                if bad:
+                    shown = list(slots)
+                    for i in bad:
+                        shown[i] = None
+                        self._drop_corrupt(keys[i], slots[i], what)  # freed once our reader is released
+            yield shown
         finally:
             self._index.release_many(slots)
 

@@ -27,6 +27,7 @@ import os
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from functools import partial
 from typing import Any, Iterator, Sequence
 
 import numpy as np
@@ -119,8 +120,10 @@ class NvmeTier(Tier):
         self._readahead = (ReadAhead(self._pool, readahead_bytes)
                            if readahead_bytes >= PAGE and self.io_mode == "direct" else None)
         self._closed = False
+        # a writer's XXH3-64 is kept as the block's checksum only where it is the kind
+        # this tier writes (not with device_verify's segmented one)
         self.capabilities = TierCapabilities(device="disk", persistent=True, alignment=PAGE,
-                                             max_concurrency=io_threads)
+                                             max_concurrency=io_threads, write_checksums=not device_verify)
 
     # -- start-up -------------------------------------------------------------------------
 
@@ -169,7 +172,14 @@ class NvmeTier(Tier):
         if time.monotonic() - self._last_flush >= self._flush_s:
             self.flush_access()
 
-    def write(self, keys: Sequence[BlockKey], srcs: Sequence[Any]) -> list[bool]:
+    def write(self, keys: Sequence[BlockKey], srcs: Sequence[Any],
+              checksums: Sequence[int | None] | None = None) -> list[bool]:
+        """See :meth:`Tier.write`; ``checksums`` (the writer's XXH3-64 per source, taken
+        only without ``device_verify``) go into the block headers as they are, so a source
+        changed since its writer hashed it is a corrupt block on its first read."""
+        if checksums is not None and len(checksums) != len(keys):
+            raise InvalidArgumentError(f"{len(keys)} keys but {len(checksums)} checksums")
+        given = {k: c for k, c in zip(keys, checksums) if c is not None} if checksums and not self._flags else {}
         out = [False] * len(keys)
         plan = []
         with self._lock:
@@ -184,7 +194,7 @@ class NvmeTier(Tier):
                     plan.append((j, key, src) + where)
         if not plan:
             return out
-        results = in_runs(self._pool, self._io_threads, self._write_run, plan, [p[2] for p in plan],
+        results = in_runs(self._pool, self._io_threads, partial(self._write_run, given), plan, [p[2] for p in plan],
                           [(p[3].no, p[4], p[5]) for p in plan], [p[6] for p in plan], writable=False)
         done: dict[Shard, list] = {}
         failed = []
@@ -338,12 +348,14 @@ class NvmeTier(Tier):
                 return shard, where[0], where[1], n
         return None
 
-    def _write_run(self, run: list[tuple], views: list) -> list[tuple[bool, Any]]:
+    def _write_run(self, given: dict, run: list[tuple], views: list) -> list[tuple[bool, Any]]:
+        """Write one run of ``plan`` items; ``given``: the writer's checksums by key."""
         if len(run) == 1:
             _, key, src, shard, file_no, offset, _ = run[0]
-            return [(True, self._write_one(key, src, shard, file_no, offset))]
+            return [(True, self._write_one(key, src, shard, file_no, offset, given.get(key)))]
         _, _, _, shard, file_no, offset, _ = run[0]
-        sums = write_run(shard.data.fd(file_no), offset, [p[1].digest for p in run], views, self._flags)
+        sums = write_run(shard.data.fd(file_no), offset, [p[1].digest for p in run], views, self._flags,
+                         [given.get(p[1]) for p in run])
         return [(True, csum) for csum in sums]
 
     def _read_jobs(self, jobs: list[tuple]) -> list[tuple[bool, Any]]:
@@ -391,9 +403,10 @@ class NvmeTier(Tier):
                            views, landed)
         return [(True, None) if err is None else (False, err) for err in errors]
 
-    def _write_one(self, key: BlockKey, src: Any, shard: Shard, file_no: int, offset: int) -> int:
+    def _write_one(self, key: BlockKey, src: Any, shard: Shard, file_no: int, offset: int,
+                   csum: int | None = None) -> int:
         payload = self._device.stage(src) if is_device(src) else host_view(src)
-        return write_block(shard.data.fd(file_no), offset, key.digest, payload, self._flags)
+        return write_block(shard.data.fd(file_no), offset, key.digest, payload, self._flags, csum)
 
     def _read_one(self, key: BlockKey, e: Entry, dst: Any) -> None:
         fd = e.shard.data.fd(e.file_no)

@@ -116,7 +116,8 @@ class S3Tier(Tier):
         self._closed = False
         self._counters = dict.fromkeys(("gets", "puts", "deletes", "corrupt_blocks", "ranged_gets",
                                         "multipart_puts", "header_gets", "bytes_read", "bytes_written"), 0)
-        self.capabilities = TierCapabilities(device="s3", persistent=True, max_concurrency=concurrency)
+        self.capabilities = TierCapabilities(device="s3", persistent=True, max_concurrency=concurrency,
+                                             write_checksums=True)
 
     def _probe(self) -> None:
         """HEAD an object that never exists: a 404 proves the whole object path answers
@@ -242,15 +243,23 @@ class S3Tier(Tier):
 
     # -- writes -----------------------------------------------------------------------------
 
-    def write(self, keys: Sequence[BlockKey], srcs: Sequence[Any]) -> list[bool]:
+    def write(self, keys: Sequence[BlockKey], srcs: Sequence[Any],
+              checksums: Sequence[int | None] | None = None) -> list[bool]:
+        """See :meth:`Tier.write`; ``checksums`` (the writer's XXH3-64 per source) go
+        into the object headers as they are, so a source changed since its writer hashed
+        it is a corrupt object on its first read."""
         if len(keys) != len(srcs):
             raise InvalidArgumentError(f"{len(keys)} keys but {len(srcs)} buffers")
+        if checksums is not None and len(checksums) != len(keys):
+            raise InvalidArgumentError(f"{len(keys)} keys but {len(checksums)} checksums")
+        sums = list(checksums) if checksums is not None else [None] * len(keys)
         self._health.check()
         first: dict[BlockKey, int] = {}
         for j, key in enumerate(keys):
             first.setdefault(key, j)
         order = list(first.values())
-        outcomes = self._map(self._write_one, [keys[j] for j in order], [srcs[j] for j in order])
+        outcomes = self._map(self._write_one, [keys[j] for j in order], [srcs[j] for j in order],
+                             [sums[j] for j in order])
         if any(isinstance(o.exc, TierUnavailableError) for o in outcomes):
             # The Store will count the whole batch as failed: forget what did land, so the
             # budget stays in step with the Store's index (the objects stay in the bucket
@@ -263,7 +272,7 @@ class S3Tier(Tier):
         done = dict(zip(order, outcomes))
         return self._settle([done[first[k]] for k in keys])
 
-    def _write_one(self, key: BlockKey, src: Any) -> _Outcome:
+    def _write_one(self, key: BlockKey, src: Any, csum: int | None = None) -> _Outcome:
         if not self._health.healthy:
             return _Outcome(exc=TierUnavailableError("endpoint unavailable", tier=self.name))
         n = nbytes_of(src)
@@ -275,7 +284,7 @@ class S3Tier(Tier):
             self._reserved += n
         stored = False
         try:
-            pieces = self._staging.stage(key, src, n)
+            pieces = self._staging.stage(key, src, n, csum)
             name = _s3io.object_name(self.prefix, key)
             if len(pieces) > 1:
                 _s3io.put_multipart(self._client, self.bucket, name, pieces, self._parts)
