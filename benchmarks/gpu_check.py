@@ -209,23 +209,28 @@ def kvikio_io(ctx: Context) -> list[dict]:
     finally:
         raw.close()
         ours.close()
-    rows.append(_nvme_tier_row(dev, block, n, rounds, workdir, blocks_src, blocks_dst, path))
+    for device_verify in (False, True):   # host-verified (default) and verified on the device
+        rows.append(_nvme_tier_row(dev, block, n, rounds, workdir, blocks_src, blocks_dst, path, device_verify))
     return rows
 
 
-def _nvme_tier_row(dev, block, n, rounds, workdir, blocks_src, blocks_dst, raw_path) -> dict:
-    """The NVMe tier with device buffers (it uses kvikio for them) vs raw kvikio reads."""
+def _nvme_tier_row(dev, block, n, rounds, workdir, blocks_src, blocks_dst, raw_path, device_verify) -> dict:
+    """The NVMe tier with device buffers (it uses kvikio for them) vs raw kvikio reads;
+    with ``device_verify`` the blocks carry the segmented checksum and reads verify on the
+    device (target >= 0.8x raw), else they verify on the host."""
+    label = f"GDS read via NVMe tier ({'device' if device_verify else 'host'}-verified)"
+    where = os.path.join(workdir, f"nvme-{int(device_verify)}")
     from kvstore._build import build_tier
     from kvstore.config import load_config
     from kvstore.errors import ConfigError
 
     try:
-        cfg = load_config({"tiers": [{"name": "nvme", "kind": "nvme", "path": os.path.join(workdir, "nvme"),
-                                      "capacity": 2 * n * block}]}).tiers[0]
-        os.makedirs(os.path.join(workdir, "nvme"), exist_ok=True)
+        cfg = load_config({"tiers": [{"name": "nvme", "kind": "nvme", "path": where, "capacity": 2 * n * block,
+                                      "device_verify": device_verify}]}).tiers[0]
+        os.makedirs(where, exist_ok=True)
         tier = build_tier(cfg)
     except ConfigError as exc:
-        return {"check": "kvikio read via NVMe tier", "skipped": f"no NVMe tier in this build ({exc})"}
+        return {"check": label, "skipped": f"no NVMe tier in this build ({exc})"}
     import kvikio
 
     keys = Namespace(model="gpu-check-nvme", dtype="uint8", chunk_tokens=1).chunk_keys(np.arange(n))
@@ -236,6 +241,7 @@ def _nvme_tier_row(dev, block, n, rounds, workdir, blocks_src, blocks_dst, raw_p
                        setup=lambda: [b.zero_() for b in blocks_dst])   # each read fills zeroed buffers
         ok = (all(stored) and all(all(g) for g in got)
               and all(torch.equal(d, s) for d, s in zip(blocks_dst, blocks_src)))
+        on_device = tier.stats().get("verified_on_device", 0)
     finally:
         tier.close()
     raw = kvikio.CuFile(raw_path, "r")
@@ -244,9 +250,29 @@ def _nvme_tier_row(dev, block, n, rounds, workdir, blocks_src, blocks_dst, raw_p
     finally:
         raw.close()
     total = n * block
-    return {"check": "kvikio read via NVMe tier", "device": str(dev), "bytes": total,
+    if device_verify and not on_device:
+        ok = False   # the device path did not run: the row would measure the host path
+    return {"check": label, "device": str(dev), "bytes": total,
             "store_gbps": total / t_tier / 1e9, "baseline": "raw kvikio.CuFile",
-            "baseline_gbps": total / t_raw / 1e9, "ratio": t_raw / t_tier, "bytes_ok": ok}
+            "baseline_gbps": total / t_raw / 1e9, "ratio": t_raw / t_tier, "bytes_ok": ok,
+            "verified_on_device": on_device}
+
+
+def device_checksum(ctx: Context) -> list[dict]:
+    """The segmented checksum's cupy kernel against the host implementation on the same
+    bytes (kvstore/_segsum_cuda.py): digests and checksum equal, a flipped byte caught."""
+    if not ctx.cuda:
+        return [{"check": "segmented checksum: device vs host", "skipped": "no CUDA device"}]
+    from kvstore._segsum_cuda import check_device_checksum
+
+    result = check_device_checksum()
+    if result["error"]:
+        raise RuntimeError(result["error"])
+    return [{"check": f"segmented checksum {r['nbytes']} B (device vs host)", "device": result["device"],
+             "bytes": r["nbytes"], "store_gbps": r["device_gbps"], "baseline": "host XXH3 (C)",
+             "baseline_gbps": r["host_gbps"], "ratio": r["device_gbps"] / r["host_gbps"] if r["host_gbps"] else None,
+             "bytes_ok": r["digests_match"] and r["checksum_match"] and r["flip_detected"]}
+            for r in result["rows"]]
 
 
 def paged(ctx: Context) -> list[dict]:
@@ -295,7 +321,6 @@ def paged(ctx: Context) -> list[dict]:
 
 # The checks, in the order they run. Each takes the Context and returns rows; one that
 # raises becomes a failed row and the rest still run (see ``run_checks``).
-# >>> Add the device-checksum-vs-host check (segmented checksum kernel) to this list. <<<
 CHECKS = [
     store_transfers,        # H2D / D2H through the Store vs raw pinned copy_ (>= 0.8x), D2D via the GPU tier
     stream_order,           # producer delayed on a side stream, then save and load: bytes exact
@@ -304,6 +329,7 @@ CHECKS = [
     nvme_corrupt_payload,   # a flipped payload byte on disk read into device memory: a counted miss
     paged,                  # paged gather/scatter vs one contiguous copy
     paged_sync_free,        # no host sync on the paged path (sync debug mode "error")
+    device_checksum,        # the segmented checksum kernel against the host implementation
 ]
 
 
