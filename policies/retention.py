@@ -66,6 +66,11 @@ class RetentionClasses(EvictionPolicy):
         self.inner.set_capacity(capacity_bytes)
 
     def victims(self) -> Iterator[Hashable]:
+        if not self._hints:          # no hints anywhere: the policy's own walk, untouched
+            return self.inner.victims()
+        return self._classed()
+
+    def _classed(self) -> Iterator[Hashable]:
         now = self._clock()
         hints = self._hints
         yield from iter_live(self._discard)
