@@ -16,6 +16,7 @@ from kvstore.testing import CAPACITY, TierConformance, make_keys, payload
 from tests._redis import running_cluster
 
 pytest.importorskip("redis", reason="redis-py is installed by scripts/deps/00-python.sh")
+pytestmark = pytest.mark.redis
 BLOCK = 64 * 1024
 
 

@@ -16,6 +16,7 @@ from kvstore.testing import CAPACITY, TierConformance, make_keys, payload
 from tests._redis import RedisServer, need_redis, running_redis
 
 pytest.importorskip("redis", reason="redis-py is installed by scripts/deps/00-python.sh")
+pytestmark = pytest.mark.redis
 
 
 @pytest.fixture(scope="module")
