@@ -42,9 +42,10 @@ from collections import OrderedDict, deque
 from typing import Any, Iterable, Sequence
 
 import msgspec
+import numpy as np
 
 from kvstore.config import EventsConfig
-from kvstore.errors import ConfigError
+from kvstore.errors import ConfigError, InvalidArgumentError
 from kvstore.keys import BlockKey
 
 log = logging.getLogger("kvstore.events")
@@ -112,7 +113,7 @@ class EventPublisher:
         self._pending: deque[tuple] = deque()
         self._oldest: float | None = None      # monotonic time of the oldest waiting report
         self._cond = threading.Condition()
-        self._tokens: OrderedDict[bytes, tuple[int, ...]] = OrderedDict()
+        self._tokens: OrderedDict[bytes, list[int]] = OrderedDict()
         self._tokens_lock = threading.Lock()
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=config.buffer_steps)
         self.counters = dict.fromkeys(("batches", "events", "blocks_stored", "blocks_removed", "cleared",
@@ -164,12 +165,11 @@ class EventPublisher:
         """Remember each key's chunk tokens for its ``BlockStored`` events (the last
         ``token_blocks`` keys are kept)."""
         if len(token_ids) != len(keys):
-            from kvstore.errors import InvalidArgumentError
             raise InvalidArgumentError(f"{len(keys)} keys but {len(token_ids)} token id lists")
         limit = self._config.token_blocks
         if not limit:
             return
-        rows = [tuple(int(t) for t in tokens) for tokens in token_ids]
+        rows = [_token_list(tokens) for tokens in token_ids]
         with self._tokens_lock:
             for key, row in zip(keys, rows):
                 self._tokens[key.digest] = row
@@ -192,8 +192,9 @@ class EventPublisher:
 
     def stats(self) -> dict[str, Any]:
         with self._cond:
-            queued = len(self._pending)
-            lag = time.monotonic() - self._oldest if self._pending and self._oldest is not None else 0.0
+            queued = len(self._pending) + self._busy     # reports taken but not yet sent
+            since = [t for t, live in ((self._sending_since, self._busy), (self._oldest, self._pending)) if live]
+            lag = time.monotonic() - min(since) if since else 0.0
         return {**self.counters, "sequence": self.sequence, "queued": queued, "lag_s": lag,
                 "last_lag_s": self.last_lag_s, "endpoint": self.endpoint, "replay_endpoint": self.replay_endpoint}
 
@@ -224,7 +225,8 @@ class EventPublisher:
 
     # -- the publisher thread ---------------------------------------------------------------
 
-    _busy = False
+    _busy = 0          # reports the publisher thread took and has not finished sending
+    _sending_since = 0.0   # when the oldest of those was reported
 
     def _run(self) -> None:
         encoder = msgspec.msgpack.Encoder()
@@ -240,7 +242,8 @@ class EventPublisher:
                 items = list(self._pending)
                 self._pending.clear()
                 since = self._oldest
-                self._busy = bool(items)
+                self._busy = len(items)
+                self._sending_since = since
             try:
                 if self._replay is not None and poller.poll(0):
                     self._serve_replay()
@@ -253,7 +256,7 @@ class EventPublisher:
                 log.exception("publishing KV events failed")
             finally:
                 with self._cond:
-                    self._busy = False
+                    self._busy = 0
                     self._cond.notify_all()
 
     def _send(self, payload: bytes, num_events: int) -> None:
@@ -324,6 +327,14 @@ class EventPublisher:
             token_ids=[t for j in run for t in rows[j]] if known else [],
             block_size=len(rows[run[0]]) if known else 0,
             lora_id=None, medium=medium, lora_name=None)
+
+
+def _token_list(tokens: Any) -> list[int]:
+    arr = np.asarray(tokens)
+    if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
+        raise InvalidArgumentError(f"token_ids: each entry must be a flat sequence of integers, got "
+                                   f"dtype {arr.dtype} shape {arr.shape}")
+    return arr.tolist()
 
 
 def _attach(sock: Any, endpoint: str, field: str, zmq: Any, *, bind: bool = False) -> str:

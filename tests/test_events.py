@@ -1,6 +1,8 @@
 """KV events from an embedded Store, read as a router reads vLLM's: real ZMQ sockets on
 ipc:// and loopback tcp, every batch decoded by vLLM's own msgspec classes."""
 
+import threading
+
 import numpy as np
 import pytest
 import zmq
@@ -100,7 +102,9 @@ def test_live_subscriber_sees_what_replay_keeps_and_replays_missed_sequence_numb
                 store.save(keys, srcs, token_ids=chunks).result()
                 store._events.flush()
                 live, n = sub.live(timeout_ms=200), n + 1
-            first_seq = live[1]
+            first_seq = store.stats()["events"]["sequence"]
+            while live[1] < first_seq:       # batches of earlier probes still on their way
+                live = sub.live()
             for i in range(5):
                 keys, chunks, srcs = prompt(1, salt=f"after{i}")
                 store.save(keys, srcs, token_ids=chunks).result()
@@ -180,3 +184,45 @@ def test_bad_event_config_names_the_field(tmp_path):
                                "events": {"endpoint": f"ipc://{tmp_path}/p", "replay_endpoint": endpoint}})
     finally:
         taken.close(linger=0)
+
+
+def test_token_ids_must_be_integers(tmp_path):
+    with two_tier(tmp_path) as store:
+        keys, chunks, srcs = prompt(1)
+        with pytest.raises(InvalidArgumentError, match="token_ids"):
+            store.save(keys, srcs, token_ids=[[1.5, 2.0, 3.0, 4.0]])
+
+
+def test_a_queue_overflow_becomes_one_all_blocks_cleared(tmp_path):
+    with two_tier(tmp_path, top_blocks=16, max_queue=3) as store:
+        publisher = store._events
+        sending, release = threading.Event(), threading.Event()
+        real_send = publisher._send
+
+        def held_send(payload, num_events):     # hold the publisher thread in its first send
+            sending.set()
+            assert release.wait(10)
+            real_send(payload, num_events)
+
+        publisher._send = held_send
+        sub = Subscriber(f"ipc://{tmp_path}/pub", f"ipc://{tmp_path}/replay", topic="kv")
+        try:
+            keys, chunks, srcs = prompt(6)
+            store.save(keys[:1], srcs[:1], token_ids=chunks[:1]).result()
+            assert sending.wait(10)
+            for j in range(1, 6):           # five reports while three fit: the queue collapses
+                store.save(keys[j:j + 1], srcs[j:j + 1], token_ids=chunks[j:j + 1]).result()
+            waiting = store.stats()["events"]
+            assert waiting["queued"] >= 2 and waiting["lag_s"] > 0    # one held in the send, the rest queued
+            publisher._send = real_send
+            release.set()
+            events = flat(everything(store, sub))
+            assert isinstance(events[0], BlockStored) and events[0].block_hashes == [block_hash(keys[0].digest)]
+            cleared = [i for i, e in enumerate(events) if isinstance(e, AllBlocksCleared)]
+            assert len(cleared) == 1
+            after = [h for e in events[cleared[0] + 1:] for h in e.block_hashes]
+            assert after == [block_hash(k.digest) for k in keys[-(len(after)):]] and 1 <= len(after) < 5
+            assert store.stats()["events"]["overflows"] == 1
+        finally:
+            release.set()
+            sub.close()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 import urllib.error
 import urllib.request
 
@@ -69,7 +70,7 @@ def test_served_store_publishes_vllm_events_and_answers_lookup(served):
     with Client(server.address) as client:
         assert client.save(keys, srcs).result(10) == [True] * 3     # 3 blocks, "hot" holds 2
     # every batch so far, by replay from 0 (a router that joined now)
-    events = flat(_all_batches(sub))
+    events = flat(_all_batches(server, sub))
     stored = {(e.medium, h) for e in events if isinstance(e, BlockStored) for h in e.block_hashes}
     removed = {(e.medium, h) for e in events if isinstance(e, BlockRemoved) for h in e.block_hashes}
     hashes = [block_hash(k.digest) for k in keys]
@@ -158,14 +159,12 @@ def exported_names(text):
     return names
 
 
-def _all_batches(sub):
-    """Replay from 0 until the published sequence stops growing (the server's publisher
-    thread sends a save's reports right after the save returns)."""
-    last, batches = None, []
-    for _ in range(50):
-        batches = sub.replay(0)
-        if batches and batches[-1][1] == last:
-            return batches
-        last = batches[-1][1] if batches else None
-        sub.live(timeout_ms=100)      # wait for the next live batch, if any
-    return batches
+def _all_batches(server, sub):
+    """Every batch published so far, by replay from 0 once the server has sent every
+    report its Store queued (a save's reports are queued before the save returns)."""
+    for _ in range(200):
+        with urllib.request.urlopen(f"http://127.0.0.1:{server.admin_port}/stats", timeout=10) as reply:
+            if json.loads(reply.read())["events"]["queued"] == 0:
+                return sub.replay(0)
+        time.sleep(0.05)
+    raise AssertionError("the server's event queue never drained")
