@@ -105,10 +105,10 @@ def test_live_subscriber_sees_what_replay_keeps_and_replays_missed_sequence_numb
             first_seq = store.stats()["events"]["sequence"]
             while live[1] < first_seq:       # batches of earlier probes still on their way
                 live = sub.live()
-            for i in range(5):
+            for i in range(5):   # one batch each: reports waiting together are sent as one batch
                 keys, chunks, srcs = prompt(1, salt=f"after{i}")
                 store.save(keys, srcs, token_ids=chunks).result()
-            store._events.flush()
+                store._events.flush()
             got = [sub.live() for _ in range(5)]
             assert [seq for _, seq, _ in got] == list(range(first_seq + 1, first_seq + 6))
             # the router lost batches first_seq+2.. (say): it asks for them by number
@@ -122,10 +122,10 @@ def test_live_subscriber_sees_what_replay_keeps_and_replays_missed_sequence_numb
 
 def test_late_subscriber_catches_up_by_replay_within_buffer_steps(tmp_path):
     with two_tier(tmp_path, top_blocks=8, buffer_steps=3) as store:
-        for i in range(5):     # nobody listens yet
+        for i in range(5):     # nobody listens yet; one batch per save (flushed one by one)
             keys, chunks, srcs = prompt(1, salt=f"early{i}")
             store.save(keys, srcs, token_ids=chunks).result()
-        assert store._events.flush()
+            assert store._events.flush()
         sub = Subscriber(f"ipc://{tmp_path}/pub", f"ipc://{tmp_path}/replay", topic="kv")
         try:
             assert sub.live(timeout_ms=200) is None       # what was sent before it joined is gone
@@ -225,4 +225,68 @@ def test_a_queue_overflow_becomes_one_all_blocks_cleared(tmp_path):
             assert store.stats()["events"]["overflows"] == 1
         finally:
             release.set()
+            sub.close()
+
+
+def test_the_event_stream_rebuilds_every_tier_after_random_work(tmp_path):
+    """A router folding every event (replayed from 0) holds exactly what each tier holds,
+    after saves, promoting loads, spills through three tiers, deletes and a clear, from
+    two threads at once."""
+    config = {"tiers": [{"name": "t0", "kind": "dram", "capacity": 4 * BLOCK},
+                        {"name": "t1", "kind": "dram", "capacity": 8 * BLOCK},
+                        {"name": "t2", "kind": "dram", "capacity": 12 * BLOCK}],
+              "io_threads": 2, "events": events_config(tmp_path, buffer_steps=100_000)}
+    with Store.from_config(config) as store:
+        def work(seed):
+            rng = np.random.default_rng(seed)
+            for step in range(120):
+                keys, chunks, srcs = prompt(int(rng.integers(1, 4)), salt=f"{seed}-{int(rng.integers(0, 12))}")
+                op = rng.random()
+                if op < 0.55:
+                    store.save(keys, srcs, token_ids=chunks).result()
+                elif op < 0.85:
+                    store.load(keys, [np.empty(BLOCK, np.uint8) for _ in keys]).result()
+                elif op < 0.98:
+                    store.delete(keys)
+                else:
+                    store.clear()
+
+        threads = [threading.Thread(target=work, args=(seed,)) for seed in (1, 2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        sub = Subscriber(f"ipc://{tmp_path}/pub", f"ipc://{tmp_path}/replay", topic="kv")
+        try:
+            held = {"t0": set(), "t1": set(), "t2": set()}
+            for event in flat(everything(store, sub)):
+                if isinstance(event, BlockStored):
+                    held[event.medium].update(event.block_hashes)
+                elif isinstance(event, BlockRemoved):
+                    held[event.medium].difference_update(event.block_hashes)
+                else:
+                    for hashes in held.values():
+                        hashes.clear()
+            actual = {t.name: {block_hash(k.digest) for k in t.keys()} for t in store.tiers}
+            assert held == actual
+            assert sum(len(v) for v in actual.values()) > 0
+            tiers = store.stats()["tiers"]
+            assert tiers[0]["spills"] and tiers[1]["spills"] and tiers[2]["evictions"] and tiers[0]["promotions"]
+        finally:
+            sub.close()
+
+
+def test_blocks_recovered_from_a_persistent_tier_are_published_at_start(tmp_path):
+    config = {"tiers": [{"name": "disk", "kind": "nvme", "path": str(tmp_path / "nvme"), "capacity": "1MiB",
+                         "direct_io": False, "file_bytes": "1MiB"}]}
+    keys, chunks, srcs = prompt(3)
+    with Store.from_config(config) as store:
+        assert store.save(keys, srcs).result() == [True] * 3
+    with Store.from_config({**config, "events": events_config(tmp_path)}) as store:
+        sub = Subscriber(f"ipc://{tmp_path}/pub", f"ipc://{tmp_path}/replay", topic="kv")
+        try:
+            events = flat(everything(store, sub))
+            assert all(isinstance(e, BlockStored) and e.medium == "disk" for e in events)
+            assert sorted(h for e in events for h in e.block_hashes) == sorted(block_hash(k.digest) for k in keys)
+        finally:
             sub.close()
