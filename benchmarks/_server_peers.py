@@ -93,13 +93,26 @@ class Peer:
 class KvstorePeer(Peer):
     worker_system = "kvstore"
 
-    def __init__(self, tmp: Path, max_clients: int) -> None:
+    def __init__(self, tmp: Path, max_clients: int, *, tls: bool = False) -> None:
         super().__init__()
-        cfg = tmp / "kvstore.yaml"
+        self.address = self._serve(tmp, "kvstore", "")
+        # "kvstore-tcp-tls": a second, identical server with server.tls (a throwaway CA
+        # made here), so TLS and plain TCP run side by side, cell by cell
+        self.tls_address, self.ca = None, None
+        if tls:
+            from tests._pki import make_pki   # needs cryptography (the test extra)
+
+            pki = make_pki(tmp / "pki", name="bench")
+            self.ca = pki.ca
+            self.tls_address = self._serve(tmp, "kvstore-tls",
+                                           f", tls: {{cert: {pki.server_cert}, key: {pki.server_key}}}")
+
+    def _serve(self, tmp: Path, name: str, extra: str) -> str:
+        cfg = tmp / f"{name}.yaml"
         cfg.write_text(f"tiers:\n  - {{name: hot, kind: dram, capacity: {DATA_BYTES}, pin: false}}\n"
-                       f"server: {{host: 127.0.0.1, port: 0, admin_port: null, max_inflight_bytes: 1GiB}}\n")
+                       f"server: {{host: 127.0.0.1, port: 0, admin_port: null, max_inflight_bytes: 1GiB{extra}}}\n")
         env = {**os.environ, "PYTHONPATH": str(ROOT)}
-        log = tmp / "kvstore.log"
+        log = tmp / f"{name}.log"
         proc = subprocess.Popen([sys.executable, "-m", "kvstore", "serve", "--config", str(cfg)], cwd=ROOT, env=env,
                                 stdout=subprocess.PIPE, stderr=open(log, "w"), text=True, start_new_session=True)
         proc.log_path = str(log)
@@ -107,17 +120,20 @@ class KvstorePeer(Peer):
         line = proc.stdout.readline()
         if "serving on" not in line:
             raise RuntimeError(f"kvstore serve did not start: {line!r} {_tail(proc)}")
-        self.address = line.split("serving on ")[1].split()[0]
+        return line.split("serving on ")[1].split()[0]
 
     def client_spec(self, system: str, worker: int) -> dict:
         # "kvstore-tcp-unverified": the same client with Client(verify=False), to measure
         # what checking every received block against its checksum costs
-        return {"address": self.address, "transport": system.split("-")[1],
-                "verify": not system.endswith("-unverified"),
+        tls = system.endswith("-tls")
+        if tls and self.tls_address is None:
+            raise RuntimeError(f"{system}: run benchmarks/server.py with --tls")
+        return {"address": self.tls_address if tls else self.address, "transport": system.split("-")[1],
+                "verify": not system.endswith("-unverified"), "tls": {"ca": self.ca} if tls else None,
                 "copy_threads": int(os.environ["KVBENCH_COPY_THREADS"]) if "KVBENCH_COPY_THREADS" in os.environ else None}
 
     def describe(self) -> str:
-        return self.address
+        return self.address + (f", TLS {self.tls_address}" if self.tls_address else "")
 
 
 class MooncakePeer(Peer):

@@ -44,7 +44,8 @@ class Kvstore:
         batch = spec["nblocks"] * spec["block"]
         self.client = Client(spec["address"], transport=spec["transport"], pool_size=1,
                              staging_bytes=batch + (1 << 20), timeout_s=60,
-                             copy_threads=spec.get("copy_threads"), verify=spec.get("verify", True))
+                             copy_threads=spec.get("copy_threads"), verify=spec.get("verify", True),
+                             tls=spec.get("tls"))
         assert self.client.transport == spec["transport"], self.client.transport
         ns = Namespace(model="bench", dtype="u8", chunk_tokens=1, salt=spec["tag"])
         self.keys = ns.chunk_keys(np.arange(spec["nblocks"] + 1))

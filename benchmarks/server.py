@@ -11,6 +11,10 @@ ever invented):
   kvstore-shm-unverified, kvstore-tcp-unverified
                  the same clients with ``Client(verify=False)``: received blocks not checked
                  against their checksums (measurement only), beside the verified default
+  kvstore-tcp-tls
+                 ``--tls``: a second, identical server with ``server.tls`` (a throwaway CA)
+                 and ``Client(transport="tcp", tls=...)``: the same TCP path over TLS 1.3,
+                 beside plain kvstore-tcp in the same run
   kvstore-nixl   the same server, NIXL path (UCX: cross-memory attach here, RDMA across
                  nodes); ``Client(transport="nixl")`` with registered buffers
   mooncake-tcp   ``mooncake_master`` + a ``mooncake_client`` storage node; its Python
@@ -24,7 +28,8 @@ Every cell: C concurrent client processes; each puts one batch of fresh 64 MiB (
 or 1 MiB blocks), verifies one read-back byte for byte, then gets the batch repeatedly
 for ``--seconds``. Throughput = all bytes got / wall time; p50/p99 per batch request.
 Systems are interleaved cell by cell so machine noise hits all of them alike.
-Writes ``benchmarks/results/server.json`` and ``server.png`` (``--out NAME``: ``NAME.json``).
+Writes ``benchmarks/results/server.json`` and ``server.png`` (``--out NAME``: ``NAME.json``;
+with ``--tls``, ``server_tls.json`` unless ``--out`` is given).
 """
 
 from __future__ import annotations
@@ -106,15 +111,24 @@ def main() -> int:
     ap.add_argument("--clients", default="1,4,16")
     ap.add_argument("--seconds", type=float, default=2.5, help="get phase per cell")
     ap.add_argument("--quick", action="store_true", help="1 MiB, 1 and 4 clients, 0.5 s")
-    ap.add_argument("--out", default="server",
-                    help="results name: writes benchmarks/results/<out>.json and .png (e.g. server_nixl for a "
-                         "NIXL-vs-TCP subset run, so the full table in server.json stays)")
+    ap.add_argument("--tls", action="store_true",
+                    help="add kvstore-tcp-tls (TCP over TLS, a second server with server.tls) beside kvstore-tcp")
+    ap.add_argument("--out", default=None,
+                    help="results name: writes benchmarks/results/<out>.json and .png (default server, "
+                         "server_tls with --tls; e.g. server_nixl for a NIXL-vs-TCP subset run, so the full "
+                         "table in server.json stays)")
     ap.add_argument("--lmcache-clients", default="1,4",
                     help="client counts LMCache runs with (each of its clients loads torch: slow to start)")
     args = ap.parse_args()
     if args.quick:
         args.blocks, args.clients, args.seconds = "1048576", "1,4", 0.5
     systems = args.systems.split(",")
+    if args.tls:
+        for s in ("kvstore-tcp", "kvstore-tcp-tls"):
+            if s not in systems:
+                systems.insert(systems.index("kvstore-tcp") + 1 if "kvstore-tcp" in systems else len(systems), s)
+    if args.out is None:
+        args.out = "server_tls" if args.tls else "server"
     blocks = [int(b) for b in args.blocks.split(",")]
     counts = [int(c) for c in args.clients.split(",")]
     RESULTS.mkdir(parents=True, exist_ok=True)
@@ -130,7 +144,8 @@ def main() -> int:
                 continue
             if family not in peers and family not in skipped:
                 try:
-                    peers[family] = PEERS[family](tmp, max(counts))
+                    extra = {"tls": any(s.endswith("-tls") for s in systems)} if family == "kvstore" else {}
+                    peers[family] = PEERS[family](tmp, max(counts), **extra)
                     if family == "lmcache":
                         peers[family].client_counts = {int(c) for c in args.lmcache_clients.split(",")}
                     print(f"started {family}: {peers[family].describe()}", flush=True)
@@ -188,14 +203,15 @@ def _report(results: list[dict], skipped: dict, blocks: list[int], counts: list[
                                  ("kvstore-tcp", "redis", 1.0), ("kvstore-nixl", "kvstore-tcp", 2.0),
                                  ("kvstore-nixl", "mooncake-tcp", 1.0),
                                  ("kvstore-shm", "kvstore-shm-unverified", 0.9),
-                                 ("kvstore-tcp", "kvstore-tcp-unverified", 0.9)):
+                                 ("kvstore-tcp", "kvstore-tcp-unverified", 0.9),
+                                 ("kvstore-tcp-tls", "kvstore-tcp", None)):   # TLS: reported as measured
         vals = [ok[(ours, b, c)]["get_gbps"] / ok[(theirs, b, c)]["get_gbps"]
                 for b in blocks for c in counts if (ours, b, c) in ok and (theirs, b, c) in ok]
         if vals:
             ratios[f"{ours}/{theirs}"] = {"min": min(vals), "median": float(np.median(vals)), "max": max(vals),
                                           "target": target}
             print(f"{ours} / {theirs}: median {np.median(vals):.2f}x (min {min(vals):.2f}x, "
-                  f"max {max(vals):.2f}x; target >= {target}x)")
+                  f"max {max(vals):.2f}x; " + (f"target >= {target}x)" if target else "no target)"))
     for s, why in skipped.items():
         print(f"skipped {s}: {why}")
     out = {"machine": os.uname().nodename, "cpus": os.cpu_count(), "batch_bytes": BATCH, "results": results,

@@ -30,7 +30,8 @@ def build_tier(cfg: TierConfig) -> Tier:
     if cfg.kind == "remote":
         from tiers.remote import RemoteTier
 
-        return RemoteTier(cfg.address, cfg.capacity, name=cfg.name, token=cfg.token, timeout_s=cfg.timeout_s)
+        return RemoteTier(cfg.address, cfg.capacity, name=cfg.name, token=cfg.token, timeout_s=cfg.timeout_s,
+                          tls=cfg.tls)
     if cfg.kind == "s3":
         try:
             from tiers.s3 import S3Tier

@@ -9,12 +9,14 @@ import mmap
 import os
 import secrets
 import socket
+import ssl
 from dataclasses import dataclass
 from typing import Any, Sequence
 
 import numpy as np
 
 from kvstore._pinning import HostPin
+from kvstore._tls import ClientTls, describe as describe_tls
 
 from kvstore.errors import (AuthError, BufferSizeError, InvalidArgumentError, ProtocolError, RemoteError,
                             TierUnavailableError)
@@ -68,9 +70,12 @@ def _raise_status(status: int, message: str, addr: Address) -> None:
 
 class Conn:
     """A connected, authenticated socket. Any network failure raises
-    :class:`TierUnavailableError` and marks the connection ``broken`` (never reused)."""
+    :class:`TierUnavailableError` and marks the connection ``broken`` (never reused).
+    With ``tls``, a TCP connection is wrapped in TLS before the HELLO (a Unix socket
+    never is: the same-host path is plaintext); a TLS failure is a
+    TierUnavailableError whose message says what TLS found."""
 
-    def __init__(self, addr: Address, token: str | None, timeout_s: float) -> None:
+    def __init__(self, addr: Address, token: str | None, timeout_s: float, tls: ClientTls | None = None) -> None:
         self.addr = addr
         self.broken = False
         self.staging: ClientStaging | None = None
@@ -86,6 +91,15 @@ class Conn:
                 self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         except OSError as exc:
             raise TierUnavailableError(f"cannot connect to kvstore server {addr}: {exc}") from exc
+        self.tls = tls is not None and not addr.path
+        if self.tls:
+            raw = self.sock
+            try:
+                self.sock = tls.wrap(raw, addr.host)
+            except (ssl.SSLError, OSError) as exc:
+                raw.close()
+                raise TierUnavailableError(f"TLS handshake with kvstore server {addr} failed: "
+                                           f"{describe_tls(exc)}") from exc
         hello: dict[str, Any] = {"client": "kvstore-python", "protocol": P.VERSION}
         try:
             # Challenge-response: the server's nonce, then an HMAC of it under the token
@@ -155,6 +169,11 @@ class Conn:
     def _fail(self, exc: OSError) -> None:
         self.broken = True
         self.close()
+        if self.tls and (isinstance(exc, ssl.SSLError) or not hasattr(self, "info")):
+            # e.g. a TLS 1.3 server refusing this client's certificate: the client's side of
+            # the handshake completes, the refusal arrives with (or instead of) the HELLO reply
+            raise TierUnavailableError(f"kvstore server {self.addr}: TLS: "
+                                       f"{describe_tls(exc, after_handshake=not hasattr(self, 'info'))}") from exc
         raise TierUnavailableError(f"kvstore server {self.addr}: {exc}") from exc
 
     def attach_staging(self, nbytes: int) -> "ClientStaging":

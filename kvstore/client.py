@@ -15,7 +15,9 @@ Every block is verified end to end: a save sends the XXH3-64 of each block, comp
 here before the bytes leave (the server stores only blocks that match), and a load
 checks each block it received against the checksum the server keeps for it; a block
 that fails is a miss (``False``), counted in ``stats()["client"]["checksum_mismatches"]``.
-The HELLO is a challenge-response: the token itself never crosses the wire.
+The HELLO is a challenge-response: the token itself never crosses the wire. With
+``tls=...`` (a server with ``server.tls``), TCP connections are TLS 1.2+ with the
+server's certificate verified (docs/server.md, "TLS").
 
 Thread-safety: every method may be called from any thread. Calls check out a pooled
 connection each, so up to ``pool_size`` run at once. ``save``/``load`` return futures;
@@ -46,6 +48,7 @@ from kvstore._client_shm import SameHostPath
 from kvstore._client_tcp import Integrity, tcp_get, tcp_put
 from kvstore._stats import sum_stat_sources
 from kvstore._streams import capture, submit
+from kvstore._tls import client_tls
 from kvstore._wire import Address, ArenaMap, Conn
 from kvstore.transport import FallbackCounter, nixl_available, select_transport
 
@@ -59,17 +62,27 @@ class Client:
     memory when the server is on this host, else NIXL when both sides have it, else
     TCP), ``tcp``, ``shm`` or ``nixl`` (fail if unavailable). ``verify=False`` skips
     checking loaded blocks against the server's checksums: for measuring what the
-    check costs (``benchmarks/server.py``) only, never for serving."""
+    check costs (``benchmarks/server.py``) only, never for serving.
+
+    ``tls``: TLS to a server with ``server.tls`` — an :class:`ssl.SSLContext` (the name
+    checked is the address's host), a :class:`kvstore.config.ClientTlsConfig`, or a
+    dict of its fields (``ca``, ``cert``, ``key``, ``server_hostname``,
+    ``check_hostname``, ``min_version``); ``True``: verified against the system's
+    trust store. It covers TCP: a same-host client still moves bytes through shared
+    memory and the server's Unix socket (plaintext, never leaving the host), and with
+    ``transport="auto"`` a TLS client does not pick NIXL, whose transfers TLS does not
+    cover (``transport="nixl"`` still selects it: control over TLS, bytes over NIXL)."""
 
     lends_memory = False   # borrow/reserve would need the server's memory in this process
 
     def __init__(self, address: str, *, token: str | None = None, timeout_s: float = 10.0,
                  pool_size: int = 8, transport: str = "auto",
                  staging_bytes: int = DEFAULT_STAGING_BYTES, copy_threads: int | None = None,
-                 verify: bool = True) -> None:
+                 verify: bool = True, tls: Any = None) -> None:
         if transport not in ("auto", "tcp", "shm", "nixl"):
             raise InvalidArgumentError(f"transport must be auto, tcp, shm or nixl, got {transport!r}")
         self.address = Address.parse(address)
+        self._tls = client_tls(tls)
         self._token, self._timeout_s = token, timeout_s
         self._pool_size, self._staging_bytes = max(1, pool_size), staging_bytes
         self._idle: list[Conn] = []
@@ -78,7 +91,7 @@ class Client:
         self._closed = False
         self.integrity = Integrity(verify)
         self._tcp_get = partial(tcp_get, integrity=self.integrity)
-        first = Conn(self.address, token, timeout_s)
+        first = Conn(self.address, token, timeout_s, self._tls)
         self.info = first.info
         self._max_batch = int(self.info.get("max_batch", 4096))
         self._max_payload = min(int(self.info.get("max_frame_bytes", 256 << 20)),
@@ -124,15 +137,15 @@ class Client:
                      if self._arena is not None else None)
         self.fallbacks = FallbackCounter()
         self._nixl: Any = None
-        if self._arena is None and transport in ("auto", "nixl"):
-            self._start_nixl(transport)
+        if self._arena is None and (transport == "nixl" or (transport == "auto" and self._tls is None)):
+            self._start_nixl(transport)   # a TLS client takes NIXL (which TLS does not cover) only when asked
 
     def _same_server_socket(self, path: str) -> Address | None:
         """The Unix socket at ``path`` when the server answering there is the one this
         client's HELLO came from (same instance id), else ``None``."""
         addr = Address(None, None, path)
         try:
-            probe = Conn(addr, self._token, self._timeout_s)
+            probe = Conn(addr, self._token, self._timeout_s, self._tls)
         except (OSError, KVStoreError) as exc:
             log.info("server %s: its socket %s is not usable (%s); using TCP", self.address, path, exc)
             return None
@@ -182,6 +195,12 @@ class Client:
             self._nixl.register(buf)
 
     @property
+    def tls(self) -> bool:
+        """Whether this client's connections run over TLS (TCP with ``tls`` given; the
+        same-host path never does)."""
+        return self._tls is not None and self._conn_addr.path is None
+
+    @property
     def transport(self) -> str:
         """``shm`` when bulk bytes move through shared memory, ``nixl`` through NIXL,
         else ``tcp``."""
@@ -198,7 +217,7 @@ class Client:
         with self._lock:
             conn = self._idle.pop() if self._idle else None
         if conn is None:
-            conn = Conn(self._conn_addr, self._token, self._timeout_s)
+            conn = Conn(self._conn_addr, self._token, self._timeout_s, self._tls)
         try:
             yield conn
         finally:

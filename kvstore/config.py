@@ -142,6 +142,101 @@ def _no_empty_token(data: Any) -> Any:
     return data
 
 
+TlsVersion = Literal["1.2", "1.3"]
+
+
+def _check_file(kind: str) -> Any:
+    """A field validator: the file (or CA directory) exists and OpenSSL loads it."""
+    from kvstore import _tls
+
+    check = {"ca": _tls.check_ca, "cert": _tls.check_cert}[kind]
+
+    def validate(value: str | None) -> str | None:
+        if value is not None:
+            check(value)
+        return value
+    return validate
+
+
+def _check_key(value: str | None, info: Any) -> str | None:
+    """``key`` loads with ``cert`` (validated first: fields validate in order)."""
+    from kvstore import _tls
+
+    cert = info.data.get("cert")   # absent when invalid (reported there); None: the pair check reports it
+    if value is not None and cert is not None:
+        _tls.check_pair(cert, value)
+    return value
+
+
+class ServerTlsConfig(_Frozen):
+    """``server.tls``: the TCP listener (and the admin port) speak TLS with this
+    certificate and key. ``ca`` verifies client certificates: required with
+    ``require_client_cert`` (mutual TLS), checked when presented otherwise. The
+    same-host Unix socket and shared memory stay plaintext (see ``docs/server.md``)."""
+
+    cert: str = Field(min_length=1)           # PEM certificate chain, leaf first
+    key: str = Field(min_length=1)            # its unencrypted PEM private key
+    ca: str | None = None                     # PEM CA bundle (or hashed directory) for client certificates
+    require_client_cert: bool = False         # mutual TLS: refuse clients without a certificate from ca
+    min_version: TlsVersion = "1.2"
+
+    _files = field_validator("cert")(_check_file("cert"))
+    _ca = field_validator("ca")(_check_file("ca"))
+    _key = field_validator("key")(_check_key)
+
+    @model_validator(mode="after")
+    def _mtls_needs_ca(self) -> "ServerTlsConfig":
+        if self.require_client_cert and not self.ca:
+            raise ValueError("require_client_cert: true needs ca (the CA that signs client certificates)")
+        return self
+
+    def context(self) -> Any:
+        """A fresh :class:`ssl.SSLContext` (files read again: a restart picks up new ones)."""
+        from kvstore import _tls
+
+        return _tls.server_context(self.cert, self.key, self.ca, self.require_client_cert, self.min_version)
+
+
+class ClientTlsConfig(_Frozen):
+    """TLS to a kvstore server (a remote tier's ``tls:``, ``Client(tls=...)``): the
+    server's chain is verified against ``ca`` (none: the system's trust store) and,
+    with ``check_hostname``, must name ``server_hostname`` (default: the host of the
+    address); ``cert`` and ``key`` authenticate this client (mutual TLS)."""
+
+    ca: str | None = None
+    cert: str | None = None
+    key: str | None = None
+    server_hostname: str | None = Field(None, min_length=1)
+    check_hostname: bool = True               # false: the chain is still verified, the name is not
+    min_version: TlsVersion = "1.2"
+
+    _files = field_validator("cert")(_check_file("cert"))
+    _ca = field_validator("ca")(_check_file("ca"))
+    _key = field_validator("key")(_check_key)
+
+    @model_validator(mode="after")
+    def _pair(self) -> "ClientTlsConfig":
+        if (self.cert is None) != (self.key is None):
+            raise ValueError("give both cert and key (a client certificate), or neither")
+        return self
+
+    def context(self) -> Any:
+        """A fresh :class:`ssl.SSLContext` for these settings."""
+        from kvstore import _tls
+
+        return _tls.client_context(self.ca, self.cert, self.key, check_hostname=self.check_hostname,
+                                   min_version=self.min_version)
+
+
+def _tls_flag(value: Any) -> Any:
+    """``tls: true`` is TLS verified against the system's trust store; ``false``: none."""
+    if value is True:
+        return {}
+    if value is False:
+        return None
+    return value
+
+
 class RemoteTierConfig(_TierBase):
     kind: Literal["remote"]
     address: str = Field(min_length=1)   # host:port or unix socket path
@@ -149,6 +244,7 @@ class RemoteTierConfig(_TierBase):
 
     _token_given = model_validator(mode="before")(_no_empty_token)
     timeout_s: float = Field(10.0, gt=0)
+    tls: Annotated[ClientTlsConfig | None, BeforeValidator(_tls_flag)] = None   # TCP addresses only
 
 
 class MooncakeTierConfig(_TierBase):
@@ -250,6 +346,7 @@ class ServerConfig(_Frozen):
     shm_lease_s: float = Field(30.0, gt=0)       # a same-host read lease ends after this at most
     shutdown_grace_s: float = Field(10.0, ge=0)  # requests in flight get this long at shutdown
     send_threads: int = Field(4, ge=0)           # threads sending large TCP GET replies (0: the event loop)
+    tls: ServerTlsConfig | None = None           # TLS on the TCP listener and the admin port
 
 
 class TraceConfig(_Frozen):
@@ -346,10 +443,15 @@ def load_config(source: str | os.PathLike | Mapping[str, Any] | StoreConfig | No
         raise ConfigError(f"invalid {origin}:\n" + _describe(exc)) from None
 
 
-def _describe(exc: ValidationError) -> str:
+def describe_errors(exc: ValidationError, prefix: str = "") -> str:
+    """A validation error's lines, each naming its field (under ``prefix``)."""
+    return _describe(exc, prefix)
+
+
+def _describe(exc: ValidationError, prefix: str = "") -> str:
     lines = []
     for err in exc.errors():
-        parts = list(err["loc"])
+        parts = ([prefix] if prefix else []) + list(err["loc"])
         if len(parts) > 3 and parts[0] == "tiers":
             del parts[2]  # the union's tag (the tier kind) is noise in a field path
         loc = ".".join(str(p) for p in parts)
@@ -411,6 +513,7 @@ def dump_config(config: StoreConfig) -> str:
     return yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False)
 
 
-__all__ = ["AdmissionConfig", "DEFAULT_CONFIG", "DramTierConfig", "EventsConfig", "GpuTierConfig", "NvmeTierConfig",
-           "PlacementConfig", "RedisTierConfig", "RedisTlsConfig", "RemoteTierConfig", "S3TierConfig", "ServerConfig",
-           "StoreConfig", "TierConfig", "TraceConfig", "dump_config", "load_config", "parse_size"]
+__all__ = ["AdmissionConfig", "ClientTlsConfig", "DEFAULT_CONFIG", "DramTierConfig", "EventsConfig", "GpuTierConfig",
+           "NvmeTierConfig", "PlacementConfig", "RedisTierConfig", "RedisTlsConfig", "RemoteTierConfig", "S3TierConfig",
+           "ServerConfig", "ServerTlsConfig", "StoreConfig", "TierConfig", "TraceConfig", "describe_errors",
+           "dump_config", "load_config", "parse_size"]

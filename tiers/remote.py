@@ -4,8 +4,9 @@ server beneath it (``kind: remote``).
 ``capacity_bytes`` is this tier's quota on the server: the local Store evicts into it
 as into any tier, and the tier refuses writes past the quota. The server runs its own
 eviction too, so a block this tier wrote can disappear; a read then misses and the
-Store drops it from its index. Over TCP the kernel checksums every segment; same-host
-clients copy from the server's own memory.
+Store drops it from its index. Every block is verified end to end (the client checks
+the server's per-block checksum); ``tls`` puts the TCP connections in TLS
+(``Client(tls=...)``); same-host clients copy from the server's own memory.
 
 Thread-safe: the client pools connections; the local accounting runs under a lock.
 """
@@ -25,13 +26,14 @@ class RemoteTier(Tier):
     """Blocks on a kvstore server at ``address`` (``host:port`` or a socket path)."""
 
     def __init__(self, address: str, capacity_bytes: int, *, name: str = "remote", token: str | None = None,
-                 timeout_s: float = 10.0, client: Any = None) -> None:
+                 timeout_s: float = 10.0, client: Any = None, tls: Any = None) -> None:
         from kvstore.client import Client
 
         self.name = name
         self._capacity = int(capacity_bytes)
         try:
-            self._client = client if client is not None else Client(address, token=token, timeout_s=timeout_s)
+            self._client = client if client is not None else Client(address, token=token, timeout_s=timeout_s,
+                                                                    tls=tls)
         except TierUnavailableError as exc:
             raise TierUnavailableError(str(exc), tier=name) from exc
         self._sizes: dict[BlockKey, int] = {}
@@ -107,7 +109,8 @@ class RemoteTier(Tier):
             return iter(list(self._sizes))
 
     def stats(self) -> dict[str, Any]:
-        return {"address": str(self._client.address), "transport": self._client.transport}
+        return {"address": str(self._client.address), "transport": self._client.transport,
+                "tls": bool(getattr(self._client, "tls", False))}
 
     def close(self) -> None:
         self._client.close()

@@ -14,6 +14,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--server", default="127.0.0.1:7480", help="server address host:port or socket path")
     parser.add_argument("--token", default=os.environ.get("KVSTORE_TOKEN"),
                         help="shared-secret token (default: $KVSTORE_TOKEN)")
+    parser.add_argument("--tls-ca", metavar="PEM",
+                        help="connect over TLS (a server with server.tls), verifying it against this CA")
+    parser.add_argument("--tls-cert", metavar="PEM", help="client certificate, for a server that requires one")
+    parser.add_argument("--tls-key", metavar="PEM", help="the client certificate's key")
     parser.add_argument("--watch", type=float, metavar="SECONDS", help="refresh every SECONDS until Ctrl-C")
     parser.add_argument("--json", action="store_true", help="print the raw JSON")
     parser.set_defaults(handler=run)
@@ -41,7 +45,10 @@ def render(stats: dict[str, Any]) -> str:
 def run(args: argparse.Namespace) -> int:
     from kvstore.client import Client
 
-    with Client(args.server, token=args.token, transport="tcp", pool_size=1) as client:
+    tls = None
+    if args.tls_ca or args.tls_cert or args.tls_key:
+        tls = {"ca": args.tls_ca, "cert": args.tls_cert, "key": args.tls_key}
+    with Client(args.server, token=args.token, transport="tcp", pool_size=1, tls=tls) as client:
         while True:
             stats = client.stats()
             print(json.dumps(stats, indent=2, default=str) if args.json else render(stats), flush=True)

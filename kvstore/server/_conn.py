@@ -15,6 +15,7 @@ import hmac
 import logging
 import secrets
 import socket
+import ssl
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -28,6 +29,7 @@ from kvstore.server._auth import hello_proof
 from kvstore.server._conn_shm import SameHostOps
 from kvstore.server._refusals import Busy as _Busy, Disconnected as _Disconnected, Fatal as _Fatal
 from kvstore.server._shm import Lease, Staging
+from kvstore.server._tls_stream import TlsStream, peek_first_byte
 
 if TYPE_CHECKING:
     from kvstore.server._server import Server
@@ -62,6 +64,7 @@ class Connection(SameHostOps):
         self.staging: Staging | None = None
         self.nixl_peer: str | None = None   # the client's NIXL agent, after NIXL_HELLO
         self.task: asyncio.Task | None = None
+        self.tls: TlsStream | None = None   # the TCP connection's TLS, with server.tls (after the handshake)
 
     # -- I/O -------------------------------------------------------------------------------
 
@@ -69,6 +72,12 @@ class Connection(SameHostOps):
         """Fill ``view`` from the socket. ``in_frame``: part of a frame whose header has
         arrived, so the server's reaper closes the connection when no byte arrives for
         ``read_timeout_s`` (a header may wait for ``idle_timeout_s``)."""
+        if self.tls is not None:
+            got = await self.tls.recv_exact(view, self._stalled if in_frame else None)
+            self.stalled_since = None
+            if got < view.nbytes:
+                raise _Disconnected(f"peer closed after {got} of {view.nbytes} bytes")
+            return
         got, n = 0, view.nbytes
         recv = self.loop.sock_recv_into
         while got < n:
@@ -80,9 +89,47 @@ class Connection(SameHostOps):
             got += k
         self.stalled_since = None
 
+    def _stalled(self, waiting: bool) -> None:
+        self.stalled_since = time.monotonic() if waiting else None
+
     async def _reply(self, op: int, rid: int, body: bytes = b"", payload_len: int = 0,
                      status: int = 0) -> None:
-        await self.loop.sock_sendall(self.sock, P.pack_header(op, rid, len(body), payload_len, status) + body)
+        frame = P.pack_header(op, rid, len(body), payload_len, status) + body
+        if self.tls is not None:
+            await self.tls.sendall(frame)
+        else:
+            await self.loop.sock_sendall(self.sock, frame)
+
+    async def _start_tls(self) -> bool:
+        """Wrap this TCP connection in TLS (``server.tls``); False when it was refused
+        (counted, logged in one line, closed). A plaintext kvstore client is told in
+        plaintext that this server needs TLS; any other failure is the handshake's."""
+        server = self.server
+        first = await peek_first_byte(self.loop, self.sock)
+        if not first:
+            return False
+        if first == P.MAGIC[:1]:
+            server.metrics.refused.labels("tls_required").inc()
+            log.info("closing connection %s: plaintext client, and this server requires TLS", self.peer)
+            try:   # read its HELLO first: closing with unread bytes would reset the connection, reply and all
+                await asyncio.wait_for(self.loop.sock_recv(self.sock, P.HEADER_BYTES + HELLO_MAX_BYTES), 1.0)
+                await asyncio.wait_for(self._reply(P.Op.HELLO, 0, b"this server requires TLS (server.tls is set): "
+                                                   b"connect with Client(..., tls=...) or a remote tier's tls:",
+                                                   status=P.Status.PROTOCOL), 1.0)
+            except (OSError, asyncio.TimeoutError):
+                pass
+            return False
+        try:
+            self.sock = server.tls_context.wrap_socket(self.sock, server_side=True, do_handshake_on_connect=False)
+            tls = TlsStream(self.loop, self.sock, server.sender, server.config.server.idle_timeout_s)
+            await tls.handshake()
+        except (ssl.SSLError, OSError) as exc:
+            server.metrics.refused.labels("tls_handshake").inc()
+            log.info("closing connection %s: TLS handshake failed: %s", self.peer,
+                     getattr(exc, "reason", None) or exc)
+            return False
+        self.tls = tls
+        return True
 
     def _buffer(self, nbytes: int) -> np.ndarray:
         """The connection's scratch buffer, grown on demand and reused across requests."""
@@ -101,6 +148,8 @@ class Connection(SameHostOps):
         metrics.connections.inc()
         rid = 0
         try:
+            if self.peer_ip is not None and server.tls_context is not None and not await self._start_tls():
+                return
             while not server.closing:
                 await self._recv_exact(memoryview(self.head), in_frame=False)
                 self.busy, t0 = True, time.perf_counter()
@@ -132,6 +181,9 @@ class Connection(SameHostOps):
             await self._refuse(rid, P.Status.PROTOCOL, str(exc))
         except _Fatal as exc:
             await self._refuse(rid, exc.status, str(exc))
+        except ssl.SSLError as exc:   # a TLS record failed (tampered with, or a broken peer)
+            server.metrics.refused.labels("tls_error").inc()
+            log.info("closing connection %s: TLS error: %s", self.peer, exc.reason or exc)
         except (ConnectionError, OSError):
             pass
         except asyncio.CancelledError:
@@ -308,7 +360,10 @@ class Connection(SameHostOps):
             body = P.encode_summed(sizes, [c or 0 for c in sums])
             frame = [P.pack_header(P.Op.GET, rid, len(body), total) + body]
             frame += [src for src in srcs if src is not None]
-            await self.server.sender.send(self.loop, self.sock, frame, total)  # header and blocks, vectored
+            if self.tls is not None:
+                await self.tls.send(frame, total)
+            else:
+                await self.server.sender.send(self.loop, self.sock, frame, total)  # header and blocks, vectored
             self.server.metrics.bytes.labels("out", "tcp").inc(total)
 
     async def _load_lower(self, keys: list, want: list[int], idx: list[int], buf: np.ndarray, base: int,

@@ -73,19 +73,26 @@ class Sender:
         self._threads, self._timeout_s = threads, timeout_s
         self._pool: ThreadPoolExecutor | None = None
 
+    def executor(self, nbytes: int) -> ThreadPoolExecutor | None:
+        """The sender threads for a transfer of ``nbytes``; None: do it on the loop."""
+        if nbytes < THREAD_BYTES or self._threads < 1:
+            return None
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self._threads, thread_name_prefix="kvstore-send")
+        return self._pool
+
     async def send(self, loop: asyncio.AbstractEventLoop, sock: socket.socket, buffers: Sequence[Any],
                    nbytes: int) -> None:
         state = [_views(buffers), 0]
-        if nbytes < THREAD_BYTES or self._threads < 1:
+        pool = self.executor(nbytes)
+        if pool is None:
             while not _send_some(sock, state):
                 await _writable(loop, sock, self._timeout_s)
             return
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(self._threads, thread_name_prefix="kvstore-send")
         # A thread copies while the socket takes bytes; waiting for room happens on the
         # loop, so a slow reader never holds a sender thread.
         while True:
-            fut = loop.run_in_executor(self._pool, _send_some, sock, state)
+            fut = loop.run_in_executor(pool, _send_some, sock, state)
             try:
                 done = await asyncio.shield(fut)
             except asyncio.CancelledError:

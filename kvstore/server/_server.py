@@ -71,6 +71,10 @@ class Server:
             raise ConfigError(f"server.host {cfg.host!r} serves beyond this machine, and no server.token is "
                               "set: anyone who reaches the port could read and write the cache; set a token, "
                               "or set server.allow_unauthenticated: true to serve without one")
+        # TLS on the TCP listener and the admin port (the Unix socket stays plaintext:
+        # same-host, private to this user). Built before anything listens: a bad file
+        # stops the start with a ConfigError.
+        self.tls_context = _tls_context(cfg)
         self._owns_store = store is None
         self.store = store if store is not None else build_store(config)
         self.limits = P.Limits(cfg.max_frame_bytes, cfg.max_batch)
@@ -124,7 +128,9 @@ class Server:
             self._tasks.append(asyncio.create_task(self._accept(unix, unix=True)))
         if cfg.admin_port is not None:
             self._admin = await asyncio.start_server(lambda r, w: handle_admin(self, r, w), cfg.host,
-                                                     cfg.admin_port, limit=64 << 10)
+                                                     cfg.admin_port, limit=64 << 10, ssl=self.tls_context,
+                                                     ssl_handshake_timeout=cfg.handshake_timeout_s if
+                                                     self.tls_context is not None else None)
             self.admin_port = self._admin.sockets[0].getsockname()[1]
         self._tasks.append(asyncio.create_task(self._reap()))
 
@@ -268,8 +274,23 @@ class Server:
                          "leased_bytes": sum(c.leased_bytes for c in self.conns),
                          "shm": self.arena.path if self.arena else None, "port": self.port,
                          "admin_port": self.admin_port, "socket_path": self.socket_path,
+                         "tls": self.tls_context is not None,
                          "nixl": self.nixl.stats()}
         return out
+
+
+def _tls_context(cfg: Any) -> Any:
+    if cfg.tls is None:
+        return None
+    try:
+        ctx = cfg.tls.context()
+        mode = os.stat(cfg.tls.key).st_mode
+    except (ValueError, OSError) as exc:   # a file changed since the config was validated
+        raise ConfigError(f"server.tls: {exc}") from None
+    if mode & 0o077:
+        log.warning("server.tls.key %s can be read by other users (mode %o); chmod 600 it", cfg.tls.key,
+                    mode & 0o777)
+    return ctx
 
 
 def _family(host: str) -> int:
