@@ -5,8 +5,10 @@ both a :class:`kvstore.api.StoreAPI`.
 A connector passes its options mapping (vLLM's ``kv_connector_extra_config``, SGLang's
 ``extra_config``, TensorRT-LLM's ``server_url``) and gets:
 
-- ``{"server": "host:port", "token": ..., "timeout_s": ...}``: a new Client of that
-  running ``kvstore serve``. The server is what processes share.
+- ``{"server": "host:port", "token": ..., "timeout_s": ..., "tls": ...}``: a new Client
+  of that running ``kvstore serve``. The server is what processes share. ``tls`` (for a
+  server with ``server.tls``) is ``true`` (the system's trust store) or the remote tier's
+  ``tls`` settings (``ca``, ``cert``, ``key``, ``server_hostname``, ``check_hostname``).
 - ``{"store": {...} | "path.yaml"}``: an embedded Store built from exactly that config;
   ``KVSTORE_…`` environment variables are not applied to it.
 - neither: an embedded Store of the environment's config, ``$KVSTORE_CONFIG`` (with
@@ -90,7 +92,18 @@ def _client(options: Mapping[str, Any], server: Any, owner: str) -> StoreAPI:
     except ImportError as exc:
         raise ConfigError(f"{owner}: 'server' needs kvstore.client, which this kvstore build lacks "
                           f"({exc}); use an embedded 'store' instead") from exc
-    kwargs = {"timeout_s": float(timeout_s)} if timeout_s is not None else {}
+    kwargs: dict[str, Any] = {"timeout_s": float(timeout_s)} if timeout_s is not None else {}
+    tls = options.get("tls")
+    if tls is not None:
+        if not isinstance(tls, (bool, Mapping)):
+            raise ConfigError(f"{owner}: 'tls' must be true or a mapping of tls settings (ca, cert, key, "
+                              f"server_hostname, check_hostname), got {type(tls).__name__}")
+        from kvstore._tls import client_tls
+
+        try:
+            kwargs["tls"] = client_tls(dict(tls) if isinstance(tls, Mapping) else tls)
+        except ConfigError as exc:
+            raise ConfigError(f"{owner}: {exc}") from None
     return Client(server, token=token, **kwargs)
 
 

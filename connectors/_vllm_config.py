@@ -27,6 +27,7 @@ class VllmConnectorConfig(BaseModel):
     store: dict[str, Any] | str | None = None   # embedded StoreConfig dict or YAML path
     server: str | None = None                   # "host:port" of a kvstore server
     token: str | None = None                    # server auth token
+    tls: bool | dict[str, Any] | None = None    # TLS to a server with server.tls (remote tier's tls settings)
     chunk_tokens: int = Field(256, gt=0)        # tokens per stored chunk (multiple of block size)
     model_id: str | None = None                 # namespace model name; default: the served model
     lease_s: float = Field(60.0, gt=0)          # how long a planned load protects its chunks

@@ -59,7 +59,7 @@ log = logging.getLogger(__name__)
 
 # SGLang passes its own keys through; file_storage_path is added when --file-storage-path is set.
 _SGLANG_KEYS = {"backend_name", "module_path", "class_name", "interface_v1", "file_storage_path"}
-_OUR_KEYS = {"store", "server", "token", "namespace", "model", "lease_s", "staging_bytes"}
+_OUR_KEYS = {"store", "server", "token", "tls", "namespace", "model", "lease_s", "staging_bytes"}
 DEFAULT_STAGING_BYTES = 64 << 20
 # Failures of the store behind us: reported as misses / failed saves, never raised
 # into SGLang's I/O threads. Bad arguments (InvalidArgumentError) still raise.

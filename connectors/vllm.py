@@ -62,7 +62,8 @@ class KVStoreConnector(KVConnectorBase_V1):
             raise ConfigError("the embedded 'store' is for single-process serving (TP=1, PP=1); "
                               f"this engine has {self.shape.world_size} workers: use 'server'")
         self.store = open_store({"store": self.config.store, "server": self.config.server,
-                                 "token": self.config.token, "timeout_s": self.config.timeout_s},
+                                 "token": self.config.token, "timeout_s": self.config.timeout_s,
+                                 "tls": self.config.tls},
                                 owner="vLLM kv_connector_extra_config")
         self.metrics = ConnectorMetrics(self.store, "vllm")
         self._scheduler: SchedulerSide | None = None

@@ -468,3 +468,22 @@ class _Flipper:
         self._listener.close()
         for s in self._socks:
             s.close()
+
+
+def test_a_connector_reaches_a_tls_server_through_open_store(mtls_server, pki):
+    from connectors._store_handle import open_store, release_store
+
+    store = open_store({"server": mtls_server.address, "tls": pki.client_tls(cert=True)}, owner="vllm")
+    try:
+        keys, srcs = make_keys(2, salt="connector-tls"), [payload(90 + i, 4096) for i in range(2)]
+        assert store.save(keys, srcs).result(WAIT_S) == [True, True]
+        dst = [np.zeros(4096, np.uint8) for _ in keys]
+        assert store.load(keys, dst).result(WAIT_S) == [True, True]
+        assert all(np.array_equal(d, s) for d, s in zip(dst, srcs))
+        assert store.tls
+    finally:
+        release_store(store)
+    with pytest.raises(ConfigError, match="vllm: 'tls' must be true or a mapping"):
+        open_store({"server": mtls_server.address, "tls": "yes"}, owner="vllm")
+    with pytest.raises(ConfigError, match="vllm: .*tls"):
+        open_store({"server": mtls_server.address, "tls": {"ca": "/nonexistent/ca.pem"}}, owner="vllm")
