@@ -12,8 +12,10 @@ run their logic.
   same size (the arena often lands at the same address) is pinned again and loads exact;
 - a corrupted payload byte on disk, read through the NVMe tier into device memory
   (kvikio where installed): a miss, counted, never ``True``;
-- paged gather/scatter under ``torch.cuda.set_sync_debug_mode("error")``: no host sync,
-  and the bytes moved are right.
+- paged gather/scatter (whole chunks and layer by layer, with and without a keep mask,
+  for one-allocation, per-layer and typed-fallback caches, and the single-tensor
+  helpers): host syncs counted per call under ``torch.cuda.set_sync_debug_mode``
+  (0 expected), and the bytes moved are right.
 """
 
 from __future__ import annotations
@@ -188,44 +190,116 @@ def _flip_payload_byte(directory: str, payload: np.ndarray) -> bool:
     return False
 
 
+def _count_syncs(fn) -> int:
+    """Host<->device synchronisations ``fn`` makes, as counted by torch's sync debug
+    mode ("warn": one warning per synchronising call); then run once more under "error"
+    so a sync the warning filter missed still fails."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    count = sum("synchroniz" in str(w.message) for w in caught)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        fn()
+    except RuntimeError:
+        count = max(count, 1)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    return count
+
+
 def paged_sync_free(ctx: Context) -> list[dict]:
     """The connectors' hot path (host-side ids and keep masks, as the scheduler lists
-    them) makes no host<->device synchronisation: torch's sync debug mode raises on one.
-    The bytes gathered and scattered are checked afterwards."""
-    from kvstore.paged import PagedLayers
+    them) makes no host<->device synchronisation: every paged call — whole-chunk
+    gather/scatter, layer-wise gather_layer/scatter_layer, with and without a keep mask,
+    for caches in one allocation (one op for all layers), separate per-layer caches, and
+    caches that need the typed fallback, and the single-tensor gather_pages /
+    scatter_pages (SGLang) — is counted under torch's sync debug mode. The bytes each
+    call moved are checked afterwards against plain indexing."""
+    from kvstore.paged import PagedLayers, gather_pages, scatter_pages
 
-    pages = 64
-    cache = torch.randn((pages, 2, 16, 8, 128), dtype=torch.float16, device=ctx.dev)
-    layers = PagedLayers([cache], blocks_per_chunk=4)
-    ids = torch.arange(8).view(2, 4) * 3                  # host ids: pages 0, 3, ..., 21
-    keep = torch.ones(2, 4, dtype=torch.bool)
-    keep[0, 0] = False                                    # host mask (a prefix-cache hit)
-    buf = torch.empty(2 * layers.chunk_bytes, dtype=torch.uint8, device=ctx.dev)
-    target = torch.zeros_like(cache)
-    layers_target = PagedLayers([target], blocks_per_chunk=4)
-    note, synced = "no CUDA: bytes only, sync debug mode not exercised", False
-    if ctx.cuda:
-        torch.cuda.synchronize(ctx.dev)
-        torch.cuda.set_sync_debug_mode("error")
-    try:
-        layers.gather(ids, buf)
-        layers_target.scatter(ids, buf, keep=keep)
-        if ctx.cuda:
-            note = "0 syncs (sync debug mode 'error')"
-    except RuntimeError as exc:
-        if not ctx.cuda:
-            raise
-        note, synced = f"synchronised: {exc}"[:120], True
-    finally:
-        if ctx.cuda:
-            torch.cuda.set_sync_debug_mode(0)
+    dev, layers_n, pages, per, n = ctx.dev, 4, 64, 4, 3
+    page = (2, 16, 8, 64)                                 # K/V x 16 tokens x 8 heads x 64 dims, fp16
+    gen = torch.Generator(device="cpu").manual_seed(31)
+
+    def make(kind: str) -> list[torch.Tensor]:
+        if kind == "one allocation":
+            return list(torch.randn((layers_n, pages, *page), generator=gen).half().to(dev).unbind(0))
+        if kind == "separate":
+            return [torch.randn((pages, *page), generator=gen).half().to(dev) for _ in range(layers_n)]
+        full = torch.randn((layers_n, pages, *page[:-1], page[-1] + 1), generator=gen).half().to(dev)
+        return [full[i, ..., :page[-1]] for i in range(layers_n)]     # typed fallback
+
+    ids = (torch.arange(n * per) * 5 % pages).view(n, per)          # host ids
+    keep = torch.ones(n, per, dtype=torch.bool)
+    keep[0, :2] = False                                              # host mask (a prefix-cache hit)
+    counts: dict[str, int] = {}
+    exact: dict[str, bool] = {}
     flat = ids.reshape(-1).tolist()
     kept = [p for p, k in zip(flat, keep.reshape(-1).tolist()) if k]
-    skipped = [p for p in flat if p not in kept]
-    exact = (all(torch.equal(target[p], cache[p]) for p in kept)
-             and all(not target[p].any() for p in skipped)
-             and torch.equal(buf.view(torch.float16).view(8, *cache.shape[1:]), cache[flat]))
-    return [verdict("paged host syncs per call", ctx.dev, exact and not synced, f"{note}; bytes exact={exact}")]
+    for kind in ("one allocation", "separate", "typed"):
+        src = make(kind)
+        pl = PagedLayers(src, blocks_per_chunk=per)
+        want = torch.cat([torch.cat([c[ids[i].to(dev)].contiguous().view(-1).view(torch.uint8) for c in src])
+                          for i in range(n)])
+        out = torch.empty(n * pl.chunk_bytes, dtype=torch.uint8, device=dev)
+        out_l = torch.empty_like(out)
+        dst = [torch.zeros_like(c) for c in src]
+        dst_l = [torch.zeros_like(c) for c in src]
+        ql, ql_l = PagedLayers(dst, blocks_per_chunk=per), PagedLayers(dst_l, blocks_per_chunk=per)
+        dst_p = [torch.zeros_like(c) for c in src]
+        plain = PagedLayers(dst_p, blocks_per_chunk=per)
+        calls = {
+            "gather": lambda: pl.gather(ids, out),
+            f"gather_layer x{layers_n}": lambda: [pl.gather_layer(i, ids, out_l) for i in range(layers_n)],
+            "scatter": lambda: plain.scatter(ids, want),
+            "scatter keep": lambda: ql.scatter(ids, want, keep=keep),
+            f"scatter_layer keep x{layers_n}": lambda: [ql_l.scatter_layer(i, ids, want, keep=keep)
+                                                      for i in range(layers_n)],
+        }
+        if ctx.cuda:
+            torch.cuda.synchronize(dev)                    # construction's uploads are not the hot path
+        for name, call in calls.items():
+            # counted from the first call on (the pinned host allocator's first blocks included)
+            if ctx.cuda:
+                counts[f"{kind}: {name}"] = _count_syncs(call)
+            else:
+                call()
+        exact[f"{kind}: gather"] = torch.equal(out, want) and torch.equal(out_l, want)
+        exact[f"{kind}: scatter keep"] = all(
+            all(torch.equal(d[p], c[p]) for p in kept) and all(not d[p].any() for p in flat if p not in kept)
+            for dd in (dst, dst_l) for d, c in zip(dd, src))
+        exact[f"{kind}: scatter"] = all(torch.equal(d[p], c[p]) for d, c in zip(dst_p, src) for p in flat)
+    cache = make("one allocation")[0]                      # the single-tensor helpers (SGLang)
+    one_ids = ids.reshape(-1)
+    buf = torch.empty(one_ids.numel() * cache[0].numel() * 2, dtype=torch.uint8, device=dev)
+    back = torch.zeros_like(cache)
+    if ctx.cuda:
+        torch.cuda.synchronize(dev)
+    for name, call in (("gather_pages", lambda: gather_pages(cache, 0, one_ids, buf)),
+                       ("scatter_pages", lambda: scatter_pages(back, 0, one_ids, buf))):
+        if ctx.cuda:
+            counts[name] = _count_syncs(call)
+        else:
+            call()
+    exact["gather_pages/scatter_pages"] = all(torch.equal(back[p], cache[p]) for p in flat)
+    bad = [k for k, v in exact.items() if not v]
+    syncing = {k: v for k, v in counts.items() if v}
+    if ctx.cuda:
+        note = (f"{sum(counts.values())} syncs over {len(counts)} call shapes (x{layers_n}: every layer "
+                f"once){'; syncing: ' + str(syncing) if syncing else ''}")
+    else:
+        note = f"no CUDA: bytes of {len(exact)} call shapes only, sync debug mode not exercised"
+    ok = not bad and not syncing
+    row = verdict("paged host syncs per call", dev, ok, f"{note}; bytes exact={not bad}{' ' + str(bad) if bad else ''}")
+    row["syncs_per_call"] = counts if ctx.cuda else None
+    return [row]
 
 
 __all__ = ["Context", "nvme_corrupt_payload", "paged_sync_free", "stale_pinning", "stream_order", "verdict"]

@@ -277,7 +277,9 @@ def device_checksum(ctx: Context) -> list[dict]:
 
 def paged(ctx: Context) -> list[dict]:
     """Gather/scatter of scattered pages (kvstore.paged) against one contiguous copy of
-    the same bytes (the memory-bandwidth ceiling)."""
+    the same bytes (the memory-bandwidth ceiling): the single-tensor helpers (SGLang's
+    path) and PagedLayers layer by layer over many chunks (vLLM's layer-wise path, one
+    op per layer over every chunk), with host-side ids as the connectors pass them."""
     dev, rounds, quick = ctx.dev, ctx.rounds, ctx.quick
     try:
         from kvstore import paged as paged_mod
@@ -289,7 +291,7 @@ def paged(ctx: Context) -> list[dict]:
         return [{"check": "paged gather/scatter", "skipped": f"kvstore.paged API differs: {exc}"}]
     pages, page_shape = (512 if quick else 2048), (16, 8, 128)  # 16 tokens x 8 heads x 128 dims
     cache = torch.randn((pages, 2, *page_shape), dtype=torch.float16, device=dev)
-    ids = torch.randperm(pages, device=dev)[: pages // 2]
+    ids = torch.randperm(pages)[: pages // 2]                    # host ids, uploaded per call
     page_bytes = cache[0].numel() * cache.element_size()
     out = torch.empty(len(ids) * page_bytes, dtype=torch.uint8, device=dev)
     flat = cache.view(torch.uint8).reshape(-1)[: out.numel()]
@@ -313,9 +315,49 @@ def paged(ctx: Context) -> list[dict]:
     gather(cache, 0, ids, out)
     ok = torch.equal(out, back)
     total = out.numel()
+    timed = [("paged gather", t_g, ok), ("paged scatter", t_s, ok)]
+
+    # Layer by layer: 8 layers in one allocation, 16-block chunks, every layer of all chunks per call.
+    layers_n, per = 8, 16
+    kv = torch.randn((layers_n, pages // 4, 2, *page_shape), dtype=torch.float16, device=dev)
+    pl = paged_mod.PagedLayers(list(kv.unbind(0)), blocks_per_chunk=per)
+    chunks = (pages // 8) // per
+    block_ids = torch.randperm(pages // 4)[: chunks * per].view(chunks, per)
+    keep = torch.ones(chunks, per, dtype=torch.bool)
+    keep[0, : per // 2] = False
+    buf = torch.empty(chunks * pl.chunk_bytes, dtype=torch.uint8, device=dev)
+    whole = torch.empty_like(buf)
+    pl.gather(block_ids, whole)
+    flat_l = kv.view(torch.uint8).reshape(-1)[: buf.numel()]
+
+    def gl():
+        for layer in range(layers_n):
+            pl.gather_layer(layer, block_ids, buf)
+        _sync(dev)
+
+    def sl():
+        for layer in range(layers_n):
+            pl.scatter_layer(layer, block_ids, whole, keep=keep)
+        _sync(dev)
+
+    def base_l():
+        buf.copy_(flat_l)
+        _sync(dev)
+
+    t_base_l = _best(base_l, rounds)
+    t_gl = _best(gl, rounds)
+    ok_l = torch.equal(buf, whole)
+    t_sl = _best(sl, rounds)
+    pl.gather(block_ids, buf)
+    ok_sl = torch.equal(buf, whole)
     rows = [{"check": name, "device": str(dev), "bytes": total, "store_gbps": total / t / 1e9,
              "baseline": "contiguous copy_", "baseline_gbps": total / t_base / 1e9, "ratio": t_base / t,
-             "bytes_ok": ok} for name, t in (("paged gather", t_g), ("paged scatter", t_s))]
+             "bytes_ok": good} for name, t, good in timed]
+    nbytes = buf.numel()
+    rows += [{"check": f"paged {name} x{layers_n} ({chunks} chunks)", "device": str(dev), "bytes": nbytes,
+              "store_gbps": nbytes / t / 1e9, "baseline": "contiguous copy_", "baseline_gbps": nbytes / t_base_l / 1e9,
+              "ratio": t_base_l / t, "bytes_ok": good}
+             for name, t, good in (("gather_layer", t_gl, ok_l), ("scatter_layer keep", t_sl, ok_sl))]
     return rows
 
 

@@ -77,7 +77,9 @@ def device_view(buf: Any):
 
 
 def copy_bytes(dst: Any, src: Any) -> None:
-    """Copy all bytes of ``src`` into ``dst`` (same size), host or device, once."""
+    """Copy all bytes of ``src`` into ``dst`` (same size), host or device, once; the
+    copy has completed when this returns. A device copy is ordered after the Store
+    caller's work (:func:`kvstore._streams.gate_current_stream`)."""
     if is_device(dst) or is_device(src):
         import torch
 
@@ -91,6 +93,12 @@ def copy_bytes(dst: Any, src: Any) -> None:
         if device.type == "cuda":
             gate_current_stream(device)       # after the Store caller's pending work on it
         d.copy_(s, non_blocking=False)
+        if d.device.type == "cuda" and s.device.type == "cuda":
+            # A host<->device copy_ without non_blocking has completed when it returns;
+            # a device->device one is only queued. Complete it too, so that a load's
+            # future resolving still means its bytes are in place, for any stream.
+            for dev in {d.device, s.device}:
+                torch.cuda.current_stream(dev).synchronize()
         return
     d, s = host_view(dst, writable=True), host_view(src)
     if d.nbytes != s.nbytes:

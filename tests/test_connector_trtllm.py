@@ -447,6 +447,40 @@ def test_saves_never_synchronize_the_forward_stream(engine):
     assert all(held is not None for held in eng.stored(PROMPT))
 
 
+def test_loads_and_saves_are_copied_on_the_engines_stream(engine, monkeypatch):
+    """The stream TensorRT-LLM hands start_load_kv / wait_for_save is the one the
+    block copies are issued on (a CUDA stream there; a stand-in here)."""
+    from connectors import _trtllm_worker as worker_mod
+
+    entered, recorded = [], []
+    real_on, real_record = worker_mod.on_stream, worker_mod.record_event
+
+    def on_stream(stream):
+        entered.append(stream)
+        return real_on(stream)
+
+    def record_event(stream, tensors):
+        recorded.append(stream)
+        return real_record(stream, tensors)
+
+    monkeypatch.setattr(worker_mod, "on_stream", on_stream)
+    monkeypatch.setattr(worker_mod, "record_event", record_event)
+    engine_stream = object()
+    eng = engine()
+    a = standin.LlmRequest(1, PROMPT)
+    eng.prefill(a, stream=engine_stream)             # saves 4 blocks
+    eng.finish(a)
+    assert entered and all(s is engine_stream for s in entered + recorded)
+    entered.clear()
+    recorded.clear()
+    eng.pools[0].zero_()
+    b = standin.LlmRequest(2, PROMPT)
+    assert eng.prefill(b, stream=engine_stream) == 4 * BS          # loads 4 blocks
+    assert entered and all(s is engine_stream for s in entered + recorded)
+    assert all(torch.equal(eng.block(b, i), expected_block(PROMPT, i, 0)) for i in range(4))
+    eng.finish(b)
+
+
 def test_counters_reach_store_stats(engine):
     eng = engine(staging_bytes=3 * LAYERS * 2 * WIDTH * 2)     # room for 3 blocks of staging
     store = eng.scheduler.store

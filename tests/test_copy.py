@@ -73,3 +73,36 @@ def test_read_only_destination_is_refused():
     with pytest.raises(InvalidArgumentError, match="read-only"):
         copy_batch([dst], [8], region, region.ctypes.data, [0], False, None, 1)
     assert not dst.any()
+
+
+def test_device_buffers_move_in_one_batch_from_a_mapping_pinned_on_first_use(monkeypatch):
+    """The same-host client path: device buffers go to or from the mapped region as one
+    copier batch (not one synchronous copy per block), straight from the mapping, which is
+    registered with CUDA on the first batch that has device buffers, never before. The
+    device is torch's "meta" device and the copier a recorder (no GPU here)."""
+    import torch
+
+    from kvstore import _copy
+
+    class Pin:
+        ensured = 0
+
+        def ensure(self):
+            Pin.ensured += 1
+            return True
+
+    batches = []
+    monkeypatch.setattr(_copy, "copy_device_pairs", lambda pairs, pinned=False: batches.append((pairs, pinned)))
+    region = np.zeros(8 * BLOCK, np.uint8)
+    pin = Pin()
+    host = [np.full(BLOCK, 7, np.uint8)]
+    copy_batch(host, [BLOCK], region, region.ctypes.data, [0], True, None, 1, pin)
+    assert Pin.ensured == 0 and batches == [] and (region[:BLOCK] == 7).all()     # no device copy: no pin
+    dev = [torch.empty(BLOCK, dtype=torch.uint8, device="meta") for _ in range(3)]
+    copy_batch([dev[0], host[0], dev[1], dev[2]], [BLOCK] * 4, region, region.ctypes.data,
+               [BLOCK * i for i in (1, 2, 3, 5)], True, None, 1, pin)
+    assert Pin.ensured == 1 and len(batches) == 1
+    pairs, pinned = batches[0]
+    assert pinned and [src for _, src in pairs] == dev                       # one batch, every device block
+    assert [dst.ctypes.data - region.ctypes.data for dst, _ in pairs] == [BLOCK, 3 * BLOCK, 5 * BLOCK]
+    assert (region[2 * BLOCK:3 * BLOCK] == 7).all()

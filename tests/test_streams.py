@@ -79,3 +79,83 @@ def test_store_save_and_load_run_their_tier_work_under_the_callers_order(monkeyp
 
 def test_without_device_buffers_nothing_is_captured():
     assert _streams.capture([np.zeros(8, np.uint8), bytearray(8)]) is None
+
+
+def test_copy_bytes_waits_for_the_caller_first_and_completes_a_device_copy_before_returning(monkeypatch):
+    """copy_bytes (the NVMe bounce, S3, redis, client and NIXL paths): the copy is gated
+    on the caller's event, and a device->device copy (which copy_ only queues) is
+    complete on return, like a host<->device one. CUDA is a stand-in here."""
+    import torch
+
+    from kvstore import buffers
+
+    log = []
+
+    class Dev:
+        def __init__(self, kind, index=0):
+            self.type, self.index = kind, index
+
+        def __hash__(self):
+            return hash((self.type, self.index))
+
+        def __eq__(self, other):
+            return (self.type, self.index) == (other.type, other.index)
+
+    class FakeTensor:
+        def __init__(self, kind, index=0):
+            self.device = Dev(kind, index)
+
+        def numel(self):
+            return 16
+
+        def copy_(self, src, non_blocking=False):
+            log.append(("copy", self.device.type, src.device.type))
+
+    class Stream:
+        def __init__(self, dev):
+            self.dev = dev
+
+        def synchronize(self):
+            log.append(("synchronize", self.dev.type, self.dev.index))
+
+    monkeypatch.setattr(buffers, "is_device", lambda b: isinstance(b, FakeTensor) and b.device.type != "cpu")
+    monkeypatch.setattr(buffers, "is_torch", lambda b: isinstance(b, FakeTensor))
+    monkeypatch.setattr(buffers, "device_view", lambda b: b)
+    monkeypatch.setattr(_streams, "gate_current_stream", lambda dev: log.append(("gate", dev.type)))
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda dev=None: Stream(dev))
+
+    buffers.copy_bytes(FakeTensor("cuda"), FakeTensor("cuda"))
+    assert log == [("gate", "cuda"), ("copy", "cuda", "cuda"), ("synchronize", "cuda", 0)]
+    log.clear()
+    buffers.copy_bytes(FakeTensor("cuda", 1), FakeTensor("cuda", 0))     # across devices: both complete
+    assert log[:2] == [("gate", "cuda"), ("copy", "cuda", "cuda")]
+    assert sorted(log[2:]) == [("synchronize", "cuda", 0), ("synchronize", "cuda", 1)]
+    log.clear()
+    buffers.copy_bytes(FakeTensor("cuda"), FakeTensor("cpu"))            # H2D: copy_ has completed already
+    assert log == [("gate", "cuda"), ("copy", "cuda", "cpu")]
+
+
+def test_the_kvikio_read_waits_for_the_caller_before_any_io(monkeypatch):
+    """kvikio's DMA into a device buffer runs outside stream order: the NVMe tier's device
+    read waits for the caller's event on the host before it touches the file or the buffer."""
+    import torch
+
+    from tiers import _nvme_gpu
+
+    log = []
+
+    class Stop(Exception):
+        pass
+
+    def wait():
+        log.append("wait")
+        raise Stop
+
+    io = _nvme_gpu.DeviceIO()
+    io._mode = "kvikio"
+    monkeypatch.setattr(_nvme_gpu, "wait_for_caller", wait)
+    monkeypatch.setattr(io, "_file", lambda path: log.append("file") or pytest.fail("I/O before the wait"))
+    monkeypatch.setattr(_nvme_gpu.os, "preadv", lambda *a: log.append("preadv") or pytest.fail("I/O before the wait"))
+    with pytest.raises(Stop):
+        io.read(-1, "/nonexistent", 0, b"\0" * 16, 64, 0, torch.zeros(64, dtype=torch.uint8))
+    assert log == ["wait"]

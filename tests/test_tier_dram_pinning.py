@@ -145,3 +145,38 @@ def test_a_read_only_mapping_is_registered_read_only_and_released_once():
     pin.release()
     pin.release()
     assert fake.calls == ["register", "unregister"] and fake.registered == {}
+
+
+def test_the_clients_arena_mapping_is_registered_read_only_when_it_may_only_read(monkeypatch, tmp_path):
+    """kvstore._wire.ArenaMap (the same-host client's view of the server's arena): a
+    mapping opened read-only registers with cudaHostRegisterReadOnly, a writable one
+    without; lazily, and released at close before the unmap."""
+    from kvstore import _pinning, _wire
+
+    path = tmp_path / "arena"
+    path.write_bytes(bytes(1 << 16))
+    st = os.stat(path)
+    info = {"path": str(path), "dev": st.st_dev, "ino": st.st_ino, "nbytes": 1 << 16}
+    fake = FakeCudart()
+    flags = []
+    register = fake.cudaHostRegister
+    fake.cudaHostRegister = lambda ptr, n, f: (flags.append(f), register(ptr, n, f))[1]
+    real_open = os.open
+
+    def open_read_only(p, mode, *a):
+        if mode & os.O_RDWR:
+            raise PermissionError("read-only for this test")   # as for a client outside the server's group
+        return real_open(p, mode, *a)
+
+    for read_only in (False, True):
+        if read_only:
+            monkeypatch.setattr(os, "open", open_read_only)
+        before = len(fake.calls)
+        arena = _wire.ArenaMap(info)
+        arena.pin._cudart = lambda: fake              # the stand-in runtime (torch's by default)
+        assert arena.writable is not read_only and len(fake.calls) == before     # nothing until a device copy
+        assert arena.pin.ensure()
+        assert flags[-1] == (_pinning.CUDA_HOST_REGISTER_READ_ONLY if read_only else 0)
+        arena.close()
+        assert fake.registered == {}
+        monkeypatch.setattr(os, "open", real_open)

@@ -91,3 +91,15 @@ def test_store_with_gpu_over_dram_spills_and_promotes(device):
         for i, d in enumerate(dsts):
             assert torch.equal(d.cpu(), torch.from_numpy(payload(i)))
         assert store.stats()["tiers"][0]["promotions"] > 0
+
+
+def test_every_gpu_tier_on_a_device_shares_its_copier(device):
+    """One copier (three streams, two pinned staging rings) per device, not one per tier."""
+    from kvstore._transfer import copier_for
+
+    a, b = GpuTier(1 << 20, name="a", device=device), GpuTier(1 << 20, name="b", device=device)
+    try:
+        assert a._copier is b._copier is copier_for(device)
+    finally:
+        a.close()
+        b.close()
