@@ -35,13 +35,16 @@ def buffer_size_error(have: int, block: int, tier: str | None = None) -> BufferS
     return BufferSizeError(f"{where}buffer has {have} bytes, block has {block}")
 
 
-def check_sizes(tier: str, bufs: Sequence[Any], sizes: Sequence[int | None]) -> None:
-    """Each buffer is exactly its block's size (``sizes[i]``, ``None`` where the block
-    is absent: not checked). Raises :func:`buffer_size_error`'s error for the first
-    that is not, so a read fails before anything is copied into a caller buffer."""
-    for buf, n in zip(bufs, sizes):
-        if n is not None and nbytes_of(buf) != n:
-            raise buffer_size_error(nbytes_of(buf), n, tier)
+def check_sizes(tier: str, bufs: Sequence[Any], blocks: Sequence[Any]) -> None:
+    """Each buffer is exactly its block's size: ``blocks[i]`` is the tier's record of the
+    block ``bufs[i]`` is for (anything with an ``nbytes`` attribute: a slot, an index
+    entry), ``None`` where the block is absent (not checked). Raises
+    :func:`buffer_size_error`'s error for the first that is not, so a read fails before
+    anything is copied into a caller buffer. Records, not a list of sizes, so the hot
+    DRAM path builds nothing per block to be checked."""
+    for buf, block in zip(bufs, blocks):
+        if block is not None and nbytes_of(buf) != block.nbytes:
+            raise buffer_size_error(nbytes_of(buf), block.nbytes, tier)
 
 
 @dataclass(frozen=True)

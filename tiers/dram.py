@@ -164,7 +164,7 @@ class DramTier(ArenaTier):
         check_batch(keys, dsts)
         slots = self._index.acquire_many(keys)  # one lock hold pins the whole batch
         try:
-            check_sizes(self.name, dsts, [None if slot is None else slot.nbytes for slot in slots])
+            check_sizes(self.name, dsts, slots)
             held = [(i, slot, dst) for i, (slot, dst) in enumerate(zip(slots, dsts)) if slot is not None]
             sums = self._copy([d for _, _, d in held], [s.offset for _, s, _ in held],
                               [s.nbytes for _, s, _ in held], to_arena=False)

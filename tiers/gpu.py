@@ -65,7 +65,7 @@ class GpuTier(ArenaTier):
         index = self._index
         slots = index.acquire_many(keys)
         try:
-            check_sizes(self.name, dsts, [None if slot is None else slot.nbytes for slot in slots])
+            check_sizes(self.name, dsts, slots)
             with self._copier.batch() as batch:
                 for slot, dst in zip(slots, dsts):
                     if slot is not None:

@@ -40,6 +40,11 @@ class Entry:
         self.shard, self.file_no, self.offset, self.length = shard, file_no, offset, length
         self.checksum, self.last, self.readers, self.dead = checksum, last, 0, False
 
+    @property
+    def nbytes(self) -> int:
+        """Payload bytes (``length``), the name :func:`tiers.base.check_sizes` reads."""
+        return self.length
+
 
 @contextlib.contextmanager
 def paused_gc() -> Iterator[None]:

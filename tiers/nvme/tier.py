@@ -240,7 +240,7 @@ class NvmeTier(Tier):
             self._check_open()
             found = [(j, key, self._entries.get(key), dst) for j, (key, dst) in enumerate(zip(keys, dsts))]
             found = [f for f in found if f[2] is not None]
-            check_sizes(self.name, [f[3] for f in found], [f[2].length for f in found])
+            check_sizes(self.name, [f[3] for f in found], [f[2] for f in found])
             for j, key, e, dst in found:
                 e.readers += 1
                 jobs.append((j, key, e, dst))

@@ -156,8 +156,7 @@ class S3Tier(Tier):
 
     def read_into(self, keys: Sequence[BlockKey], dsts: Sequence[Any]) -> list[bool]:
         check_batch(keys, dsts)
-        found = [self._index.get(key) for key in keys]
-        check_sizes(self.name, dsts, [None if entry is None else entry.nbytes for entry in found])
+        check_sizes(self.name, dsts, [self._index.get(key) for key in keys])
         self._health.check()
         outcomes = self._map(self._read_one, keys, dsts)
         return self._settle(outcomes)
