@@ -144,10 +144,10 @@ def store_transfers(ctx: Context) -> list[dict]:
 
 def kvikio_io(ctx: Context) -> list[dict]:
     """Device buffers to and from a file: raw ``kvikio.CuFile`` against our helper
-    (``tiers._kvikio``) and against the NVMe tier when this build has one."""
+    (``tiers.nvme.kvikio``) and against the NVMe tier when this build has one."""
     if not ctx.cuda:
         return [{"check": "kvikio read/write", "skipped": "no CUDA device (kvikio needs a GPU)"}]
-    from tiers._kvikio import KvikioFile, kvikio_available
+    from tiers.nvme.kvikio import KvikioFile, kvikio_available
 
     dev, block, n, rounds, workdir = ctx.dev, ctx.block, ctx.n, ctx.rounds, ctx.workdir
     ok, reason = kvikio_available()

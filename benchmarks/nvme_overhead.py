@@ -8,7 +8,7 @@ cold (O_DIRECT), in batches of 64, interleaved (the order rotates every repetiti
   access bookkeeping, and the read-ahead of a sequential stream (these batches are one);
 - ``kvstore, no read-ahead``: the same tier with its read-ahead switched off;
 - ``bare reader``: the same extents, one ``preadv`` (header page + payload) per block on
-  a 16-thread pool, the same header and XXH3 check (``tiers._nvme_io.read_block``) and
+  a 16-thread pool, the same header and XXH3 check (``tiers.nvme.io.read_block``) and
   nothing else: what a minimal Python reader with the same verification does;
 - ``bare, unverified``: the same ``preadv`` per block, no check at all.
 
@@ -38,7 +38,7 @@ import numpy as np  # noqa: E402
 
 from benchmarks._nvme_setup import block_buffers, per_size, save_rows, size_options  # noqa: E402
 from kvstore.keys import Namespace  # noqa: E402
-from tiers._nvme_io import PAGE, aligned_empty, extent_bytes, read_block  # noqa: E402
+from tiers.nvme.io import PAGE, aligned_empty, extent_bytes, read_block  # noqa: E402
 from tiers.nvme import NvmeTier  # noqa: E402
 
 BATCH = 64

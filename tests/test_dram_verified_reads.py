@@ -17,7 +17,7 @@ from kvstore import Store
 from kvstore.block import EXT_HEADER_BYTES, checksum, parse_block_header
 from kvstore.config import load_config
 from kvstore.testing import make_keys, payload
-from tiers._s3stage import Staging
+from tiers.s3.stage import Staging
 from tiers.dram import DramTier
 from tiers.nvme import NvmeTier
 

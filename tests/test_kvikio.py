@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kvstore.errors import InvalidArgumentError, TierUnavailableError
-from tiers._kvikio import KvikioFile, kvikio_available
+from tiers.nvme.kvikio import KvikioFile, kvikio_available
 
 
 def test_availability_has_a_reason():

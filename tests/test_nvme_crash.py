@@ -12,8 +12,8 @@ import time
 import numpy as np
 
 from kvstore.testing import make_keys, payload
-from tiers._nvme_fsck import fsck
-from tiers._nvme_io import extent_bytes
+from tiers.nvme.fsck import fsck
+from tiers.nvme.io import extent_bytes
 from tiers.nvme import NvmeTier
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -13,9 +13,9 @@ import torch
 from kvstore import Store
 from kvstore.block import FLAG_SEGMENTED, HEADER_BYTES, parse_block_header
 from kvstore.testing import make_keys, payload
-from tiers._nvme_fsck import fsck
-from tiers._nvme_gpu import verify_where
-from tiers._nvme_io import PAGE
+from tiers.nvme.fsck import fsck
+from tiers.nvme.gpu import verify_where
+from tiers.nvme.io import PAGE
 from tiers.nvme import NvmeTier
 
 SEG = 64 << 10

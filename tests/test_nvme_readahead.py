@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kvstore.testing import make_keys, payload
-from tiers._nvme_io import PAGE
+from tiers.nvme.io import PAGE
 from tiers.nvme import NvmeTier
 
 BLOCK = 64 * 1024

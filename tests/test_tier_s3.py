@@ -50,7 +50,7 @@ class TestS3Conformance(TierConformance):
 
 
 def _object(raw, tier, key):
-    from tiers._s3io import object_name
+    from tiers.s3.io import object_name
 
     return object_name(tier.prefix, key)
 
@@ -390,12 +390,12 @@ def test_wrong_region_is_a_config_error(swift, raw):
 
 
 def test_direct_object_requests_fail_like_the_client(tier, raw):
-    """The tier's single-object requests (tiers._s3http) skip botocore's per-call
+    """The tier's single-object requests (tiers.s3.http) skip botocore's per-call
     pipeline but must sign, address and fail exactly as the boto3 client does: same
     object, same S3 error codes and statuses, retries counted against max_attempts."""
     import botocore.exceptions
 
-    from tiers._s3client import error_code, is_missing, status_of
+    from tiers.s3.client import error_code, is_missing, status_of
 
     requests = tier._requests
     name = f"{tier.prefix}/direct"
@@ -425,7 +425,7 @@ def test_direct_object_requests_retry_transport_failures(swift, raw):
     transport error the client would raise."""
     import botocore.exceptions
 
-    from tiers._s3http import ObjectRequests
+    from tiers.s3.http import ObjectRequests
 
     t = make_tier(swift, max_attempts=2)
     try:
@@ -448,7 +448,7 @@ def test_bucket_in_another_region_is_a_config_error(swift):
     redirect there): a reply naming another region than the one requests are signed
     for is refused at start-up, naming the setting. Other endpoints may name a zone
     group there and accept any signing region, so only AWS itself is checked."""
-    from tiers._s3client import S3Settings, _check_region, make_client
+    from tiers.s3.client import S3Settings, _check_region, make_client
 
     client = make_client(S3Settings(name="shared", bucket=BUCKET, endpoint_url=swift.endpoint_url, region=REGION))
     s = S3Settings(name="shared", bucket=BUCKET, region=REGION)  # AWS itself: no endpoint_url

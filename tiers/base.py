@@ -12,7 +12,39 @@ from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from typing import Any, Iterator, Mapping, Sequence
 
+from kvstore.buffers import nbytes_of
+from kvstore.errors import BufferSizeError, InvalidArgumentError
 from kvstore.keys import BlockKey
+
+
+# -- argument checks shared by every tier ---------------------------------------------------
+# Each tier calls these at the top of its batch methods, so a bad batch fails the same
+# way, with the same words, whichever tier gets it, before anything is reserved or copied.
+
+def check_batch(keys: Sequence[Any], items: Sequence[Any], what: str = "buffers") -> None:
+    """One item per key: raises :class:`~kvstore.errors.InvalidArgumentError`
+    ("N keys but M buffers"; ``what`` names the items) otherwise."""
+    if len(keys) != len(items):
+        raise InvalidArgumentError(f"{len(keys)} keys but {len(items)} {what}")
+
+
+def buffer_size_error(have: int, block: int, tier: str | None = None) -> BufferSizeError:
+    """The error for a caller buffer of ``have`` bytes given for a block of ``block``
+    bytes, prefixed with ``[tier]`` when given."""
+    where = f"[{tier}] " if tier else ""
+    return BufferSizeError(f"{where}buffer has {have} bytes, block has {block}")
+
+
+def check_sizes(tier: str, bufs: Sequence[Any], blocks: Sequence[Any]) -> None:
+    """Each buffer is exactly its block's size: ``blocks[i]`` is the tier's record of the
+    block ``bufs[i]`` is for (anything with an ``nbytes`` attribute: a slot, an index
+    entry), ``None`` where the block is absent (not checked). Raises
+    :func:`buffer_size_error`'s error for the first that is not, so a read fails before
+    anything is copied into a caller buffer. Records, not a list of sizes, so the hot
+    DRAM path builds nothing per block to be checked."""
+    for buf, block in zip(bufs, blocks):
+        if block is not None and nbytes_of(buf) != block.nbytes:
+            raise buffer_size_error(nbytes_of(buf), block.nbytes, tier)
 
 
 @dataclass(frozen=True)

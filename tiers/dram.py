@@ -31,10 +31,10 @@ import numpy as np
 from kvstore._copy import copy_batch_hashed, hash_ranges
 from kvstore._pinning import HostPin, _torch_cudart
 from kvstore.buffers import nbytes_of
-from kvstore.errors import BufferSizeError, ConfigError, InvalidArgumentError
+from kvstore.errors import ConfigError, InvalidArgumentError
 from kvstore.keys import BlockKey
 from tiers._arena import ArenaTier, SlotIndex
-from tiers.base import TierCapabilities
+from tiers.base import TierCapabilities, check_batch, check_sizes
 
 log = logging.getLogger(__name__)
 PAGE = mmap.PAGESIZE
@@ -161,14 +161,10 @@ class DramTier(ArenaTier):
         return self._pin is not None and self._pin.pinned
 
     def read_into(self, keys: Sequence[BlockKey], dsts: Sequence[Any]) -> list[bool]:
-        if len(keys) != len(dsts):
-            raise InvalidArgumentError(f"{len(keys)} keys but {len(dsts)} buffers")
+        check_batch(keys, dsts)
         slots = self._index.acquire_many(keys)  # one lock hold pins the whole batch
         try:
-            for slot, dst in zip(slots, dsts):
-                if slot is not None and nbytes_of(dst) != slot.nbytes:
-                    raise BufferSizeError(
-                        f"[{self.name}] buffer has {nbytes_of(dst)} bytes, block has {slot.nbytes}")
+            check_sizes(self.name, dsts, slots)
             held = [(i, slot, dst) for i, (slot, dst) in enumerate(zip(slots, dsts)) if slot is not None]
             sums = self._copy([d for _, _, d in held], [s.offset for _, s, _ in held],
                               [s.nbytes for _, s, _ in held], to_arena=False)
@@ -191,8 +187,7 @@ class DramTier(ArenaTier):
         # adjacent slots when the arena has the room (same-host readers then copy it
         # as one range); copy outside the lock (device sources as one batch), publish
         # at the end.
-        if len(keys) != len(srcs):
-            raise InvalidArgumentError(f"{len(keys)} keys but {len(srcs)} buffers")
+        check_batch(keys, srcs)
         sizes = [nbytes_of(src) for src in srcs]
         reserved = self._index.reserve_many(keys, sizes)
         held = [(j, entry, src) for j, (entry, src) in enumerate(zip(reserved, srcs)) if isinstance(entry, tuple)]
@@ -269,7 +264,7 @@ class DramTier(ArenaTier):
         finally:
             self._index.release_many(slots)
 
-    def reserve(self, keys: Sequence[BlockKey], sizes: Sequence[int]) -> "Reservation":
+    def reserve(self, keys: Sequence[BlockKey], sizes: Sequence[int]) -> "SlotReservation":
         """Reserve slots that a caller fills in place (e.g. a one-sided network transfer
         writing straight into the arena), then publishes with ``commit()``.
 
@@ -277,13 +272,12 @@ class DramTier(ArenaTier):
         Reserved bytes count as used at once; nothing is visible to readers until
         ``commit()``. The caller must end the reservation with exactly one of
         ``commit()``, ``abort()`` or ``abandon()``."""
-        if len(keys) != len(sizes):
-            raise InvalidArgumentError(f"{len(keys)} keys but {len(sizes)} sizes")
+        check_batch(keys, sizes, "sizes")
         sizes = [int(n) for n in sizes]
         for n in sizes:
             if n <= 0:
                 raise InvalidArgumentError(f"[{self.name}] block size must be positive, got {n}")
-        return Reservation(self, list(keys), self._index.reserve_many(keys, sizes))
+        return SlotReservation(self, list(keys), self._index.reserve_many(keys, sizes))
 
     def stats(self) -> dict[str, Any]:
         return {"pinned": self.pinned, "shared_memory": bool(self.shm_path), "corrupt_blocks": self._corrupt,
@@ -313,10 +307,12 @@ class DramTier(ArenaTier):
             self._lock_fd = None
 
 
-class Reservation:
-    """Slots reserved by :meth:`DramTier.reserve`. ``views[i]`` is a writable arena view
-    for ``keys[i]`` or ``None`` (already stored, or no room). Not thread-safe: one owner
-    fills the views, then ends the reservation once."""
+class SlotReservation:
+    """Arena slots reserved by :meth:`DramTier.reserve`: the tier's part of a Store
+    reservation (:class:`kvstore._reserve.Reservation`) or of a NIXL write into the
+    arena. ``views[i]`` is a writable arena view for ``keys[i]`` or ``None`` (already
+    stored, or no room). Not thread-safe: one owner fills the views, then ends the
+    reservation once."""
 
     def __init__(self, tier: DramTier, keys: list[BlockKey], reserved: list) -> None:
         self._tier, self._keys, self._reserved = tier, keys, reserved

@@ -18,10 +18,10 @@ from typing import Any, Iterator, Sequence
 
 from kvstore._transfer import DeviceCopier, copier_for, resolve_device
 from kvstore.buffers import nbytes_of
-from kvstore.errors import BufferSizeError, InvalidArgumentError, TierUnavailableError
+from kvstore.errors import InvalidArgumentError, TierUnavailableError
 from kvstore.keys import BlockKey
 from tiers._arena import ArenaTier, SlotIndex
-from tiers.base import TierCapabilities
+from tiers.base import TierCapabilities, check_batch, check_sizes
 
 SLOT_ALIGN = 256  # CUDA's allocation granularity for coalesced access and DMA
 
@@ -61,13 +61,11 @@ class GpuTier(ArenaTier):
     def read_into(self, keys: Sequence[BlockKey], dsts: Sequence[Any]) -> list[bool]:
         """Copy blocks into caller buffers (host or any-device tensors). All copies of
         the call complete before it returns."""
+        check_batch(keys, dsts)
         index = self._index
         slots = index.acquire_many(keys)
         try:
-            for slot, dst in zip(slots, dsts, strict=True):
-                if slot is not None and nbytes_of(dst) != slot.nbytes:
-                    raise BufferSizeError(
-                        f"[{self.name}] buffer has {nbytes_of(dst)} bytes, block has {slot.nbytes}")
+            check_sizes(self.name, dsts, slots)
             with self._copier.batch() as batch:
                 for slot, dst in zip(slots, dsts):
                     if slot is not None:
@@ -79,13 +77,12 @@ class GpuTier(ArenaTier):
     def write(self, keys: Sequence[BlockKey], srcs: Sequence[Any]) -> list[bool]:
         """Copy each source (host buffer or tensor) into a new slot; the tier keeps no
         reference to ``srcs`` once this returns."""
-        if len(keys) != len(srcs):
-            raise InvalidArgumentError(f"{len(keys)} keys but {len(srcs)} buffers")
+        check_batch(keys, srcs)
         index = self._index
         reserved = index.reserve_many(keys, [nbytes_of(src) for src in srcs])
         try:
             with self._copier.batch() as batch:
-                for entry, src in zip(reserved, srcs, strict=True):
+                for entry, src in zip(reserved, srcs):
                     if isinstance(entry, tuple):
                         batch.copy(self._span(*entry), src)
         except BaseException:

@@ -36,7 +36,7 @@ from kvstore.buffers import copy_bytes, host_view, is_device, nbytes_of
 from kvstore.errors import (BufferSizeError, ConfigError, CorruptBlockError, InvalidArgumentError,
                             TierUnavailableError)
 from kvstore.keys import BlockKey
-from tiers._s3health import Health
+from tiers._health import Health
 from tiers.base import Tier, TierCapabilities
 
 log = logging.getLogger(__name__)

@@ -22,7 +22,7 @@ where they are. Device (CUDA) buffers go through a per-thread host staging buffe
 Faults: a node down, a reset or timed-out connection, a failover in progress (``MOVED``,
 ``CLUSTERDOWN``, uncovered slots) fail the batch with :class:`TierUnavailableError`,
 which the Store counts and turns into misses; the tier then fails fast and probes the
-servers in the background with backoff (:mod:`tiers._s3health`, shared with the S3
+servers in the background with backoff (:mod:`tiers._health`, shared with the S3
 tier) until every slot is served again, and comes back by itself. Blocks stay indexed
 through an outage. Thread-safe.
 """
@@ -46,7 +46,7 @@ from kvstore.keys import BlockKey
 from tiers import _redisio as rio
 from tiers._redisconn import FAULTS, Endpoints, Fault, RedisSettings, startup_error
 from tiers._redisrecover import NO_NAMESPACE, check_header, header_requests, parse_name, read_header_replies
-from tiers._s3health import Health
+from tiers._health import Health
 from tiers.base import RecoveredBlock, Tier, TierCapabilities
 
 log = logging.getLogger(__name__)

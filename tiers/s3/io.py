@@ -3,7 +3,7 @@
 payload, and no user metadata. Objects written before the parent moved into the body
 (version-1 header of ``HEADER_BYTES``, parent in ``x-amz-meta-kv-parent``) still read.
 
-Single-object requests go through :class:`tiers._s3http.ObjectRequests` (the boto3
+Single-object requests go through :class:`tiers.s3.http.ObjectRequests` (the boto3
 client's signer and pool without botocore's per-call pipeline); multipart uploads through
 the client. Reads stream straight into caller memory: the urllib3 response sits on an
 ``http.client`` response whose ``readinto`` receives from the socket into the buffer it
@@ -21,9 +21,10 @@ from typing import Any
 
 from kvstore.block import (EXT_HEADER_BYTES, EXT_VERSION, HEADER_BYTES, checksum, header_size, parse_any_header,
                            parse_extension)
-from kvstore.errors import BufferSizeError, CorruptBlockError
+from kvstore.errors import CorruptBlockError
 from kvstore.keys import DIGEST_BYTES, BlockKey
-from tiers._s3http import ObjectRequests
+from tiers.base import buffer_size_error
+from tiers.s3.http import ObjectRequests
 
 NO_NAMESPACE = "_"   # path segment for keys without a namespace digest
 LEGACY_META_PARENT = "kv-parent"  # version-1 objects: parent digest (hex) in x-amz-meta-kv-parent
@@ -134,7 +135,7 @@ def get_into(requests: ObjectRequests, name: str, key: BlockKey, dst: memoryview
         if length != dst.nbytes:
             if known_nbytes is not None:
                 raise CorruptBlockError(f"object {name} holds {length} bytes, {known_nbytes} were written")
-            raise BufferSizeError(f"buffer has {dst.nbytes} bytes, block has {length}")
+            raise buffer_size_error(dst.nbytes, length)
         _read_exact(body, dst)
         complete = True
     finally:

@@ -10,7 +10,7 @@ needs to move a 1 MiB block, and is the whole difference between the tier and a 
 Everything else (bucket checks, listings, multipart uploads, the health probe) keeps
 using the client. Failures look exactly like the client's: botocore's transport
 exceptions, and :class:`botocore.exceptions.ClientError` with the S3 error code and HTTP
-status, so :mod:`tiers._s3client` sorts them the same way. Requests that fail with a
+status, so :mod:`tiers.s3.client` sorts them the same way. Requests that fail with a
 transport error, a 5xx or a throttling reply are retried up to ``max_attempts`` times in
 all, with botocore's "standard" backoff (full jitter, at most 20 s). Thread-safe.
 """
@@ -22,7 +22,7 @@ import re
 import time
 from typing import Any
 
-from tiers._s3client import is_unavailable
+from tiers.s3.client import is_unavailable
 
 _MAX_BACKOFF_S = 20.0
 _ERROR_CODE = re.compile(rb"<Code>([^<]{1,128})</Code>")

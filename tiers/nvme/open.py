@@ -1,7 +1,7 @@
 """Start-up of one NVMe tier directory: rebuild its in-memory state from the index.
 
 The index is the source of truth. :func:`open_shard` decodes it in bulk
-(:meth:`~tiers._nvme_index.BlockIndex.load`), marks the recorded extents used in each
+(:meth:`~tiers.nvme.index.BlockIndex.load`), marks the recorded extents used in each
 data file (which leaves every unindexed extent — an orphan from a crash before its
 commit — free), drops records that are damaged, point past a truncated file or overlap
 another block, trims the oldest blocks when the capacity was lowered, and hands back
@@ -21,10 +21,10 @@ from typing import TYPE_CHECKING, Iterator
 import numpy as np
 
 from kvstore.keys import _trusted
-from tiers._nvme_index import KEY_OFFSET
+from tiers.nvme.index import KEY_OFFSET
 
 if TYPE_CHECKING:
-    from tiers._nvme_files import Shard
+    from tiers.nvme.files import Shard
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +39,11 @@ class Entry:
                  last: float) -> None:
         self.shard, self.file_no, self.offset, self.length = shard, file_no, offset, length
         self.checksum, self.last, self.readers, self.dead = checksum, last, 0, False
+
+    @property
+    def nbytes(self) -> int:
+        """Payload bytes (``length``), the name :func:`tiers.base.check_sizes` reads."""
+        return self.length
 
 
 @contextlib.contextmanager

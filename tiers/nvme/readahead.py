@@ -9,7 +9,7 @@ call's, the tier reads the next span of the same file (as long as that call's, a
 ``max_bytes``) into a staging buffer in the background. The next call copies the
 blocks it finds there into its buffers on one pool thread while its other blocks are
 read directly, and checks each copy exactly as a direct read would
-(:func:`tiers._nvme_io.copy_block`). A copy that fails the check (the extent was
+(:func:`tiers.nvme.io.copy_block`). A copy that fails the check (the extent was
 rewritten after it was read ahead) is read again directly, and that read alone decides
 whether the block is corrupt.
 
@@ -31,7 +31,7 @@ import numpy as np
 
 from kvstore.buffers import host_view, is_device
 from kvstore.errors import CorruptBlockError, InvalidArgumentError
-from tiers._nvme_io import PAGE, aligned_empty, copy_block, extent_bytes
+from tiers.nvme.io import PAGE, aligned_empty, copy_block, extent_bytes
 
 FileId = tuple[int, int]   # (shard number, file number)
 PIECES = 8                 # reads a window is cut into, so several are in flight

@@ -9,10 +9,10 @@ it landed, by a CUDA kernel (:mod:`kvstore._segsum_cuda`), and only its segment 
 come back to the host; any other block is copied to a host buffer and hashed there.
 The kernel is checked against the host implementation once per process before its
 first use; where cupy is missing or that check fails, verification stays on the host
-(logged). Without CUDA or kvikio, device reads bounce through host memory. kvikio is reached only through
-:mod:`tiers._kvikio` and only once a device buffer appears, so host-only machines never
-depend on it (it cannot do
-host I/O without a CUDA driver). Thread-safe.
+(logged). Without CUDA or kvikio, device reads bounce through host memory. kvikio is
+reached only through :mod:`tiers.nvme.kvikio` and only once a device buffer appears, so
+host-only machines never depend on it (it cannot do host I/O without a CUDA driver).
+Thread-safe.
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ from kvstore._streams import wait_for_caller
 from kvstore.block import FLAG_SEGMENTED, HEADER_BYTES, verify_payload
 from kvstore.buffers import copy_bytes, device_view
 from kvstore.errors import CorruptBlockError, TierIOError
-from tiers._kvikio import KvikioFile, kvikio_available
-from tiers._nvme_io import PAGE, _Scratch, check_header, read_block
+from tiers.nvme.kvikio import KvikioFile, kvikio_available
+from tiers.nvme.io import PAGE, _Scratch, check_header, read_block
 
 log = logging.getLogger(__name__)
 

@@ -11,11 +11,11 @@ is a miss, is deleted and is counted in ``corrupt_blocks``.
 The tier enforces a byte budget over the blocks it knows (its index) and never evicts on
 its own: the Store picks victims and calls :meth:`delete`. While the endpoint is down the
 tier fails fast with :class:`TierUnavailableError` and probes it in the background with
-backoff and jitter (:mod:`tiers._s3health`); the Store turns those errors into misses.
+backoff and jitter (:mod:`tiers._health`); the Store turns those errors into misses.
 
 Single-object GETs, PUTs and DELETEs are signed and sent with the boto3 client's own
 credentials, signer and connection pool but without botocore's per-call pipeline
-(:mod:`tiers._s3http`); bucket checks, listings and multipart uploads use the client.
+(:mod:`tiers.s3.http`); bucket checks, listings and multipart uploads use the client.
 
 Thread-safe. Batches run on a pool of ``concurrency`` threads; ranged GETs and multipart
 parts of large blocks on a second pool of the same size (the HTTP connection pool holds
@@ -37,13 +37,13 @@ from kvstore.buffers import copy_bytes, host_view, is_device, nbytes_of
 from kvstore.errors import (BufferSizeError, CorruptBlockError, InvalidArgumentError, TierIOError,
                             TierUnavailableError)
 from kvstore.keys import BlockKey
-from tiers import _s3io
-from tiers._s3client import (S3Settings, check_bucket, is_bad_range, is_missing, is_unavailable, make_client,
+from tiers.s3 import io as s3io
+from tiers.s3.client import (S3Settings, check_bucket, is_bad_range, is_missing, is_unavailable, make_client,
                               make_session)
-from tiers._s3http import ObjectRequests
-from tiers._s3health import Health
-from tiers._s3stage import Staging
-from tiers.base import RecoveredBlock, Tier, TierCapabilities
+from tiers.s3.http import ObjectRequests
+from tiers._health import Health
+from tiers.s3.stage import Staging
+from tiers.base import RecoveredBlock, Tier, TierCapabilities, check_batch, check_sizes
 
 log = logging.getLogger(__name__)
 _PROBE_TIMEOUT_S = 1.0
@@ -102,7 +102,7 @@ class S3Tier(Tier):
                                          timeout_s=min(_PROBE_TIMEOUT_S, connect_timeout_s))
         check_bucket(self._client, self._settings, create=create_bucket)
         # Single-object GET/PUT/DELETE: the client's signer and pool, without botocore's
-        # per-call pipeline (tiers._s3http says what that saves).
+        # per-call pipeline (tiers.s3.http says what that saves).
         self._requests = ObjectRequests(self._client, session.get_credentials(), bucket, max_attempts=max_attempts)
         self._health = Health(name, self._probe)
         self._concurrency = concurrency
@@ -155,12 +155,8 @@ class S3Tier(Tier):
     # -- reads ------------------------------------------------------------------------------
 
     def read_into(self, keys: Sequence[BlockKey], dsts: Sequence[Any]) -> list[bool]:
-        if len(keys) != len(dsts):
-            raise InvalidArgumentError(f"{len(keys)} keys but {len(dsts)} buffers")
-        for key, dst in zip(keys, dsts):
-            entry = self._index.get(key)
-            if entry is not None and nbytes_of(dst) != entry.nbytes:
-                raise BufferSizeError(f"[{self.name}] buffer has {nbytes_of(dst)} bytes, block has {entry.nbytes}")
+        check_batch(keys, dsts)
+        check_sizes(self.name, dsts, [self._index.get(key) for key in keys])
         self._health.check()
         outcomes = self._map(self._read_one, keys, dsts)
         return self._settle(outcomes)
@@ -169,7 +165,7 @@ class S3Tier(Tier):
         if not self._health.healthy:
             return _Outcome(exc=TierUnavailableError("endpoint unavailable", tier=self.name))
         entry = self._index.get(key)
-        name = _s3io.object_name(self.prefix, key)
+        name = s3io.object_name(self.prefix, key)
         n = nbytes_of(dst)
         staged = is_device(dst)
         target = memoryview(self._staging.host(n) if staged else host_view(dst, writable=True))
@@ -177,9 +173,9 @@ class S3Tier(Tier):
         try:
             if entry is not None and hb + n > self._part_size:
                 self._count("ranged_gets")
-                _s3io.get_ranges_into(self._requests, name, key, target, self._part_size, self._parts, hb)
+                s3io.get_ranges_into(self._requests, name, key, target, self._part_size, self._parts, hb)
             else:
-                hb = _s3io.get_into(self._requests, name, key, target, entry and entry.nbytes)
+                hb = s3io.get_into(self._requests, name, key, target, entry and entry.nbytes)
             if staged:
                 copy_bytes(dst, target)
         except CorruptBlockError as exc:
@@ -248,10 +244,9 @@ class S3Tier(Tier):
         """See :meth:`Tier.write`; ``checksums`` (the writer's XXH3-64 per source) go
         into the object headers as they are, so a source changed since its writer hashed
         it is a corrupt object on its first read."""
-        if len(keys) != len(srcs):
-            raise InvalidArgumentError(f"{len(keys)} keys but {len(srcs)} buffers")
-        if checksums is not None and len(checksums) != len(keys):
-            raise InvalidArgumentError(f"{len(keys)} keys but {len(checksums)} checksums")
+        check_batch(keys, srcs)
+        if checksums is not None:
+            check_batch(keys, checksums, "checksums")
         sums = list(checksums) if checksums is not None else [None] * len(keys)
         self._health.check()
         first: dict[BlockKey, int] = {}
@@ -285,9 +280,9 @@ class S3Tier(Tier):
         stored = False
         try:
             pieces = self._staging.stage(key, src, n, csum)
-            name = _s3io.object_name(self.prefix, key)
+            name = s3io.object_name(self.prefix, key)
             if len(pieces) > 1:
-                _s3io.put_multipart(self._client, self.bucket, name, pieces, self._parts)
+                s3io.put_multipart(self._client, self.bucket, name, pieces, self._parts)
                 self._count("multipart_puts")
             else:
                 self._requests.put(name, pieces[0])
@@ -325,7 +320,7 @@ class S3Tier(Tier):
 
     def _delete_one(self, key: BlockKey) -> _Outcome:
         try:
-            self._requests.delete(_s3io.object_name(self.prefix, key))
+            self._requests.delete(s3io.object_name(self.prefix, key))
         except Exception as exc:
             return self._failure(exc, missing_ok=True)
         self._count("deletes")
@@ -339,7 +334,7 @@ class S3Tier(Tier):
         try:
             for page in paginator.paginate(Bucket=self.bucket, Prefix=root):
                 for obj in page.get("Contents", ()):
-                    parsed = _s3io.parse_name(self.prefix, obj["Key"])
+                    parsed = s3io.parse_name(self.prefix, obj["Key"])
                     if parsed is None or obj["Size"] < HEADER_BYTES:
                         continue
                     ns, digest = parsed
@@ -376,9 +371,9 @@ class S3Tier(Tier):
     def _recover_one(self, key: BlockKey, mtime: float) -> tuple[_Entry | None, BaseException | None]:
         if not self._health.healthy:  # an earlier header request found the endpoint down
             return None, TierUnavailableError("endpoint unavailable", tier=self.name)
-        name = _s3io.object_name(self.prefix, key)
+        name = s3io.object_name(self.prefix, key)
         try:
-            hb, n, parent = _s3io.get_header(self._requests, name, key)
+            hb, n, parent = s3io.get_header(self._requests, name, key)
         except CorruptBlockError as exc:
             self._corrupt(key, name, exc)
             return None, None

@@ -1,7 +1,8 @@
 """How the NVMe tier spreads one batch over its I/O threads.
 
+A write batch is a list of :class:`WriteItem` (a block and the extent reserved for it).
 :func:`in_runs` groups the batch's blocks into runs of extents adjacent on disk (see
-:func:`tiers._nvme_io.plan_runs`) and :func:`parallel` runs them on the tier's thread
+:func:`tiers.nvme.io.plan_runs`) and :func:`parallel` runs them on the tier's thread
 pool. Both are thread-safe as long as ``fn`` is; buffers are only borrowed for the
 call (the caller owns them).
 """
@@ -10,13 +11,30 @@ from __future__ import annotations
 
 import queue
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple
 
 import numpy as np
 
 from kvstore._streams import in_context
 from kvstore.buffers import host_view
-from tiers._nvme_io import MAX_RUN_BYTES, joinable, plan_runs
+from kvstore.keys import BlockKey
+from tiers.nvme.io import MAX_RUN_BYTES, joinable, plan_runs
+
+if TYPE_CHECKING:
+    from tiers.nvme.files import Shard
+
+
+class WriteItem(NamedTuple):
+    """One block of a write batch and the extent reserved for it
+    (:func:`tiers.nvme.files.place`)."""
+
+    j: int              # the block's position in the caller's batch
+    key: BlockKey
+    src: Any            # the caller's buffer, read during the call only
+    shard: "Shard"
+    file_no: int
+    offset: int
+    nbytes: int         # payload bytes
 
 
 def in_runs(pool: ThreadPoolExecutor, threads: int, fn: Callable[[list, list], Any], items: list,

@@ -1,7 +1,7 @@
 """boto3 plumbing for the S3 tier: building clients, checking the bucket at start-up, and
 sorting botocore's exceptions into miss / corrupt / unavailable / I/O failure.
 
-Nothing here keeps state; :mod:`tiers.s3` owns the clients it builds. botocore clients
+Nothing here keeps state; :mod:`tiers.s3.tier` owns the clients it builds. botocore clients
 are thread-safe, so one client serves every worker thread.
 """
 
@@ -121,7 +121,7 @@ def check_bucket(client: Any, s: S3Settings, *, create: bool) -> None:
 
 def _check_region(client: Any, s: S3Settings, reply: dict) -> None:
     """AWS names the bucket's region in every HeadBucket reply; botocore follows a
-    region redirect there, but the tier's direct object requests (``tiers._s3http``)
+    region redirect there, but the tier's direct object requests (``tiers.s3.http``)
     sign for the client's region and would all be refused. Only for AWS itself: other
     S3 implementations may name a zone group here and accept any signing region (those
     that do not refuse the HeadBucket already)."""

@@ -34,17 +34,16 @@ import numpy as np
 
 from kvstore.block import FLAG_SEGMENTED
 from kvstore.buffers import host_view, is_device, nbytes_of
-from kvstore.errors import (BufferSizeError, CorruptBlockError, InvalidArgumentError, StoreClosedError,
-                            TierError, TierFullError)
+from kvstore.errors import CorruptBlockError, InvalidArgumentError, StoreClosedError, TierError
 from kvstore.keys import BlockKey
-from tiers._nvme_files import Shard, data_file_name
-from tiers._nvme_gpu import DeviceIO
-from tiers._nvme_index import Record
-from tiers._nvme_batch import in_runs
-from tiers._nvme_io import PAGE, READ_RUN_BYTES, check_run, land_run, read_block, write_block, write_run
-from tiers._nvme_open import Entry, open_shard, paused_gc
-from tiers._nvme_readahead import ReadAhead
-from tiers.base import RecoveredBlock, Tier, TierCapabilities
+from tiers.base import RecoveredBlock, Tier, TierCapabilities, check_batch, check_sizes
+from tiers.nvme.batch import WriteItem, in_runs
+from tiers.nvme.files import Shard, data_file_name, place
+from tiers.nvme.gpu import DeviceIO
+from tiers.nvme.index import Record
+from tiers.nvme.io import PAGE, READ_RUN_BYTES, check_run, land_run, read_block, write_block, write_run
+from tiers.nvme.open import Entry, open_shard, paused_gc
+from tiers.nvme.readahead import ReadAhead
 
 log = logging.getLogger(__name__)
 
@@ -60,10 +59,10 @@ class NvmeTier(Tier):
     so a crash can lose the last batch written (never serve wrong bytes; see
     docs/nvme.md, *Recovery*). ``access_flush_s``: how often
     last-access times reach the index. ``readahead_bytes``: the most a sequential stream
-    of batches reads ahead (see :mod:`tiers._nvme_readahead`; 0 turns it off).
+    of batches reads ahead (see :mod:`tiers.nvme.readahead`; 0 turns it off).
     ``device_verify``: write blocks with the segmented checksum (``FLAG_SEGMENTED``), so
     reads into CUDA memory through kvikio are verified on the device (see
-    :mod:`tiers._nvme_gpu`); blocks of either kind are read either way.
+    :mod:`tiers.nvme.gpu`); blocks of either kind are read either way.
     """
 
     def __init__(self, paths: str | Sequence[str], capacity_bytes: int, *, name: str = "nvme",
@@ -128,7 +127,7 @@ class NvmeTier(Tier):
     # -- start-up -------------------------------------------------------------------------
 
     def _open_shard(self, shard: Shard) -> None:
-        """Rebuild accounting and allocators from the index (see :mod:`tiers._nvme_open`)."""
+        """Rebuild accounting and allocators from the index (see :mod:`tiers.nvme.open`)."""
         kept, used = open_shard(shard, self.name, self.counters)
         self._entries.update(kept)
         if kept:
@@ -177,31 +176,37 @@ class NvmeTier(Tier):
         """See :meth:`Tier.write`; ``checksums`` (the writer's XXH3-64 per source, taken
         only without ``device_verify``) go into the block headers as they are, so a source
         changed since its writer hashed it is a corrupt block on its first read."""
-        if checksums is not None and len(checksums) != len(keys):
-            raise InvalidArgumentError(f"{len(keys)} keys but {len(checksums)} checksums")
+        check_batch(keys, srcs)
+        if checksums is not None:
+            check_batch(keys, checksums, "checksums")
         given = {k: c for k, c in zip(keys, checksums) if c is not None} if checksums and not self._flags else {}
         out = [False] * len(keys)
-        plan = []
+        plan: list[WriteItem] = []
         with self._lock:
             self._check_open()
-            for j, (key, src) in enumerate(zip(keys, srcs, strict=True)):
+            for j, (key, src) in enumerate(zip(keys, srcs)):
                 if key in self._entries or key in self._pending:
                     out[j] = True
                     continue
-                where = self._reserve(nbytes_of(src))
+                n = nbytes_of(src)
+                if self._used + n > self._capacity:
+                    continue
+                where = place(self._shards, n, self.name, self.counters)   # striped by free space
                 if where is not None:
+                    self._used += n
                     self._pending.add(key)
-                    plan.append((j, key, src) + where)
+                    plan.append(WriteItem(j, key, src, *where, n))
         if not plan:
             return out
-        results = in_runs(self._pool, self._io_threads, partial(self._write_run, given), plan, [p[2] for p in plan],
-                          [(p[3].no, p[4], p[5]) for p in plan], [p[6] for p in plan], writable=False)
-        done: dict[Shard, list] = {}
-        failed = []
+        results = in_runs(self._pool, self._io_threads, partial(self._write_run, given), plan, [p.src for p in plan],
+                          [(p.shard.no, p.file_no, p.offset) for p in plan], [p.nbytes for p in plan],
+                          writable=False)
+        done: dict[Shard, list[tuple[WriteItem, int]]] = {}
+        failed: list[WriteItem] = []
         first_error = None
         for p, (ok, value) in zip(plan, results):
             if ok:
-                done.setdefault(p[3], []).append((p, value))
+                done.setdefault(p.shard, []).append((p, value))
             else:
                 failed.append(p)
                 first_error = first_error or self._count_failure(value, "write")
@@ -212,16 +217,15 @@ class NvmeTier(Tier):
                 for shard, items in done.items():
                     stamps = self._stamps_locked(len(items))
                     for (p, csum), last in zip(items, stamps):
-                        j, key, _, _, file_no, offset, n = p
-                        e = self._entries[key] = Entry(shard, file_no, offset, n, csum, last)
-                        records.setdefault(shard, []).append((key, e))
-                        self._pending.discard(key)
-                        out[j] = True
-                for j, key, _, shard, file_no, offset, n in failed:
-                    shard.data.free(file_no, offset, n)
-                    shard.used -= n
-                    self._used -= n
-                    self._pending.discard(key)
+                        e = self._entries[p.key] = Entry(shard, p.file_no, p.offset, p.nbytes, csum, last)
+                        records.setdefault(shard, []).append((p.key, e))
+                        self._pending.discard(p.key)
+                        out[p.j] = True
+                for p in failed:
+                    p.shard.data.free(p.file_no, p.offset, p.nbytes)
+                    p.shard.used -= p.nbytes
+                    self._used -= p.nbytes
+                    self._pending.discard(p.key)
             if records:
                 self._committing = self._committer.submit(self._commit_records, records)
         if first_error is not None:
@@ -231,13 +235,12 @@ class NvmeTier(Tier):
     def read_into(self, keys: Sequence[BlockKey], dsts: Sequence[Any]) -> list[bool]:
         out = [False] * len(keys)
         jobs = []
+        check_batch(keys, dsts)
         with self._lock:
             self._check_open()
-            found = [(j, key, self._entries.get(key), dst) for j, (key, dst) in enumerate(zip(keys, dsts, strict=True))]
+            found = [(j, key, self._entries.get(key), dst) for j, (key, dst) in enumerate(zip(keys, dsts))]
             found = [f for f in found if f[2] is not None]
-            for j, key, e, dst in found:
-                if nbytes_of(dst) != e.length:
-                    raise BufferSizeError(f"[{self.name}] buffer has {nbytes_of(dst)} bytes, block has {e.length}")
+            check_sizes(self.name, [f[3] for f in found], [f[2] for f in found])
             for j, key, e, dst in found:
                 e.readers += 1
                 jobs.append((j, key, e, dst))
@@ -325,37 +328,14 @@ class NvmeTier(Tier):
 
     # -- internals --------------------------------------------------------------------------
 
-    def _reserve(self, n: int) -> tuple[Shard, int, int, int] | None:
-        """Pick a directory and an extent for ``n`` payload bytes. Caller holds the lock."""
-        if self._used + n > self._capacity:
-            return None
-        for shard in sorted(self._shards, key=lambda s: s.used - s.capacity):
-            if shard.used + n > shard.capacity:
-                continue
-            try:
-                where = shard.data.alloc(n)
-            except TierFullError as exc:
-                self.counters["enospc"] += 1
-                log.warning("NVMe tier %s: %s", self.name, exc)
-                continue
-            except (TierError, OSError) as exc:
-                self.counters["io_errors"] += 1
-                log.warning("NVMe tier %s: cannot allocate in %s: %s", self.name, shard.path, exc)
-                continue
-            if where is not None:
-                shard.used += n
-                self._used += n
-                return shard, where[0], where[1], n
-        return None
-
-    def _write_run(self, given: dict, run: list[tuple], views: list) -> list[tuple[bool, Any]]:
+    def _write_run(self, given: dict, run: list[WriteItem], views: list) -> list[tuple[bool, Any]]:
         """Write one run of ``plan`` items; ``given``: the writer's checksums by key."""
+        first = run[0]
         if len(run) == 1:
-            _, key, src, shard, file_no, offset, _ = run[0]
-            return [(True, self._write_one(key, src, shard, file_no, offset, given.get(key)))]
-        _, _, _, shard, file_no, offset, _ = run[0]
-        sums = write_run(shard.data.fd(file_no), offset, [p[1].digest for p in run], views, self._flags,
-                         [given.get(p[1]) for p in run])
+            return [(True, self._write_one(first.key, first.src, first.shard, first.file_no, first.offset,
+                                           given.get(first.key)))]
+        sums = write_run(first.shard.data.fd(first.file_no), first.offset, [p.key.digest for p in run], views,
+                         self._flags, [given.get(p.key) for p in run])
         return [(True, csum) for csum in sums]
 
     def _read_jobs(self, jobs: list[tuple]) -> list[tuple[bool, Any]]:

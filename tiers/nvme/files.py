@@ -5,6 +5,8 @@ A directory holds ``data-NNNNN.kvd`` files of ``file_bytes`` each, created (and
 a fresh tier costs no disk until blocks arrive. Each file is carved into extents by an
 :class:`~tiers._extents.ExtentAllocator` with page alignment.
 
+:func:`place` picks the directory and extent for a new block (striping by free space).
+
 The directory is locked (``flock`` on ``kvstore.lock``) for the lifetime of the object,
 so two processes never write the same files; the kernel drops the lock if the process
 dies. Not thread-safe: the tier calls it under its own lock.
@@ -21,10 +23,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvstore.errors import ConfigError, TierFullError, TierIOError, TierUnavailableError
+from kvstore.errors import ConfigError, TierError, TierFullError, TierIOError, TierUnavailableError
 from tiers._extents import ExtentAllocator
-from tiers._nvme_index import BlockIndex
-from tiers._nvme_io import PAGE, aligned_empty, extent_bytes, open_data_file
+from tiers.nvme.index import BlockIndex
+from tiers.nvme.io import PAGE, aligned_empty, extent_bytes, open_data_file
 
 log = logging.getLogger(__name__)
 _NAME = re.compile(r"^data-(\d{5})\.kvd$")
@@ -257,3 +259,29 @@ class Shard:
         self.data.close()
         self.index.close()
         os.close(self.lock_fd)
+
+
+def place(shards: list[Shard], nbytes: int, name: str, counters: dict[str, int]) -> tuple[Shard, int, int] | None:
+    """Where a new block of ``nbytes`` payload goes, striping by free space: an extent in
+    the directory with the most room left that can take it, as ``(shard, file_no,
+    offset)``, its bytes already counted in ``shard.used``; ``None`` when no directory
+    can. A directory whose allocation fails (disk full, I/O error) is counted in
+    ``counters`` (``enospc``, ``io_errors``) and logged, and the next one is tried.
+    Caller holds the tier's lock."""
+    for shard in sorted(shards, key=lambda s: s.used - s.capacity):
+        if shard.used + nbytes > shard.capacity:
+            continue
+        try:
+            where = shard.data.alloc(nbytes)
+        except TierFullError as exc:
+            counters["enospc"] += 1
+            log.warning("NVMe tier %s: %s", name, exc)
+            continue
+        except (TierError, OSError) as exc:
+            counters["io_errors"] += 1
+            log.warning("NVMe tier %s: cannot allocate in %s: %s", name, shard.path, exc)
+            continue
+        if where is not None:
+            shard.used += nbytes
+            return shard, where[0], where[1]
+    return None
