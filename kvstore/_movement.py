@@ -71,6 +71,7 @@ class _PutPlan:
     inserted: set[BlockKey] = field(default_factory=set)  # already placed in the policy
     victims: list[tuple[BlockKey, int]] = field(default_factory=list)
     parents: set[bytes | None] | None = None
+    charged: dict = field(default_factory=dict)  # per-tenant bytes in flight (kvstore._tenants)
 
 
 class TierMovement:
@@ -84,6 +85,14 @@ class TierMovement:
         lvl = self._levels[i]
         sizes = [nbytes_of(src) for src in srcs]
         plan = self._plan_put(i, keys, sizes)
+        try:
+            return self._put_planned(i, lvl, keys, srcs, sizes, plan, checksums)
+        finally:
+            if plan.charged:   # a tenant's bytes in flight end with the put, stored or not
+                self._settle(i, plan)
+
+    def _put_planned(self, i: int, lvl: Level, keys: list[BlockKey], srcs: list[Any], sizes: list[int],
+                     plan: "_PutPlan", checksums: list[int | None] | None) -> list[bool]:
         self._evict(i, plan.victims)
         chosen = plan.chosen
         if not chosen:
@@ -136,6 +145,10 @@ class TierMovement:
             # The blocks being added hang under these parents: evicting one now would
             # leave its new children unreachable (a chained key needs its prefix).
             plan.parents = {keys[j].parent for j in chosen} if lvl.policy.uses_parent else None
+            if self._tenants is not None and chosen:   # each tenant within its quota here
+                chosen, plan.charged = self._tenants.plan(self, i, keys, sizes, chosen, plan.parents, evict,
+                                                          plan.victims)
+                plan.chosen = chosen
             if not evict:
                 free = lvl.tier.capacity_bytes - lvl.tier.used_bytes
                 plan.chosen = []
@@ -157,8 +170,16 @@ class TierMovement:
                 plan.chosen = [j for j in chosen if keys[j] in staged.sizes]
                 plan.inserted = set(staged.sizes)
             else:
-                plan.victims = self._choose_victims(i, sum(sizes[j] for j in chosen), protect=plan.parents)
+                plan.victims += self._choose_victims(i, sum(sizes[j] for j in chosen), protect=plan.parents)
         return plan
+
+    def _settle(self, i: int, plan: "_PutPlan") -> None:
+        """The blocks ``plan`` charged to their tenants in level ``i`` are no longer in
+        flight (indexed, or not stored). Idempotent."""
+        if plan.charged:
+            with self._lock:
+                self._tenants.settle(i, plan.charged)
+            plan.charged = {}
 
     def _unstage(self, i: int, keys: list[BlockKey], plan: "_PutPlan", ok: list[bool] | None) -> None:
         """Take blocks placed in the policy ahead of the write but not stored out again."""
@@ -188,6 +209,8 @@ class TierMovement:
                 if not mask >> i & 1:
                     self._where[key] = mask | 1 << i
                     self._sizes[key] = sizes[j]
+                    if self._tenants is not None:
+                        self._tenants.add(key, i, sizes[j])
                     if key not in plan.inserted:
                         lvl.policy.on_insert(key, sizes[j], parent_of(key) if lvl.policy.uses_parent else None)
                     lvl.counters["writes"] += 1
@@ -197,6 +220,9 @@ class TierMovement:
             if self._events is not None and fresh:
                 self._events.stored(i, fresh)
             self._hints_entering(i, [keys[j] for j, good in zip(plan.chosen, ok) if good], persist)
+            if plan.charged:
+                self._tenants.settle(i, plan.charged)
+                plan.charged = {}
         if persist:
             self._persist_hints(persist)
 
@@ -223,10 +249,7 @@ class TierMovement:
         # Stop right after the victim that makes room: pulling one more candidate would
         # tell the policy it was skipped (S3-FIFO and SIEVE move such keys on).
         for key in lvl.policy.victims():
-            lease = self._leases.get(key)
-            if self._pins.get(key) or (lease is not None and lease[1] > now):
-                continue
-            if protect and key.digest in protect:
+            if not self._evictable(key, now, protect):
                 continue
             if staged is not None and key in staged.sizes:
                 lvl.policy.on_remove(key)
@@ -234,22 +257,37 @@ class TierMovement:
                 if free >= need:
                     break
                 continue
-            size = self._sizes.get(key, 0)
-            lvl.policy.on_remove(key)
-            mask = self._where.get(key, 0) & ~(1 << i)
-            victims.append((key, mask))
-            if mask:
-                self._where[key] = mask
-            else:
-                self._where.pop(key, None)
-            free += size
-            lvl.pending_free += size
-            lvl.counters["evictions"] += 1
+            free += self._take_victim(i, key, victims)
             if free >= need:
                 break
         if self._events is not None and victims:
             self._events.removed(i, [key for key, _ in victims])
         return victims
+
+    def _evictable(self, key: BlockKey, now: float, protect: set[bytes | None] | None) -> bool:
+        """Not leased, not pinned, not a protected parent. Caller holds the lock."""
+        lease = self._leases.get(key)
+        if self._pins.get(key) or (lease is not None and lease[1] > now):
+            return False
+        return not (protect and key.digest in protect)
+
+    def _take_victim(self, i: int, key: BlockKey, victims: list[tuple[BlockKey, int]]) -> int:
+        """Take ``key`` out of level ``i``'s index as a victim (appended to ``victims``;
+        its bytes leave the tier in :meth:`_evict`); returns its size. Caller holds the lock."""
+        lvl = self._levels[i]
+        size = self._sizes.get(key, 0)
+        lvl.policy.on_remove(key)
+        mask = self._where.get(key, 0) & ~(1 << i)
+        victims.append((key, mask))
+        if mask:
+            self._where[key] = mask
+        else:
+            self._where.pop(key, None)
+        lvl.pending_free += size
+        lvl.counters["evictions"] += 1
+        if self._tenants is not None:
+            self._tenants.remove(key, i, size, evicted=True)
+        return size
 
     def _evict(self, i: int, victims: list[tuple[BlockKey, int]]) -> None:
         """Spill victims down (write-back) and delete them from level ``i``."""
@@ -325,6 +363,8 @@ class TierMovement:
             return
         self._levels[i].policy.on_remove(key)
         mask &= ~(1 << i)
+        if self._tenants is not None:
+            self._tenants.remove(key, i, self._sizes.get(key, 0))
         if self._events is not None:
             self._events.removed(i, (key,))
         if mask:

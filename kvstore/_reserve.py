@@ -83,6 +83,7 @@ class Reservation:
             self._tier_res.abort()
         fkeys = [self._keys[j] for j in self._fresh]
         self._store._unstage(0, fkeys, self._plan, [False] * len(self._plan.chosen))
+        self._store._settle(0, self._plan)
 
     def _finish(self) -> None:
         if self._done:
@@ -129,6 +130,8 @@ def reserve(store: "Store", keys: Sequence[BlockKey], sizes: Sequence[int], evic
         if tier_res is None:
             store._unstage(0, fkeys, plan, [False] * len(plan.chosen))
             plan.chosen = []
+    if not plan.chosen:
+        store._settle(0, plan)   # nothing in flight for a tenant (kvstore._tenants)
     return Reservation(store, keys, present, fresh, fsizes, plan, tier_res)
 
 

@@ -131,14 +131,13 @@ class S3TierConfig(_TierBase):
     sign_payload: bool = False      # SHA-256-sign request bodies (the block header already checks them)
 
 
-def _no_empty_token(data: Any) -> Any:
+def _no_empty_token(data: Any, remedy: str = "give a token, or remove the key to run without one") -> Any:
     """A ``token`` key given as empty, ``null`` or ``~`` (in the file or a ``KVSTORE_…``
     variable) is a mistake, not a request to turn authentication off."""
     if isinstance(data, Mapping) and "token" in data:
         token = data["token"]
         if token is None or (isinstance(token, str) and not token.strip()):
-            raise ValueError("token is set but empty (empty, null or ~); give a token, or remove the key "
-                             "to run without one")
+            raise ValueError(f"token is set but empty (empty, null or ~); {remedy}")
     return data
 
 
@@ -237,6 +236,10 @@ def _tls_flag(value: Any) -> Any:
     return value
 
 
+def _no_empty_tenant_token(data: Any) -> Any:
+    return _no_empty_token(data, "every tenant needs a token of its own")
+
+
 class RemoteTierConfig(_TierBase):
     kind: Literal["remote"]
     address: str = Field(min_length=1)   # host:port or unix socket path
@@ -325,6 +328,26 @@ class PlacementConfig(_Frozen):
     selective_threshold: int = Field(2, ge=1)
 
 
+class TenantConfig(_Frozen):
+    """One tenant of the cache server (``server.tenants``, see ``docs/server.md``,
+    Tenants): clients that authenticate with ``token`` work in the key space of
+    ``salt`` and store at most ``quota[tier]`` bytes in each tier named there."""
+
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+    token: str = Field(min_length=1)
+    salt: str = Field(min_length=1)
+    quota: dict[str, Size] = {}     # tier name -> bytes (0: none in that tier); tiers not named: no cap
+
+    _token_given = model_validator(mode="before")(_no_empty_tenant_token)
+
+    @field_validator("salt")
+    @classmethod
+    def _some_salt(cls, salt: str) -> str:
+        if not salt.strip():
+            raise ValueError("salt is blank; give each tenant a salt of its own")
+        return salt
+
+
 class ServerConfig(_Frozen):
     host: str = "127.0.0.1"
     port: int = Field(7480, ge=0, le=65535)
@@ -334,6 +357,9 @@ class ServerConfig(_Frozen):
     allow_unauthenticated: bool = False      # serve beyond loopback without a token (refused otherwise)
 
     _token_given = model_validator(mode="before")(_no_empty_token)
+    # Each tenant's token opens its own key space (salt) with per-tier quotas; with
+    # ``token`` as well, that token is the tenant named "default" (no quota).
+    tenants: list[TenantConfig] = []
     transport: Literal["auto", "tcp", "shm", "nixl"] = "auto"
     max_frame_bytes: Size = Field(256 << 20, gt=0)
     max_batch: int = Field(4096, ge=1, le=1 << 20)   # records per request (bounded: size sums stay exact)
@@ -347,6 +373,25 @@ class ServerConfig(_Frozen):
     shutdown_grace_s: float = Field(10.0, ge=0)  # requests in flight get this long at shutdown
     send_threads: int = Field(4, ge=0)           # threads sending large TCP GET replies (0: the event loop)
     tls: ServerTlsConfig | None = None           # TLS on the TCP listener and the admin port
+
+    @model_validator(mode="after")
+    def _distinct_tenants(self) -> "ServerConfig":
+        """Names, tokens and salts each unique (one token, one key space); the
+        ``token`` is the tenant "default", so that name and its token are taken."""
+        seen: dict[str, dict[str, str]] = {"name": {}, "token": {}, "salt": {}}
+        if self.token is not None and self.tenants:
+            seen["name"]["default"] = "the name of server.token's tenant"
+            seen["token"][self.token] = "server.token"
+        for i, tenant in enumerate(self.tenants):
+            for field_name in ("name", "token", "salt"):
+                value = getattr(tenant, field_name)
+                other = seen[field_name].get(value)
+                if other is not None:
+                    shown = "this token" if field_name == "token" else repr(value)
+                    raise ValueError(f"tenants.{i}.{field_name}: {shown} is already {other}; each tenant "
+                                     f"needs its own {field_name}")
+                seen[field_name][value] = f"the {field_name} of tenants.{i}"
+        return self
 
 
 class TraceConfig(_Frozen):
@@ -394,6 +439,16 @@ class StoreConfig(_Frozen):
         if dupes:
             raise ValueError(f"tier names must be unique, repeated: {', '.join(dupes)}")
         return tiers
+
+    @model_validator(mode="after")
+    def _quota_tiers(self) -> "StoreConfig":
+        names = [t.name for t in self.tiers]
+        for i, tenant in enumerate(self.server.tenants):
+            for tier in tenant.quota:
+                if tier not in names:
+                    raise ValueError(f"server.tenants.{i}.quota.{tier}: no tier named {tier!r} "
+                                     f"(tiers: {', '.join(names)})")
+        return self
 
     @model_validator(mode="after")
     def _gpu_first(self) -> "StoreConfig":
@@ -515,5 +570,5 @@ def dump_config(config: StoreConfig) -> str:
 
 __all__ = ["AdmissionConfig", "ClientTlsConfig", "DEFAULT_CONFIG", "DramTierConfig", "EventsConfig", "GpuTierConfig",
            "NvmeTierConfig", "PlacementConfig", "RedisTierConfig", "RedisTlsConfig", "RemoteTierConfig", "S3TierConfig",
-           "ServerConfig", "ServerTlsConfig", "StoreConfig", "TierConfig", "TraceConfig", "describe_errors",
-           "dump_config", "load_config", "parse_size"]
+           "ServerConfig", "ServerTlsConfig", "StoreConfig", "TenantConfig", "TierConfig", "TraceConfig",
+           "describe_errors", "dump_config", "load_config", "parse_size"]

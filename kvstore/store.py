@@ -25,6 +25,7 @@ from kvstore._movement import Level, TierMovement, parent_of
 from kvstore._reserve import Reservation, reserve
 from kvstore._stats import sum_stat_sources
 from kvstore._streams import capture, submit
+from kvstore._tenants import TenantLedger
 from kvstore.block import checksum
 from kvstore.buffers import host_view, nbytes_of
 from kvstore.config import StoreConfig, load_config
@@ -72,6 +73,7 @@ class Store(TierMovement, StoreHints):
         self._leases: dict[BlockKey, list] = {}   # key -> [holders, expiry on self._clock]
         self._pins: dict[BlockKey, int] = {}
         self._hit_counts: dict[BlockKey, int] = {}  # selective write-through only
+        self._tenants: TenantLedger | None = None   # the cache server's tenants (set_tenants)
         self._stat_sources: list[tuple[str, Any]] = []  # (name, callable) from attach_stats
         self._ops = dict.fromkeys(("saves", "loads", "lookups", "lookup_hits", "prefetches", "background_errors",
                                    "refused_checksum"), 0)
@@ -350,6 +352,8 @@ class Store(TierMovement, StoreHints):
                     for i, lvl in enumerate(self._levels):
                         if mask >> i & 1:
                             lvl.policy.on_remove(key)
+                            if self._tenants is not None:
+                                self._tenants.remove(key, i, self._sizes.get(key, 0))
                 self._forget(key)
             if self._events is not None and cleared:
                 self._events.cleared()
@@ -382,6 +386,9 @@ class Store(TierMovement, StoreHints):
             entry["corruptions"] += int(extra.get("corrupt_blocks", 0))
 
         out["connectors"] = sum_stat_sources(self._stat_sources)
+        if self._tenants is not None:
+            with self._lock:
+                out["tenants"] = self._tenants.stats()
         if self._events is not None:
             out["events"] = self._events.stats()
         return out
@@ -400,6 +407,15 @@ class Store(TierMovement, StoreHints):
             self._pool.submit(fn, *args).add_done_callback(report)
         except RuntimeError:       # the pool is shut down: the Store is closing
             pass
+
+    def set_tenants(self, ledger: TenantLedger | None) -> None:
+        """Account bytes per tenant and enforce each tenant's quota per tier (the cache
+        server's ``server.tenants``; see :mod:`kvstore._tenants`). Blocks already held
+        (recovered from a persistent tier) are counted now. ``None``: stop."""
+        with self._lock:
+            if ledger is not None:
+                ledger.recount(self._where, self._sizes)
+            self._tenants = ledger
 
     def attach_stats(self, name: str, source: Any) -> None:
         """Report ``source()`` (a dict of counters) in :meth:`stats` under

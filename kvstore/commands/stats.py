@@ -39,6 +39,12 @@ def render(stats: dict[str, Any]) -> str:
         lines.append(f"{t['name']:<12}{t['kind']:<8}{_gib(t['used_bytes']):>12}{_gib(t['capacity_bytes']):>12}"
                      f"{t['blocks']:>9}{t['hits']:>10}{t['misses']:>9}{rate:>7}{t['evictions']:>9}"
                      f"{t['corruptions']:>8}")
+    for name, tenant in stats.get("tenants", {}).items():   # server.tenants: this token's own, or all
+        held = "  ".join(f"{tier} {_gib(v['used_bytes'])}" + (f" of {_gib(v['quota_bytes'])}" if v["quota_bytes"]
+                                                              is not None else "")
+                         for tier, v in tenant["tiers"].items())
+        evicted = sum(v["evictions"] for v in tenant["tiers"].values())
+        lines.append(f"tenant {name}: hits {tenant['hits']}  misses {tenant['misses']}  evicted {evicted}  {held}")
     return "\n".join(lines)
 
 

@@ -3,20 +3,21 @@
 prompt per tier, :mod:`kvstore.server._lookup`). A deliberately tiny HTTP/1.1 subset on
 asyncio streams: one request per connection, bounded bodies, bounded header reads.
 
-With a server token, ``/stats``, ``/clear`` and ``/v1/lookup`` need
-``Authorization: Bearer <token>``;
+With a server token or tenants, ``/stats``, ``/clear`` and ``/v1/lookup`` need
+``Authorization: Bearer <token>``: a tenant's token scopes them to that tenant (its
+stats, its blocks, its key space; see :mod:`kvstore.server._tenants`);
 ``/healthz`` and ``/metrics`` stay open so probes and scrapers need no secret.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import logging
 from typing import TYPE_CHECKING
 
 from kvstore.server import _lookup
+from kvstore.server._tenants import Tenant, admin_clear
 
 if TYPE_CHECKING:
     from kvstore.server._server import Server
@@ -65,27 +66,24 @@ async def _route(server: "Server", head: bytes, reader: asyncio.StreamReader) ->
         return 200, "text/plain; version=0.0.4; charset=utf-8", await loop.run_in_executor(None, server.metrics.render)
     if path not in ("/stats", "/clear", "/v1/lookup"):
         return 404, "text/plain", b"not found; try /healthz, /metrics, /stats, POST /clear, POST /v1/lookup\n"
-    token = server.config.server.token
-    if token is not None:
-        header = headers.get("authorization", "")
-        given = header[len("Bearer "):].strip() if header.startswith("Bearer ") else ""
-        if not given or not hmac.compare_digest(given.encode("utf-8", "replace"), token.encode()):
-            return 401, "text/plain", b"missing or wrong bearer token\n"
+    tenant = server.tenants.bearer(headers.get("authorization", ""))   # every tenant's token tried
+    if tenant is None:
+        return 401, "text/plain", b"missing or wrong bearer token\n"
     if path == "/stats":
         if method != "GET":
             return 405, "text/plain", b"use GET\n"
-        stats = await loop.run_in_executor(None, server.stats)
+        stats = await loop.run_in_executor(None, server.stats, tenant)
         return 200, "application/json", json.dumps(stats, default=str).encode()
     if method != "POST":
         return 405, "text/plain", b"use POST\n"
     if path == "/v1/lookup":
-        return await _lookup_route(server, headers, reader)
-    removed = await loop.run_in_executor(None, server.store.clear)
+        return await _lookup_route(server, headers, reader, tenant)
+    removed = await loop.run_in_executor(None, admin_clear, server.store, tenant)
     return 200, "application/json", json.dumps({"removed": removed}).encode()
 
 
-async def _lookup_route(server: "Server", headers: dict[str, str],
-                        reader: asyncio.StreamReader) -> tuple[int, str, bytes]:
+async def _lookup_route(server: "Server", headers: dict[str, str], reader: asyncio.StreamReader,
+                        tenant: Tenant) -> tuple[int, str, bytes]:
     length = headers.get("content-length", "")
     if not length.isdigit():
         return 411, "application/json", _error("a Content-Length header is required")
@@ -93,7 +91,8 @@ async def _lookup_route(server: "Server", headers: dict[str, str],
         return 413, "application/json", _error(f"body over {_lookup.MAX_BODY_BYTES} bytes")
     body = await asyncio.wait_for(reader.readexactly(int(length)), 30.0)
     try:
-        answer = await asyncio.get_running_loop().run_in_executor(None, _lookup.answer, server.store, body)
+        answer = await asyncio.get_running_loop().run_in_executor(
+            None, lambda: _lookup.answer(server.store, body, lambda keys: tenant.keys(keys, cached=False)))
     except _lookup.BadLookup as exc:
         return 400, "application/json", _error(str(exc))
     return 200, "application/json", json.dumps(answer).encode()

@@ -11,7 +11,6 @@ client pipelines by opening more connections.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import secrets
 import socket
@@ -25,10 +24,10 @@ from kvstore.block import checksum
 from kvstore.errors import (AuthError, BufferSizeError, InvalidArgumentError, KVStoreError, ProtocolError,
                             StoreClosedError, TransportError)
 from kvstore.server import _protocol as P
-from kvstore.server._auth import hello_proof
 from kvstore.server._conn_shm import SameHostOps
 from kvstore.server._refusals import Busy as _Busy, Disconnected as _Disconnected, Fatal as _Fatal
 from kvstore.server._shm import Lease, Staging
+from kvstore.server._tenants import Tenant, clear as _clear
 from kvstore.server._tls_stream import TlsStream, peek_first_byte
 
 if TYPE_CHECKING:
@@ -53,6 +52,7 @@ class Connection(SameHostOps):
         self.body = bytearray(4096)
         self.buf = np.empty(0, np.uint8)   # PUT payloads and lower-tier GETs, reused
         self.authed = False
+        self.tenant: Tenant | None = None  # who authenticated; every key is mapped into its space
         self.nonce: bytes | None = None    # the HELLO challenge sent, until answered
         self.busy = False
         self.accepted = self.last_active = time.monotonic()
@@ -168,6 +168,8 @@ class Connection(SameHostOps):
                 body = memoryview(self.body)[:header.body_len]
                 await self._recv_exact(body)
                 args = P.decode_request(header, body, server.limits)
+                if self.authed:   # the tenant's key space, for every op: no handler sees a client's key
+                    args = self.tenant.scope(op, args)
                 status = await self._dispatch(op, rid, args, header)
                 if self.buf.nbytes > _KEEP_BUFFER_BYTES:  # a rare huge request: do not hold its memory
                     self.buf = np.empty(0, np.uint8)
@@ -278,20 +280,21 @@ class Connection(SameHostOps):
             await self._reply(P.Op.HELLO, rid, P.encode_json({"challenge": self.nonce.hex(),
                                                               "protocol": P.VERSION}))
             return
-        expected = self.server.config.server.token
-        if expected is not None:
-            client, proof = args.get("client"), args.get("proof")
-            if not isinstance(client, str) or not isinstance(proof, str) or not hmac.compare_digest(
-                    proof.encode(), hello_proof(expected, nonce, client).encode()):
-                raise _Fatal(P.Status.AUTH, "wrong or missing token (HELLO proof does not match)")
-        self.authed = True
-        await self._reply(P.Op.HELLO, rid, P.encode_json(self.server.hello_info(self.local)))
+        # The tenant whose token the proof answers (each tenant's key tried, in constant time).
+        tenant = self.server.tenants.authenticate(nonce, args.get("client"), args.get("proof"))
+        if tenant is None:
+            raise _Fatal(P.Status.AUTH, "wrong or missing token (HELLO proof does not match)")
+        if self.tenant is not None and tenant is not self.tenant:
+            # its leases and reservations are in the first tenant's space: never handed to another
+            raise _Fatal(P.Status.AUTH, "a connection cannot change tenants; open a new one")
+        self.authed, self.tenant = True, tenant
+        await self._reply(P.Op.HELLO, rid, P.encode_json(self.server.hello_info(self.local, tenant)))
 
     async def _op_ping(self, rid: int, args: None, header: P.Header) -> None:
         await self._reply(P.Op.PING, rid)
 
     async def _op_stats(self, rid: int, args: None, header: P.Header) -> None:
-        stats = await self.loop.run_in_executor(None, self.server.stats)
+        stats = await self.loop.run_in_executor(None, self.server.stats, self.tenant)
         await self._reply(P.Op.STATS, rid, P.encode_json(stats))
 
     async def _op_lookup(self, rid: int, args: tuple, header: P.Header) -> None:
@@ -314,10 +317,9 @@ class Connection(SameHostOps):
         await self._reply(P.Op.DELETE, rid, P.encode_u32(n))
 
     async def _op_clear(self, rid: int, namespaces: list, header: P.Header) -> None:
-        """Remove every block, or those of the given namespaces. Needs only what every
-        op needs: an authenticated connection (the server token, which also guards
-        the admin port's ``/clear``)."""
-        n = await self.loop.run_in_executor(None, _clear, self.server.store, namespaces)
+        """Remove the tenant's blocks (every block without tenants), or those of the
+        given namespaces. Needs only what every op needs: an authenticated connection."""
+        n = await self.loop.run_in_executor(None, _clear, self.server.store, self.tenant, namespaces)
         await self._reply(P.Op.CLEAR, rid, P.encode_u64(n))
 
     async def _op_put(self, rid: int, args: tuple, header: P.Header) -> None:
@@ -365,6 +367,8 @@ class Connection(SameHostOps):
             else:
                 await self.server.sender.send(self.loop, self.sock, frame, total)  # header and blocks, vectored
             self.server.metrics.bytes.labels("out", "tcp").inc(total)
+        if self.server.tenants.enabled:
+            self.tenant.served(sizes)
 
     async def _load_lower(self, keys: list, want: list[int], idx: list[int], buf: np.ndarray, base: int,
                           sizes: list[int], srcs: list[Any], sums: list[int | None]) -> None:
@@ -405,6 +409,8 @@ class Connection(SameHostOps):
     async def _op_nixl_get(self, rid: int, args: tuple, header: P.Header) -> None:
         sizes, sums = await self.loop.run_in_executor(None, self.server.nixl.get, self, args)
         self.server.metrics.bytes.labels("out", "nixl").inc(sum(s for s in sizes if s > 0))
+        if self.server.tenants.enabled:
+            self.tenant.served(sizes)
         await self._reply(P.Op.NIXL_GET, rid, P.encode_summed(sizes, sums))
 
     async def _op_nixl_put(self, rid: int, args: tuple, header: P.Header) -> None:
@@ -412,12 +418,3 @@ class Connection(SameHostOps):
         self.server.metrics.bytes.labels("in", "nixl").inc(int(args[3]["nbytes"].sum()))
         await self._reply(P.Op.NIXL_PUT, rid, bytes(ok))
 
-
-def _clear(store: Any, namespaces: list[bytes]) -> int:
-    """``store.clear()``, or delete the blocks whose key carries one of ``namespaces``
-    (keys stored without a namespace match none)."""
-    if not namespaces:
-        return store.clear()
-    wanted = set(namespaces)
-    doomed = {key for tier in store.tiers for key in tier.keys() if key.namespace in wanted}
-    return store.delete(list(doomed)) if doomed else 0

@@ -82,6 +82,8 @@ class SameHostOps:
         placed["nbytes"], placed["offset"], placed["where"] = sizes, offsets, where
         placed["checksum"] = [c or 0 for c in sums]
         self.server.metrics.bytes.labels("out", "shm").inc(lease.nbytes)
+        if self.server.tenants.enabled:   # a block left for a socket GET is counted by that GET
+            self.tenant.served([s if w != P.WHERE_SOCKET else 0 for s, w in zip(sizes, where)])
         await self._reply(P.Op.SHM_GET, rid, P.encode_placed(lid, placed))
 
     def _place_lower(self, keys: list, want: list[int], lower: list[int], sizes: list[int],

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any
+from typing import Any, Callable
 
 from kvstore._prefix import prefix_by_tier
 from kvstore.errors import InvalidArgumentError
@@ -35,9 +35,12 @@ class BadLookup(ValueError):
     """The request body is not a valid lookup; the message names the field."""
 
 
-def answer(store: Any, body: bytes) -> dict[str, Any]:
-    """The JSON-able answer for ``body``; raises :class:`BadLookup`."""
+def answer(store: Any, body: bytes, scope: Callable[[list[BlockKey]], list[BlockKey]] | None = None) -> dict[str, Any]:
+    """The JSON-able answer for ``body``; raises :class:`BadLookup`. ``scope``: the
+    bearer tenant's key mapping (:meth:`kvstore.server._tenants.Tenant.keys`)."""
     keys, chunk_tokens = parse(body)
+    if scope is not None:
+        keys = scope(keys)
     anywhere, per_tier = prefix_by_tier(store, keys)
 
     def tokens(n: int) -> int | None:

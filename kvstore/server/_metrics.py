@@ -6,7 +6,7 @@ Each server owns its own registry, so several servers can live in one process (t
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -46,13 +46,28 @@ _EVENT_GAUGES = {
     "lag_s": ("kvstore_events_lag_seconds", "age of the oldest report not yet published (0: none waiting)"),
     "last_lag_s": ("kvstore_events_last_lag_seconds", "report-to-publish time of the last batch"),
 }
+# per tenant (server.tenants): (metric, doc), per tier unless noted
+_TENANT_TIER_GAUGES = {
+    "used_bytes": ("kvstore_tenant_used_bytes", "payload bytes this tenant holds in this tier"),
+    "blocks": ("kvstore_tenant_blocks", "blocks this tenant holds in this tier"),
+    "quota_bytes": ("kvstore_tenant_quota_bytes", "this tenant's quota in this tier (absent: none)"),
+}
+_TENANT_TIER_COUNTERS = {
+    "evictions": ("kvstore_tenant_evictions", "this tenant's blocks evicted from this tier"),
+    "quota_full": ("kvstore_tenant_quota_full", "this tenant's blocks refused by this tier for its quota"),
+}
+_TENANT_COUNTERS = {
+    "hits": ("kvstore_tenant_hits", "blocks served to this tenant's GETs"),
+    "misses": ("kvstore_tenant_misses", "keys this tenant's GETs found no block for"),
+}
 _LATENCY_BUCKETS = (50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3, 50e-3,
                     100e-3, 250e-3, 500e-3, 1.0, 2.5, 10.0)
 
 
 class _StoreCollector:
-    def __init__(self, store: Any) -> None:
+    def __init__(self, store: Any, tenants: Callable[[Any], dict] | None = None) -> None:
         self._store = store
+        self._tenants = tenants   # the Store's "tenants" stats -> per tenant, with the server's counters
 
     def collect(self) -> Iterator[Any]:
         try:
@@ -84,12 +99,31 @@ class _StoreCollector:
                 yield CounterMetricFamily(metric, doc, value=events[name])
             for name, (metric, doc) in _EVENT_GAUGES.items():
                 yield GaugeMetricFamily(metric, doc, value=events[name])
+        if self._tenants is not None:
+            yield from _tenant_families(self._tenants(stats.get("tenants", {})))
+
+
+def _tenant_families(tenants: dict[str, Any]) -> Iterator[Any]:
+    for name, (metric, doc) in _TENANT_COUNTERS.items():
+        fam = CounterMetricFamily(metric, doc, labels=["tenant"])
+        for tenant, entry in tenants.items():
+            fam.add_metric([tenant], float(entry[name]))
+        yield fam
+    for table, family in ((_TENANT_TIER_GAUGES, GaugeMetricFamily), (_TENANT_TIER_COUNTERS, CounterMetricFamily)):
+        for name, (metric, doc) in table.items():
+            fam = family(metric, doc, labels=["tenant", "tier"])
+            for tenant, entry in tenants.items():
+                for tier, values in entry["tiers"].items():
+                    if values[name] is not None:
+                        fam.add_metric([tenant, tier], float(values[name]))
+            yield fam
 
 
 class ServerMetrics:
-    """Thread-safe (prometheus_client locks internally)."""
+    """Thread-safe (prometheus_client locks internally). ``tenants``: with
+    ``server.tenants``, maps the Store's per-tenant stats to the server's (hits, misses)."""
 
-    def __init__(self, store: Any) -> None:
+    def __init__(self, store: Any, tenants: Callable[[Any], dict] | None = None) -> None:
         self.registry = CollectorRegistry()
         self.latency = Histogram("kvstore_request_seconds", "time from a request's header to its reply",
                                  ["op"], registry=self.registry, buckets=_LATENCY_BUCKETS)
@@ -99,7 +133,7 @@ class ServerMetrics:
         self.connections = Gauge("kvstore_connections", "open client connections", registry=self.registry)
         self.refused = Counter("kvstore_refused_connections", "connections closed for bad frames or auth",
                                ["reason"], registry=self.registry)
-        self.registry.register(_StoreCollector(store))
+        self.registry.register(_StoreCollector(store, tenants))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

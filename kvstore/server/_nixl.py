@@ -58,6 +58,7 @@ class NixlService:
         self._endpoint: Any = None
         self._start_error: str | None = None
         self._peers: dict[str, int] = {}       # agent name -> connections bound to it
+        self._peer_tenant: dict[str, str] = {}  # agent name -> the tenant of those connections
         self._free: list[tuple[np.ndarray, int]] = []  # idle registered staging buffers, region ids
         self.counters = {"gets": 0, "puts": 0, "bytes_out": 0, "bytes_in": 0, "not_sent": 0,
                          "failures": 0}
@@ -107,10 +108,16 @@ class NixlService:
         that registered new buffers says so again). Returns the server's metadata."""
         ep = self._ensure_endpoint()
         name = ep.add_peer(metadata)
+        tenant = getattr(getattr(conn, "tenant", None), "name", None)
         with self._lock:
+            # A client's agent names its memory: one tenant's connection never transfers
+            # through an agent another tenant's connections bound (server.tenants).
+            if self._peer_tenant.get(name, tenant) != tenant:
+                raise TransportError("this NIXL agent is bound to another tenant's connections")
             old = getattr(conn, "nixl_peer", None)
             if old != name:
                 self._peers[name] = self._peers.get(name, 0) + 1
+                self._peer_tenant[name] = tenant
                 conn.nixl_peer = name
         if old is not None and old != name:
             self._unref(old)
@@ -130,6 +137,7 @@ class NixlService:
                 self._peers[name] = left
                 return
             self._peers.pop(name, None)
+            self._peer_tenant.pop(name, None)
         if self._endpoint is not None:
             self._endpoint.remove_peer(name)
 

@@ -12,6 +12,7 @@ import socket
 import stat
 
 from kvstore.errors import ConfigError
+from kvstore.server._shm import STAGING_PREFIX
 
 log = logging.getLogger("kvstore.server")
 
@@ -29,8 +30,8 @@ def remove_stale_arenas() -> int:
     except OSError:
         return 0
     for name in names:
-        if not name.startswith(ARENA_PREFIX):
-            continue
+        if not name.startswith(ARENA_PREFIX) or name.startswith(STAGING_PREFIX):
+            continue   # a live client's staging region holds no lock: never taken for a dead arena
         path = os.path.join(SHM_DIR, name)
         try:
             fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)

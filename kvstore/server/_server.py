@@ -31,6 +31,7 @@ from kvstore.server._paths import (ARENA_PREFIX, SHM_DIR, is_loopback, remove_st
 from kvstore.server._nixl import NixlService
 from kvstore.server._send import Sender
 from kvstore.server._shm import Arena
+from kvstore.server._tenants import Tenant, Tenants
 
 _INTERN_MAX = 1 << 16   # interned keys kept (about 25 MiB at most)
 log = logging.getLogger("kvstore.server")
@@ -67,22 +68,25 @@ class Server:
     def __init__(self, config: StoreConfig, *, store: Any = None) -> None:
         self.config = config
         cfg = config.server
-        if cfg.token is None and not cfg.allow_unauthenticated and not is_loopback(cfg.host):
-            raise ConfigError(f"server.host {cfg.host!r} serves beyond this machine, and no server.token is "
-                              "set: anyone who reaches the port could read and write the cache; set a token, "
-                              "or set server.allow_unauthenticated: true to serve without one")
+        self.tenants = Tenants(cfg)
+        if self.tenants.open and not cfg.allow_unauthenticated and not is_loopback(cfg.host):
+            raise ConfigError(f"server.host {cfg.host!r} serves beyond this machine, and no server.token is set "
+                              "(nor server.tenants): anyone who reaches the port could read and write the cache; "
+                              "set a token, or set server.allow_unauthenticated: true to serve without one")
         # TLS on the TCP listener and the admin port (the Unix socket stays plaintext:
         # same-host, private to this user). Built before anything listens: a bad file
         # stops the start with a ConfigError.
         self.tls_context = _tls_context(cfg)
         self._owns_store = store is None
         self.store = store if store is not None else build_store(config)
+        if self.tenants.enabled:
+            self._attach_tenants()
         self.limits = P.Limits(cfg.max_frame_bytes, cfg.max_batch)
         first = self.store.tiers[0]
         # Zero-copy sends and shared memory need the first tier to be host memory.
         self._borrowable = first.capabilities.device == "cpu" and first.capabilities.zero_copy_view
         self.arena = Arena.of(first) if cfg.transport in ("auto", "shm") and self._borrowable else None
-        self.metrics = ServerMetrics(self.store)
+        self.metrics = ServerMetrics(self.store, self.tenants.stats if self.tenants.enabled else None)
         self.nixl = NixlService(self)
         self.sender = Sender(cfg.send_threads, cfg.idle_timeout_s)
         self._interned: dict[bytes, Any] = {}
@@ -100,6 +104,19 @@ class Server:
         # Names this server instance in every HELLO: a same-host client checks that the
         # server behind the Unix socket is the one whose arena it mapped.
         self.instance_id = secrets.token_hex(8)
+
+    def _attach_tenants(self) -> None:
+        """Bytes per tenant and tier, and the quotas, kept by the Store's eviction."""
+        set_tenants = getattr(self.store, "set_tenants", None)
+        try:
+            if set_tenants is None:
+                raise ConfigError("server.tenants: the served store keeps no per-tenant accounting "
+                                  f"({type(self.store).__name__} has no set_tenants)")
+            set_tenants(self.tenants.ledger([t.name for t in self.store.tiers]))
+        except BaseException:
+            if self._owns_store:
+                self.store.close()
+            raise
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -175,6 +192,8 @@ class Server:
         self.sender.close()
         if self._owns_store:
             await asyncio.get_running_loop().run_in_executor(None, self._close_store)
+        elif self.tenants.enabled:
+            self.store.set_tenants(None)   # a Store that outlives this server keeps no tenants of it
         self._stopped.set()
 
     def _close_store(self) -> None:
@@ -259,16 +278,21 @@ class Server:
             return self.store.borrow(keys, offsets=offsets, verify=False)
         return nullcontext([None] * len(keys))
 
-    def hello_info(self, local: bool) -> dict[str, Any]:
+    def hello_info(self, local: bool, tenant: Tenant | None = None) -> dict[str, Any]:
         return {"server": "kvstore", "version": __version__, "protocol": P.VERSION, "instance": self.instance_id,
+                "tenant": tenant.name if tenant is not None and self.tenants.enabled else None,
                 "max_frame_bytes": self.limits.max_frame_bytes, "max_batch": self.limits.max_batch,
                 "max_inflight_bytes": self.config.server.max_inflight_bytes,
                 "shm": self.arena.describe() if self.arena is not None and local else None,
                 "socket_path": self.socket_path if local else None,
                 "nixl": self.nixl.offered()}
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self, tenant: Tenant | None = None) -> dict[str, Any]:
+        """The Store's stats and the server's; with tenants, a ``tenants`` section (only
+        ``tenant``'s own entry when given, unless it is the operator's)."""
         out = self.store.stats()
+        if self.tenants.enabled:
+            out["tenants"] = self.tenants.stats(out.get("tenants", {}), tenant)
         out["server"] = {"version": __version__, "uptime_s": round(time.time() - self.started, 3),
                          "connections": len(self.conns),
                          "leased_bytes": sum(c.leased_bytes for c in self.conns),

@@ -1,0 +1,164 @@
+"""Per-tenant bytes and quotas in the Store's tiers, for the cache server's
+``server.tenants`` (``docs/server.md``, Tenants).
+
+A companion of :class:`kvstore.store.Store` (as ``_reserve`` and ``_prefix`` are): the
+server attaches one with :meth:`Store.set_tenants`; a Store without one (every embedded
+Store) runs none of this. Not thread-safe: every method runs under the Store's lock.
+
+Ownership is read off the key. The server maps each tenant's keys into the tenant's own
+space, whose digests begin with the tenant's :data:`TAG_BYTES`-byte tag
+(:mod:`kvstore.server._tenants`), so a block's owner needs no table, is the same in every
+tier, and survives a restart from a persistent tier. A key without a tenant's tag (one
+stored before tenants were configured) is nobody's: counted against no quota.
+
+Quotas: before blocks enter level ``i`` (a save, a spill from the level above, a
+promotion, a reservation), a tenant whose bytes there plus the incoming ones pass its
+quota for that level first evicts its *own* blocks there, in the level's eviction
+order (victims spill down as any eviction does); blocks that still do not fit are
+refused in that level as by a full tier (counted in ``quota_full``; a save then tries
+the next level). A quota is a cap, not a reservation: a full tier still evicts in its
+policy's order across tenants. The walk for a tenant's own victims steps over other
+tenants' blocks ahead of its first one, a skip as far as the policy can tell (as for a
+leased block: S3-FIFO and SIEVE move such keys on).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
+
+from kvstore.keys import BlockKey
+
+if TYPE_CHECKING:
+    from kvstore.store import Store
+
+TAG_BYTES = 8   # a tenant's keys all begin with its tag (see kvstore.server._tenants)
+
+
+class TenantLedger:
+    """``tags``: tag -> tenant name; ``quotas``: tenant name -> {level index: bytes};
+    ``levels``: the Store's tier names, fastest first."""
+
+    def __init__(self, tags: Mapping[bytes, str], quotas: Mapping[str, Mapping[int, int]],
+                 levels: Sequence[str]) -> None:
+        self._tags = dict(tags)
+        self.levels = list(levels)
+        n = len(self.levels)
+        names = list(self._tags.values())
+        self._quota: dict[str, list[int | None]] = {name: [None] * n for name in names}
+        for name, per_level in quotas.items():
+            for i, nbytes in per_level.items():
+                self._quota[name][i] = int(nbytes)
+        self._used = {name: [0] * n for name in names}       # indexed bytes per level
+        self._blocks = {name: [0] * n for name in names}
+        self._pending = {name: [0] * n for name in names}    # admitted, not yet indexed
+        self._evictions = {name: [0] * n for name in names}
+        self._quota_full = {name: [0] * n for name in names}
+
+    def owner(self, key: BlockKey) -> str | None:
+        return self._tags.get(key.digest[:TAG_BYTES])
+
+    # -- the index -------------------------------------------------------------------------
+
+    def recount(self, where: Mapping[BlockKey, int], sizes: Mapping[BlockKey, int]) -> None:
+        """Usage from the whole index (blocks recovered before the ledger was attached)."""
+        for name in self._used:
+            self._used[name] = [0] * len(self.levels)
+            self._blocks[name] = [0] * len(self.levels)
+        for key, mask in where.items():
+            name = self.owner(key)
+            if name is None:
+                continue
+            for i in range(len(self.levels)):
+                if mask >> i & 1:
+                    self._used[name][i] += sizes.get(key, 0)
+                    self._blocks[name][i] += 1
+
+    def add(self, key: BlockKey, i: int, nbytes: int) -> None:
+        """``key`` entered level ``i``'s index."""
+        name = self.owner(key)
+        if name is not None:
+            self._used[name][i] += nbytes
+            self._blocks[name][i] += 1
+
+    def remove(self, key: BlockKey, i: int, nbytes: int, *, evicted: bool = False) -> None:
+        """``key`` left level ``i``'s index (``evicted``: as a victim)."""
+        name = self.owner(key)
+        if name is not None:
+            self._used[name][i] -= nbytes
+            self._blocks[name][i] -= 1
+            if evicted:
+                self._evictions[name][i] += 1
+
+    # -- admission under quota ---------------------------------------------------------------
+
+    def plan(self, store: "Store", i: int, keys: Sequence[BlockKey], sizes: Sequence[int], chosen: list[int],
+             protect: set[bytes | None] | None, evict: bool,
+             victims: list[tuple[BlockKey, int]]) -> tuple[list[int], dict[BlockKey, tuple[str, int]]]:
+        """The blocks ``chosen`` (indices into ``keys``) for level ``i`` that fit their
+        owners' quotas there, after evicting (into ``victims``; ``evict=False``: none)
+        each owner's own blocks to make room; and what they are charged while in flight
+        (settled by :meth:`settle` once indexed or dropped)."""
+        groups: dict[str, list[int]] = {}
+        for j in chosen:
+            name = self.owner(keys[j])
+            if name is not None and self._quota[name][i] is not None:
+                groups.setdefault(name, []).append(j)
+        if not groups:
+            return chosen, {}
+        dropped: set[int] = set()
+        charged: dict[BlockKey, tuple[str, int]] = {}
+        for name, idx in groups.items():
+            incoming = sum(sizes[j] for j in idx)
+            if evict and self._over(name, i, incoming) > 0:
+                self._evict_own(store, i, name, incoming, protect, victims)
+            over = self._over(name, i, incoming)
+            while over > 0 and idx:   # the tail of the batch goes: its prefix stays useful
+                j = idx.pop()
+                dropped.add(j)
+                over -= sizes[j]
+                self._quota_full[name][i] += 1
+            for j in idx:
+                charged[keys[j]] = (name, sizes[j])
+                self._pending[name][i] += sizes[j]
+        return [j for j in chosen if j not in dropped], charged
+
+    def settle(self, i: int, charged: Mapping[BlockKey, tuple[str, int]]) -> None:
+        """Blocks admitted by :meth:`plan` were indexed (then :meth:`add` counted them)
+        or dropped: no longer in flight."""
+        for name, nbytes in charged.values():
+            self._pending[name][i] -= nbytes
+
+    def _over(self, name: str, i: int, incoming: int) -> int:
+        return self._used[name][i] + self._pending[name][i] + incoming - self._quota[name][i]
+
+    def _evict_own(self, store: "Store", i: int, name: str, incoming: int, protect: set[bytes | None] | None,
+                   victims: list[tuple[BlockKey, int]]) -> None:
+        """Take ``name``'s own blocks out of level ``i`` in its policy's order until its
+        bytes there plus ``incoming`` fit its quota (or none is left to take)."""
+        now = store._clock()
+        owner, taken = self.owner, len(victims)
+        for key in store._levels[i].policy.victims():
+            if owner(key) != name or not store._evictable(key, now, protect):
+                continue
+            store._take_victim(i, key, victims)
+            if self._over(name, i, incoming) <= 0:
+                break   # stop at the victim that makes room (see Store._choose_victims)
+        if store._events is not None and len(victims) > taken:
+            store._events.removed(i, [key for key, _ in victims[taken:]])
+
+    # -- stats -----------------------------------------------------------------------------
+
+    def stats(self) -> dict[str, Any]:
+        """Per tenant and tier: bytes and blocks held, quota (None: none), evictions and
+        blocks refused for the quota."""
+        out = {}
+        for name in self._used:
+            tiers = {tier: {"used_bytes": self._used[name][i], "blocks": self._blocks[name][i],
+                            "quota_bytes": self._quota[name][i], "evictions": self._evictions[name][i],
+                            "quota_full": self._quota_full[name][i]}
+                     for i, tier in enumerate(self.levels)}
+            out[name] = {"tiers": tiers}
+        return out
+
+
+__all__ = ["TAG_BYTES", "TenantLedger"]
