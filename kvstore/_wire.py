@@ -14,7 +14,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from kvstore._pinning import HostPin
+from kvstore.buffers.pinning import HostPin
 
 from kvstore.errors import (AuthError, BufferSizeError, InvalidArgumentError, ProtocolError, RemoteError,
                             TierUnavailableError)

@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 
-from kvstore._copy import copy_batch, plan
+from kvstore.buffers.host import copy_batch, plan
 from kvstore.errors import BufferSizeError, InvalidArgumentError
 
 BLOCK, N = 1 << 20, 12

@@ -132,7 +132,7 @@ def test_a_shared_arena_is_pinned_without_dontfork(cudart, tmp_path):
 def test_a_read_only_mapping_is_registered_read_only_and_released_once():
     import mmap
 
-    from kvstore._pinning import CUDA_HOST_REGISTER_READ_ONLY, HostPin
+    from kvstore.buffers.pinning import CUDA_HOST_REGISTER_READ_ONLY, HostPin
 
     fake = FakeCudart()
     flags = []

@@ -85,7 +85,7 @@ def copy_bytes(dst: Any, src: Any) -> None:
         s = device_view(src) if is_torch(src) else torch.from_numpy(host_view(src))
         if d.numel() != s.numel():
             raise BufferSizeError(f"buffer has {d.numel()} bytes, block has {s.numel()}")
-        from kvstore._streams import gate_current_stream
+        from kvstore.buffers.streams import gate_current_stream
 
         device = d.device if d.device.type != "cpu" else s.device
         if device.type == "cuda":
