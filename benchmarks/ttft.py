@@ -32,7 +32,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from kvstore import _ttft as T  # noqa: E402
-from kvstore._transfer import resolve_device  # noqa: E402
+from kvstore.buffers.device import resolve_device  # noqa: E402
 from kvstore.errors import ConfigError, KVStoreError  # noqa: E402
 from kvstore.store import Store  # noqa: E402
 
@@ -83,7 +83,7 @@ def backends(stack: contextlib.ExitStack, workdir: str, capacity: str, extra: li
         out.append((name, stack.enter_context(Store.from_config(path))))
     if "s3" not in {n for n, _ in out}:
         skipped["s3"] = "not configured (pass --store s3=CONFIG.yaml with an s3 tier)"
-    if importlib.util.find_spec("kvstore.client") and importlib.util.find_spec("kvstore.commands.serve"):
+    if importlib.util.find_spec("kvstore.client") and importlib.util.find_spec("kvstore.cli.serve"):
         from kvstore.client import Client
 
         address = stack.enter_context(_server(workdir, capacity))

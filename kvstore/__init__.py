@@ -9,7 +9,8 @@ __version__ = "0.1.0"
 
 def __getattr__(name: str):
     # Store and Client import tiers lazily: tiers import kvstore's leaf modules, so an
-    # eager import here would be circular.
+    # eager import here would be circular (import tiers.base -> kvstore.errors runs this
+    # file -> kvstore.store -> from tiers.base import Tier, still half-initialized).
     if name == "Store":
         from kvstore.store import Store
 

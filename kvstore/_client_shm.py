@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from kvstore._client_tcp import Integrity, raise_mismatch, tcp_get
-from kvstore._copy import copy_batch, copy_batch_hashed
+from kvstore.buffers.host import copy_batch, copy_batch_hashed
 from kvstore._wire import ArenaMap, Conn
 from kvstore.buffers import nbytes_of
 from kvstore.errors import RemoteError

@@ -15,7 +15,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from kvstore._pinning import HostPin
+from kvstore.buffers.pinning import HostPin
 from kvstore._tls import ClientTls, describe as describe_tls
 
 from kvstore.errors import (AuthError, BufferSizeError, InvalidArgumentError, ProtocolError, RemoteError,

@@ -47,7 +47,7 @@ from kvstore.server import _protocol as P
 from kvstore._client_shm import SameHostPath
 from kvstore._client_tcp import Integrity, tcp_get, tcp_put
 from kvstore._stats import sum_stat_sources
-from kvstore._streams import capture, submit
+from kvstore.buffers.streams import capture, submit
 from kvstore._tls import client_tls
 from kvstore._wire import Address, ArenaMap, Conn
 from kvstore.transport import FallbackCounter, nixl_available, select_transport

@@ -24,7 +24,7 @@ from kvstore._hints import HintIndex, StoreHints
 from kvstore._movement import Level, TierMovement, parent_of
 from kvstore._reserve import Reservation, reserve
 from kvstore._stats import sum_stat_sources
-from kvstore._streams import capture, submit
+from kvstore.buffers.streams import capture, submit
 from kvstore._tenants import TenantLedger
 from kvstore.block import checksum
 from kvstore.buffers import host_view, nbytes_of

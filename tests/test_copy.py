@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 
-from kvstore._copy import copy_batch, plan
+from kvstore.buffers.host import copy_batch, plan
 from kvstore.errors import BufferSizeError, InvalidArgumentError
 
 BLOCK, N = 1 << 20, 12
@@ -82,7 +82,7 @@ def test_device_buffers_move_in_one_batch_from_a_mapping_pinned_on_first_use(mon
     device is torch's "meta" device and the copier a recorder (no GPU here)."""
     import torch
 
-    from kvstore import _copy
+    from kvstore.buffers import host as _copy
 
     class Pin:
         ensured = 0

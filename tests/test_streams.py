@@ -1,5 +1,5 @@
 """The Store caller's stream order reaches every thread that copies for that call
-(kvstore._streams). There is no GPU here: the caller's events are stand-ins that record
+(kvstore.buffers.streams). There is no GPU here: the caller's events are stand-ins that record
 who waited on them; the threads, pools and tiers are the real ones."""
 
 from concurrent.futures import ThreadPoolExecutor
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import kvstore.store as store_mod
-from kvstore import _streams
+from kvstore.buffers import streams as _streams
 from kvstore.keys import Namespace
 from kvstore.store import Store
 

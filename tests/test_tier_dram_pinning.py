@@ -132,7 +132,7 @@ def test_a_shared_arena_is_pinned_without_dontfork(cudart, tmp_path):
 def test_a_read_only_mapping_is_registered_read_only_and_released_once():
     import mmap
 
-    from kvstore._pinning import CUDA_HOST_REGISTER_READ_ONLY, HostPin
+    from kvstore.buffers.pinning import CUDA_HOST_REGISTER_READ_ONLY, HostPin
 
     fake = FakeCudart()
     flags = []
@@ -151,7 +151,8 @@ def test_the_clients_arena_mapping_is_registered_read_only_when_it_may_only_read
     """kvstore._wire.ArenaMap (the same-host client's view of the server's arena): a
     mapping opened read-only registers with cudaHostRegisterReadOnly, a writable one
     without; lazily, and released at close before the unmap."""
-    from kvstore import _pinning, _wire
+    from kvstore import _wire
+    from kvstore.buffers import pinning as _pinning
 
     path = tmp_path / "arena"
     path.write_bytes(bytes(1 << 16))

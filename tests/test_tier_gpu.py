@@ -95,7 +95,7 @@ def test_store_with_gpu_over_dram_spills_and_promotes(device):
 
 def test_every_gpu_tier_on_a_device_shares_its_copier(device):
     """One copier (three streams, two pinned staging rings) per device, not one per tier."""
-    from kvstore._transfer import copier_for
+    from kvstore.buffers.device import copier_for
 
     a, b = GpuTier(1 << 20, name="a", device=device), GpuTier(1 << 20, name="b", device=device)
     try:

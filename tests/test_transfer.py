@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvstore._transfer import DeviceCopier, copier_for, resolve_device
+from kvstore.buffers.device import DeviceCopier, copier_for, resolve_device
 from kvstore.errors import BufferSizeError, InvalidArgumentError
 
 DEVICES = ["cpu"] + (["cuda:0"] if torch.cuda.is_available() else [])
@@ -72,7 +72,7 @@ def test_devices_are_checked():
 def test_a_failed_finish_never_runs_its_copy_outs_into_a_later_batch(monkeypatch):
     """The copy-out of a batch whose finish failed must not land in its caller's buffer
     during the next caller's batch."""
-    import kvstore._transfer as transfer
+    import kvstore.buffers.device as transfer
 
     c = DeviceCopier("cpu", chunk_bytes=1024, slots=4, force_staging=True)
     first = np.zeros(3000, np.uint8)

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from kvstore import _streams
-from kvstore._transfer import DeviceCopier
+from kvstore.buffers import streams as _streams
+from kvstore.buffers.device import DeviceCopier
 
 
 class Stream:

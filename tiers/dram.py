@@ -3,7 +3,7 @@
 The arena is a single ``mmap`` (anonymous, or a file under ``/dev/shm`` when the cache
 server shares it with local clients), backed by transparent huge pages where the
 kernel allows, pre-faulted at start-up and pinned through CUDA on its first device copy
-(:class:`kvstore._pinning.HostPin`), so blocks move with one memcpy and no allocation per
+(:class:`kvstore.buffers.pinning.HostPin`), so blocks move with one memcpy and no allocation per
 block.
 
 Every slot keeps the XXH3-64 (:func:`kvstore.block.checksum`) of its bytes, hashed as
@@ -28,8 +28,8 @@ from typing import Any, Iterator, Sequence
 
 import numpy as np
 
-from kvstore._copy import copy_batch_hashed, hash_ranges
-from kvstore._pinning import HostPin, _torch_cudart
+from kvstore.buffers.host import copy_batch_hashed, hash_ranges
+from kvstore.buffers.pinning import HostPin, _torch_cudart
 from kvstore.buffers import nbytes_of
 from kvstore.errors import ConfigError, InvalidArgumentError
 from kvstore.keys import BlockKey
@@ -41,7 +41,7 @@ PAGE = mmap.PAGESIZE
 SLOT_ALIGN = 4096  # slots stay O_DIRECT-aligned so NVMe I/O can use them in place
 # Large batches copy on two threads (memmove releases the GIL): one thread's memcpy does
 # not reach the memory bandwidth (11-14 GB/s one thread, ~23 GB/s two, on these VMs).
-# The copies are kvstore._copy's, shared with the cache client's same-host path.
+# The copies are kvstore.buffers.host's, shared with the cache client's same-host path.
 _COPY_THREADS = min(2, os.cpu_count() or 1)
 _copy_pool: ThreadPoolExecutor | None = None
 _copy_pool_lock = threading.Lock()

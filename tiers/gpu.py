@@ -4,7 +4,7 @@ The arena is a single ``torch.uint8`` tensor of the configured size on ``device`
 allocated and touched once at start-up (no allocation per block, nothing left to the
 caching allocator's mercy later). Slots are carved with the same allocator and reader
 counts as the DRAM tier (:mod:`tiers._arena`). Copies in and out go through the
-device's copy streams (:mod:`kvstore._transfer`): device↔device copies stay on the GPU,
+device's copy streams (:mod:`kvstore.buffers.device`): device↔device copies stay on the GPU,
 host buffers move by DMA (directly when pinned, through the staging ring otherwise).
 
 Written device-generically: ``device="cpu"`` gives the same tier in host memory, which
@@ -16,7 +16,7 @@ from __future__ import annotations
 from contextlib import contextmanager
 from typing import Any, Iterator, Sequence
 
-from kvstore._transfer import DeviceCopier, copier_for, resolve_device
+from kvstore.buffers.device import DeviceCopier, copier_for, resolve_device
 from kvstore.buffers import nbytes_of
 from kvstore.errors import InvalidArgumentError, TierUnavailableError
 from kvstore.keys import BlockKey

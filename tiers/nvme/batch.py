@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Callable, NamedTuple
 
 import numpy as np
 
-from kvstore._streams import in_context
+from kvstore.buffers.streams import in_context
 from kvstore.buffers import host_view
 from kvstore.keys import BlockKey
 from tiers.nvme.io import MAX_RUN_BYTES, joinable, plan_runs
@@ -112,7 +112,7 @@ def parallel(pool: ThreadPoolExecutor, threads: int, fn: Callable[..., Any],
         for i, job in todo:
             landed.put((i, call(job)))
 
-    # Each lane sees the Store caller's stream order (device buffers, kvstore._streams).
+    # Each lane sees the Store caller's stream order (device buffers, kvstore.buffers.streams).
     tasks = [in_context(pool, lane) for _ in range(min(len(jobs), threads))]
     for _ in jobs:
         i, res = landed.get()

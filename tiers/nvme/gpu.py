@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import numpy as np
 
-from kvstore._streams import wait_for_caller
+from kvstore.buffers.streams import wait_for_caller
 from kvstore.block import FLAG_SEGMENTED, HEADER_BYTES, verify_payload
 from kvstore.buffers import copy_bytes, device_view
 from kvstore.errors import CorruptBlockError, TierIOError

@@ -25,7 +25,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from kvstore import _ttft as T
-    from kvstore._transfer import resolve_device
+    from kvstore.buffers.device import resolve_device
     from kvstore.config import load_config
     from kvstore.errors import InvalidArgumentError
     from kvstore.store import Store

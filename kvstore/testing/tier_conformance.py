@@ -1,11 +1,11 @@
 """The tier conformance suite. Every tier's tests subclass :class:`TierConformance` and
 provide a ``tier`` fixture (a fresh, empty tier of ``CAPACITY`` bytes) — see
 ``tests/test_tier_dram.py``. Shipped in the package so third-party tiers can run it too.
+:func:`make_keys` and :func:`payload` are its keys and block contents.
 """
 
 from __future__ import annotations
 
-import os
 import threading
 
 import numpy as np
@@ -147,14 +147,3 @@ class TierConformance:
         for th in threads:
             th.join()
         assert not errors, errors[0]
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-IN_CI = bool(os.environ.get("CI"))

@@ -79,7 +79,7 @@ def device_view(buf: Any):
 def copy_bytes(dst: Any, src: Any) -> None:
     """Copy all bytes of ``src`` into ``dst`` (same size), host or device, once; the
     copy has completed when this returns. A device copy is ordered after the Store
-    caller's work (:func:`kvstore._streams.gate_current_stream`)."""
+    caller's work (:func:`kvstore.buffers.streams.gate_current_stream`)."""
     if is_device(dst) or is_device(src):
         import torch
 
@@ -87,7 +87,7 @@ def copy_bytes(dst: Any, src: Any) -> None:
         s = device_view(src) if is_torch(src) else torch.from_numpy(host_view(src))
         if d.numel() != s.numel():
             raise BufferSizeError(f"buffer has {d.numel()} bytes, block has {s.numel()}")
-        from kvstore._streams import gate_current_stream
+        from kvstore.buffers.streams import gate_current_stream
 
         device = d.device if d.device.type != "cpu" else s.device
         if device.type == "cuda":

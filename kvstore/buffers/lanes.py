@@ -32,7 +32,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from kvstore._streams import caller_order
+from kvstore.buffers.streams import caller_order
 
 
 class CudaRuntime:

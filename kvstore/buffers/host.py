@@ -29,9 +29,9 @@ from typing import Any, Sequence
 import numpy as np
 import xxhash
 
-from kvstore._pinning import HostPin
-from kvstore._transfer import copy_device_pairs
-from kvstore.buffers import host_view, is_device
+from kvstore.buffers.pinning import HostPin
+from kvstore.buffers.device import copy_device_pairs
+from kvstore.buffers.views import host_view, is_device
 from kvstore.errors import BufferSizeError
 
 PARALLEL_BYTES = 8 << 20   # below this a batch is copied by the calling thread alone

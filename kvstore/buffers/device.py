@@ -1,7 +1,7 @@
 """Copies between host memory and one device, batched, one stream per direction.
 
 A :class:`DeviceCopier` belongs to one device and is shared by the threads of every
-tier. It has a lane per direction (:mod:`kvstore._copy_lane`): host→device, device→host
+tier. It has a lane per direction (:mod:`kvstore.buffers.lanes`): host→device, device→host
 and device→device, each with its own stream, and the two host directions each with
 their own ring of pinned staging buffers. A batch (``with copier.batch() as b:
 b.copy(dst, src) ...``) queues its copies on the lanes they need and, on leaving the
@@ -30,7 +30,7 @@ How a copy runs, per case:
 
 Ordering: before a batch's first copy on a lane, the lane's stream waits for the work
 the Store's caller had queued on its current stream when it called
-(:mod:`kvstore._streams`); for any other batch, for the work queued on the device's
+(:mod:`kvstore.buffers.streams`); for any other batch, for the work queued on the device's
 current stream of the calling thread.
 
 Without CUDA the same code runs with host tensors: copies complete synchronously and
@@ -52,8 +52,8 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from kvstore._copy_lane import CudaRuntime, HostRuntime, Lane, LaneUse
-from kvstore.buffers import device_view, host_view, is_device, is_torch
+from kvstore.buffers.lanes import CudaRuntime, HostRuntime, Lane, LaneUse
+from kvstore.buffers.views import device_view, host_view, is_device, is_torch
 from kvstore.errors import BufferSizeError, InvalidArgumentError, TierIOError
 
 DEFAULT_CHUNK_BYTES = 4 << 20

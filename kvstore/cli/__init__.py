@@ -1,4 +1,4 @@
-"""The ``kvstore`` command line. Each subcommand lives in ``kvstore/commands/<name>.py``
+"""The ``kvstore`` command line. Each subcommand lives in ``kvstore/cli/<name>.py``
 and exposes ``register(subparsers)``; the handler it sets returns an exit code."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--log-level", default="WARNING", help="logging level (default WARNING)")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name in COMMANDS:
-        importlib.import_module(f"kvstore.commands.{name}").register(sub)
+        importlib.import_module(f"kvstore.cli.{name}").register(sub)
     return parser
 
 
@@ -31,6 +31,3 @@ def main(argv: list[str] | None = None) -> int:
         print(f"kvstore: error: {exc}", file=sys.stderr)
         return 2
 
-
-if __name__ == "__main__":
-    sys.exit(main())

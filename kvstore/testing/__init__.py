@@ -1,0 +1,18 @@
+"""Test suites shipped in the package, so third-party tiers and policies can run them too.
+
+- :mod:`kvstore.testing.tier_conformance`: :class:`TierConformance`, the behaviour every
+  tier must have, with its keys (:func:`make_keys`) and blocks (:func:`payload`);
+- :mod:`kvstore.testing.policy_conformance`: :class:`PolicyConformance`, the behaviour
+  every eviction policy must have, and :func:`fill`, :func:`evict`, :func:`drain` that
+  drive a policy as a Store does;
+- :mod:`kvstore.testing.env`: :func:`free_port` and :data:`IN_CI`.
+
+Needs the test extra (pytest, hypothesis).
+"""
+
+from kvstore.testing.env import IN_CI, free_port
+from kvstore.testing.policy_conformance import NBYTES, PolicyConformance, drain, evict, fill
+from kvstore.testing.tier_conformance import BLOCK, CAPACITY, TierConformance, make_keys, payload
+
+__all__ = ["BLOCK", "CAPACITY", "IN_CI", "NBYTES", "PolicyConformance", "TierConformance", "drain", "evict", "fill",
+           "free_port", "make_keys", "payload"]
