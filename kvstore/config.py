@@ -364,6 +364,7 @@ class ServerConfig(_Frozen):
     max_frame_bytes: Size = Field(256 << 20, gt=0)
     max_batch: int = Field(4096, ge=1, le=1 << 20)   # records per request (bounded: size sums stay exact)
     max_inflight_bytes: Size = Field(1 << 30, gt=0)
+    max_inflight_bytes_total: Size = Field(4 << 30, gt=0)   # every connection's buffers together
     idle_timeout_s: float = Field(300.0, gt=0)
     handshake_timeout_s: float = Field(5.0, gt=0)  # a connection must authenticate (HELLO) within this
     read_timeout_s: float = Field(30.0, gt=0)      # a frame's body or payload may stall this long at most

@@ -156,3 +156,97 @@ def test_a_version_2_frame_is_refused_naming_both_versions():
     frame[2] = 2
     with pytest.raises(ProtocolError, match="unsupported protocol version 2 .this side speaks 3"):
         P.parse_requests(bytes(frame), LIMITS)
+
+
+# -- size arithmetic (issue 20, finding 1): every length and count against the frame ---------
+
+_EDGES = [0, 1, 7, 8, 2**31, 2**32 - 1, 2**32, P.MAX_FIELD - 1, P.MAX_FIELD, P.MAX_FIELD + 1,
+          2**63 - 1, 2**63, 2**64 - 8, 2**64 - 1]
+_SIZE = st.one_of(st.integers(0, 64), st.sampled_from(_EDGES), st.integers(0, 2**64 - 1))
+
+
+@st.composite
+def _sized_frames(draw):
+    """Record batches whose sizes, offsets and lengths sit at the edges of u32/u64 and of
+    MAX_FIELD, with the header's payload length the exact sum, the sum wrapped modulo
+    2**64 (the old leak), the bytes actually sent, or anything."""
+    kind = draw(st.sampled_from(["put", "get", "staged", "reserve", "nixl", "commit", "count"]))
+    n = draw(st.integers(0, 4))
+    keys = make_keys(n, salt="sized")
+    sizes = draw(st.lists(_SIZE, min_size=n, max_size=n))
+    sent = draw(st.binary(max_size=128))
+    if kind == "put":
+        op, body = P.Op.PUT, P.encode_records(P.PUT_REC, keys, sizes, [1] * n)
+    elif kind in ("get", "reserve"):
+        op = P.Op.GET if kind == "get" else P.Op.SHM_RESERVE
+        body = P.encode_records(P.SIZED, keys, sizes)
+    elif kind == "staged":
+        offsets = draw(st.lists(_SIZE, min_size=n, max_size=n))
+        op, body = P.Op.SHM_PUT, P.encode_records(P.STAGED, keys, sizes, offsets, [1] * n)
+    elif kind == "nixl":
+        op = draw(st.sampled_from([P.Op.NIXL_GET, P.Op.NIXL_PUT]))
+        body = P.encode_nixl(0, 0, keys, sizes, draw(st.lists(_SIZE, min_size=n, max_size=n)), [1] * n)
+    elif kind == "commit":   # a count that claims more checksums than the body holds, or fewer
+        op = P.Op.SHM_COMMIT
+        body = struct.pack("<QBI", 1, 1, draw(st.sampled_from([0, n, n + 1, 2**32 - 1]))) + bytes(8 * n)
+    else:                     # a batch count at the u32 edges over a body of n records
+        op = P.Op.CONTAINS
+        body = struct.pack("<I", draw(st.sampled_from([n, n + 1, 2**31, 2**32 - 1]))) + b"".join(
+            k.to_bytes() for k in keys)
+    total = sum(sizes)
+    payload_len = draw(st.sampled_from([total, total % 2**64, len(sent), draw(st.integers(0, 2**64 - 1))]))
+    body_len = draw(st.sampled_from([len(body), len(body), 0, len(body) + 1, 2**32 - 1]))
+    header = struct.pack("<2sBBIIIQ", P.MAGIC, P.VERSION, op, 1, 0, body_len, payload_len % 2**64)
+    return header + body + sent
+
+
+@settings(max_examples=1500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(_sized_frames())
+def test_fuzz_size_arithmetic(frame):
+    """Whatever the numbers, a frame either raises ProtocolError or decodes to sizes and
+    offsets that fit in it exactly: no sum, end or count wraps."""
+    try:
+        reqs, used = P.parse_requests(frame, LIMITS)
+    except ProtocolError:
+        return
+    assert used <= len(frame)
+    for header, args in reqs:
+        assert header.body_len + header.payload_len <= LIMITS.max_frame_bytes
+        op = P.Op(header.op)
+        if op in (P.Op.PUT, P.Op.GET, P.Op.SHM_RESERVE, P.Op.SHM_PUT, P.Op.NIXL_GET, P.Op.NIXL_PUT):
+            keys, rec = args[-2:] if op in (P.Op.NIXL_GET, P.Op.NIXL_PUT) else args
+            assert len(keys) == len(rec) <= LIMITS.max_batch
+            sizes = [int(x) for x in rec["nbytes"]]
+            assert all(0 <= s <= P.MAX_FIELD for s in sizes)
+            if "offset" in rec.dtype.names:
+                assert all(int(o) + int(s) <= 2 * P.MAX_FIELD for o, s in zip(rec["offset"], sizes))
+            if op is P.Op.PUT:
+                assert sum(sizes) == header.payload_len           # exact, in Python integers
+                assert used >= P.HEADER_BYTES + header.body_len + header.payload_len   # all of it was there
+            else:
+                assert header.payload_len == 0
+        elif op is P.Op.SHM_COMMIT:
+            _, _, sums = args
+            assert P.HEADER_BYTES + 13 + 8 * len(sums) <= used
+        elif op is P.Op.CONTAINS:
+            assert P.HEADER_BYTES + 4 + 96 * len(args) == used
+
+
+_WIDE = P.Limits(max_frame_bytes=1 << 62, max_batch=64)   # so the record checks, not the frame cap, decide
+
+
+@pytest.mark.parametrize("sizes, payload_len, limits, match", [
+    ([2**64 - 8, 8 + 16], 16, _WIDE, "exceeds"),      # wraps to the payload length: the old cross-client leak
+    ([2**64 - 1, 1], 0, _WIDE, "exceeds"),
+    ([2**63, 2**63], 0, _WIDE, "exceeds"),
+    ([P.MAX_FIELD + 1], 0, _WIDE, "exceeds"),
+    ([P.MAX_FIELD, P.MAX_FIELD], 2 * P.MAX_FIELD, LIMITS, "max_frame_bytes"),   # each legal, the frame too big
+    ([3, 4], 8, _WIDE, "announces 7"),                # more payload than the sizes
+    ([3, 4], 6, _WIDE, "announces 7"),
+    ([], 5, _WIDE, "announces 0"),
+])
+def test_each_put_size_wrap_and_overflow_is_refused(sizes, payload_len, limits, match):
+    body = P.encode_records(P.PUT_REC, make_keys(len(sizes), salt="wrap"), sizes, [0] * len(sizes))
+    frame = struct.pack("<2sBBIIIQ", P.MAGIC, P.VERSION, P.Op.PUT, 1, 0, len(body), payload_len) + body
+    with pytest.raises(ProtocolError, match=match):
+        P.parse_requests(frame + bytes(payload_len if payload_len < 64 else 0), limits)

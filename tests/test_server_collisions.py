@@ -16,6 +16,7 @@ from kvstore.keys import Namespace
 from kvstore.server import Server
 from kvstore.testing import make_keys, payload
 from tests._servers import ThreadServer, config_dict
+from tests._users import other_user
 from tiers.dram import DramTier
 
 KEYS = Namespace("m", "f16", 16).chunk_keys(np.arange(32, dtype=np.uint32))
@@ -53,11 +54,10 @@ def test_an_arena_path_that_is_not_a_private_file_of_ours_is_refused(tmp_path, k
         path.write_bytes(b"")
         os.chmod(path, 0o666)
     elif kind == "other-owner":
-        if os.geteuid() != 0:
-            pytest.skip("needs root to give the file to another user")
+        uid, gid = other_user()                              # skips unless root
         path.write_bytes(b"")
         os.chmod(path, 0o600)
-        os.chown(path, 65534, 65534)
+        os.chown(path, uid, gid)
     else:
         path.mkdir()
     with pytest.raises(ConfigError, match="shm_path"):
@@ -125,8 +125,7 @@ def test_arenas_left_by_killed_servers_are_removed_at_start_and_live_ones_kept(t
 def test_a_client_of_another_user_falls_back_to_tcp(tmp_path):
     """The arena is private to the server's user: a client running as another user uses
     TCP instead of failing with PermissionError."""
-    if os.geteuid() != 0:
-        pytest.skip("needs root to run a client as another user (nobody)")
+    uid, gid = other_user()                                # skips unless root
     server = ThreadServer(config_dict("4MiB"))
     try:
         with Client(server.address) as c:                  # loads every module the child needs
@@ -138,8 +137,8 @@ def test_a_client_of_another_user_falls_back_to_tcp(tmp_path):
             code = 1
             try:
                 os.setgroups([])
-                os.setgid(65534)
-                os.setuid(65534)                          # nobody
+                os.setgid(gid)
+                os.setuid(uid)                            # the second user
                 with Client(server.address) as c:
                     ok = c.save(keys, [data]).result(10) == [True]
                     dst = np.zeros(8192, np.uint8)
@@ -196,3 +195,90 @@ def test_sockets_left_by_killed_servers_are_removed_and_live_ones_kept(tmp_path)
         assert not os.path.exists(dead) and os.path.exists(live_path)
     finally:
         live.close()
+
+
+def test_two_servers_given_the_same_shm_path_the_second_refuses_and_the_first_keeps_serving(tmp_path):
+    """Two servers on one shm_path once both started; the second truncated the first's
+    arena, which then served wrong bytes as True."""
+    path = f"/dev/shm/kvstore-test-two-{os.getpid()}"
+    raw = config_dict(tiers=[{"name": "hot", "kind": "dram", "capacity": "4MiB", "pin": False, "shm_path": path}])
+    first = ThreadServer(raw)
+    try:
+        keys = make_keys(2, salt="two-servers")
+        with Client(first.address) as c:
+            assert c.transport == "shm"
+            assert c.save(keys, [payload(1, 65536), payload(2, 65536)]).result(10) == [True, True]
+            with pytest.raises(ConfigError, match="in use by another live"):
+                ThreadServer(raw)
+            dsts = [np.zeros(65536, np.uint8) for _ in keys]
+            assert c.load(keys, dsts).result(10) == [True, True]          # the same client, its mapping intact
+            assert np.array_equal(dsts[0], payload(1, 65536)) and np.array_equal(dsts[1], payload(2, 65536))
+        with Client(first.address, transport="tcp") as c:
+            dst = np.zeros(65536, np.uint8)
+            assert c.load(keys[:1], [dst]).result(10) == [True] and np.array_equal(dst, payload(1, 65536))
+    finally:
+        first.stop()
+    assert not os.path.exists(path)
+
+
+def test_a_sigkilled_servers_arena_and_socket_are_removed_by_the_next_server(tmp_path):
+    from tests._servers import ProcessServer
+
+    dead = ProcessServer(config_dict("4MiB"), tmp_path)
+    arena, sock_path = dead.shm_path, dead.socket_path
+    assert arena and sock_path
+    dead.proc.kill()                                      # SIGKILL: no cleanup of its own
+    dead.proc.wait(10)
+    assert os.path.exists(arena) and os.path.exists(sock_path)
+    second = ProcessServer(config_dict("4MiB"), tmp_path)
+    try:
+        assert not os.path.exists(arena) and not os.path.exists(sock_path)
+        assert os.path.exists(second.shm_path) and os.path.exists(second.socket_path)
+    finally:
+        second.kill()
+        dead.kill()
+
+
+def test_a_server_whose_arena_outgrows_dev_shm_exits_with_a_message_not_sigbus(tmp_path):
+    """An arena larger than the tmpfs once killed the server with SIGBUS and no message."""
+    import subprocess
+    import sys
+
+    import yaml
+
+    from tests._servers import ROOT
+
+    vfs = os.statvfs("/dev/shm")
+    too_big = vfs.f_bavail * vfs.f_frsize + (1 << 30)
+    cfg = tmp_path / "big.yaml"
+    cfg.write_text(yaml.safe_dump(config_dict(f"{too_big}B")))
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop("KVSTORE_CONFIG", None)
+    out = subprocess.run([sys.executable, "-m", "kvstore", "serve", "--config", str(cfg)], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2, (out.returncode, out.stderr[-2000:])     # a ConfigError, not -SIGBUS
+    assert "free" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_a_server_that_fails_to_start_leaves_nothing_listening(tmp_path):
+    """A start refused half-way (here: a socket path that is not a socket) closes the
+    TCP listener it had opened and stops its accept loop."""
+    import asyncio
+
+    regular = tmp_path / "file.sock"
+    regular.write_text("not a socket")
+    server = Server(load_config(config_dict("4MiB", socket_path=str(regular)), env={}))
+
+    async def attempt():
+        with pytest.raises(ConfigError, match="not a socket"):
+            await server.start()
+        await asyncio.sleep(0)
+        return [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+
+    try:
+        assert asyncio.run(attempt()) == []
+        with pytest.raises(OSError):
+            socket.create_connection(("127.0.0.1", server.port), timeout=2)
+    finally:
+        server.store.close()
+    assert regular.read_text() == "not a socket"

@@ -1,7 +1,13 @@
 """The admin HTTP port: ``GET /healthz``, ``GET /metrics`` (Prometheus text),
 ``GET /stats`` (JSON), ``POST /clear``, ``POST /v1/lookup`` (JSON; the cached prefix of a
-prompt per tier, :mod:`kvstore.server._lookup`). A deliberately tiny HTTP/1.1 subset on
-asyncio streams: one request per connection, bounded bodies, bounded header reads.
+prompt per tier, :mod:`kvstore.server._lookup`), served by aiohttp on the server's loop.
+
+Bounds: at most :data:`MAX_CONNECTIONS` open connections (more are closed at accept);
+a request's head must arrive within :data:`HEAD_TIMEOUT_S` of the connection (or of the
+previous reply on a kept-alive one), its body within :data:`BODY_TIMEOUT_S`; header
+lines, fields and counts are capped by aiohttp's parser, bodies at
+:data:`kvstore.server._lookup.MAX_BODY_BYTES`. A malformed request is a 400 logged in one
+line, never a traceback; a failing handler is a 503 naming the error.
 
 With a server token or tenants, ``/stats``, ``/clear`` and ``/v1/lookup`` need
 ``Authorization: Bearer <token>``: a tenant's token scopes them to that tenant (its
@@ -14,92 +20,206 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from typing import TYPE_CHECKING
+import socket
+import ssl
+from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
+from kvstore.errors import ConfigError
 from kvstore.server import _lookup
 from kvstore.server._tenants import Tenant, admin_clear
 
 if TYPE_CHECKING:
+    from aiohttp import web
+
     from kvstore.server._server import Server
 
 log = logging.getLogger("kvstore.server")
-_REASONS = {200: "OK", 400: "Bad Request", 401: "Unauthorized", 404: "Not Found", 405: "Method Not Allowed",
-            411: "Length Required", 413: "Content Too Large", 503: "Service Unavailable"}
+HEAD_TIMEOUT_S = 5.0      # from accept (or the last reply) to a complete request head
+BODY_TIMEOUT_S = 30.0     # from the head to the whole body
+MAX_CONNECTIONS = 128     # open at once (probes, scrapers, routers); more are closed at accept
+_SECURED = frozenset({"/stats", "/clear", "/v1/lookup"})
+_NOT_FOUND = b"not found; try /healthz, /metrics, /stats, POST /clear, POST /v1/lookup\n"
+_TENANT = "kvstore.tenant"   # request key: the bearer's tenant, set by the guard on secured paths
+_ALLOWED = {"/healthz": "GET", "/metrics": "GET", "/stats": "GET", "/clear": "POST", "/v1/lookup": "POST"}
 
 
-async def handle_admin(server: "Server", reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+def _web() -> Any:
     try:
-        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5.0)
-        status, ctype, body = await _route(server, head, reader)
-    except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, asyncio.TimeoutError, ConnectionError):
-        status, ctype, body = 400, "text/plain", b"bad request\n"
-    except Exception as exc:  # report, never kill the admin port
-        log.exception("admin request failed")
-        status, ctype, body = 503, "text/plain", f"{exc}\n".encode()
-    try:
-        writer.write(f"HTTP/1.1 {status} {_REASONS.get(status, '')}\r\nContent-Type: {ctype}\r\n"
-                     f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode() + body)
-        await writer.drain()
-    except ConnectionError:
-        pass
-    finally:
-        writer.close()
+        from aiohttp import web
+    except ImportError:
+        raise ConfigError("server.admin_port: the admin port needs aiohttp (pip install 'kvstore[server]'); "
+                          "set admin_port: null to serve without it") from None
+    return web
 
 
-async def _route(server: "Server", head: bytes, reader: asyncio.StreamReader) -> tuple[int, str, bytes]:
-    lines = head.decode("latin-1").split("\r\n")
-    parts = lines[0].split()
-    if len(parts) != 3:
-        return 400, "text/plain", b"bad request line\n"
-    method, path = parts[0], parts[1].split("?", 1)[0]
-    headers = {}
-    for line in lines[1:]:
-        if ":" in line:
-            k, v = line.split(":", 1)
-            headers[k.strip().lower()] = v.strip()
-    loop = asyncio.get_running_loop()
-    if path == "/healthz":
-        if server.closing:
-            return 503, "text/plain", b"shutting down\n"
-        return 200, "text/plain", b"ok\n"
-    if path == "/metrics":
-        return 200, "text/plain; version=0.0.4; charset=utf-8", await loop.run_in_executor(None, server.metrics.render)
-    if path not in ("/stats", "/clear", "/v1/lookup"):
-        return 404, "text/plain", b"not found; try /healthz, /metrics, /stats, POST /clear, POST /v1/lookup\n"
-    tenant = server.tenants.bearer(headers.get("authorization", ""))   # every tenant's token tried
-    if tenant is None:
-        return 401, "text/plain", b"missing or wrong bearer token\n"
-    if path == "/stats":
-        if method != "GET":
-            return 405, "text/plain", b"use GET\n"
-        stats = await loop.run_in_executor(None, server.stats, tenant)
-        return 200, "application/json", json.dumps(stats, default=str).encode()
-    if method != "POST":
-        return 405, "text/plain", b"use POST\n"
-    if path == "/v1/lookup":
-        return await _lookup_route(server, headers, reader, tenant)
-    removed = await loop.run_in_executor(None, admin_clear, server.store, tenant)
-    return 200, "application/json", json.dumps({"removed": removed}).encode()
+class AdminServer:
+    """The admin port of ``server``: :meth:`start` listens, :meth:`close` stops."""
+
+    def __init__(self, server: "Server") -> None:
+        self.server = server
+        self._web = _web()
+        self._runner: Any = None
+        self._sock: socket.socket | None = None
+        self._accepting: asyncio.Task | None = None
+        self._connecting: set[asyncio.Future] = set()
+
+    async def start(self, host: str, port: int, *, ssl_context: ssl.SSLContext | None = None) -> int:
+        """Listen on ``host:port`` (HTTPS with ``ssl_context``); returns the bound port."""
+        web = self._web
+        app = web.Application(client_max_size=_lookup.MAX_BODY_BYTES, middlewares=[self._guard()],
+                              handler_args={"keepalive_timeout": HEAD_TIMEOUT_S, "lingering_time": 2.0,
+                                            "logger": _BadRequestLogger(logging.getLogger("aiohttp.server"))})
+        app.router.add_get("/healthz", self._healthz)
+        app.router.add_get("/metrics", self._metrics)
+        app.router.add_get("/stats", self._stats)
+        app.router.add_post("/clear", self._clear)
+        app.router.add_post("/v1/lookup", self._lookup)
+        self._runner = web.AppRunner(app, access_log=None, handle_signals=False, shutdown_timeout=1.0)
+        await self._runner.setup()
+        try:
+            self._sock = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET,
+                                              backlog=128)
+        except BaseException:
+            await self.close()
+            raise
+        self._sock.setblocking(False)
+        self._accepting = asyncio.create_task(self._accept(self._sock, ssl_context))
+        return self._sock.getsockname()[1]
+
+    async def close(self) -> None:
+        """Stop listening at once; requests in progress get a second to finish."""
+        if self._accepting is not None:
+            self._accepting.cancel()
+            self._accepting = None
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+        for task in list(self._connecting):
+            task.cancel()
+        if self._runner is not None:
+            runner, self._runner = self._runner, None
+            await runner.cleanup()
+
+    async def _accept(self, lsock: socket.socket, ssl_context: ssl.SSLContext | None) -> None:
+        """Accept connections into aiohttp's protocol, at most :data:`MAX_CONNECTIONS`
+        open at once (more are closed at accept, counted), so a flood of them cannot
+        take the process's file descriptors."""
+        loop = asyncio.get_running_loop()
+        protocols = self._runner.server
+        while True:
+            try:
+                sock, _ = await loop.sock_accept(lsock)
+            except OSError as exc:
+                log.warning("admin port: accept failed: %s", exc)
+                await asyncio.sleep(0.05)
+                continue
+            if len(protocols.connections) + len(self._connecting) >= MAX_CONNECTIONS:
+                self.server.metrics.refused.labels("admin_max_connections").inc()
+                sock.close()
+                continue
+            task = asyncio.ensure_future(self._serve(loop, protocols, sock, ssl_context))
+            self._connecting.add(task)
+            task.add_done_callback(self._connecting.discard)
+
+    @staticmethod
+    async def _serve(loop: asyncio.AbstractEventLoop, protocols: Any, sock: socket.socket,
+                     ssl_context: ssl.SSLContext | None) -> None:
+        try:
+            if ssl_context is None:
+                await loop.connect_accepted_socket(protocols, sock)
+            else:
+                await loop.connect_accepted_socket(protocols, sock, ssl=ssl_context,
+                                                   ssl_handshake_timeout=HEAD_TIMEOUT_S)
+        except (OSError, ssl.SSLError, asyncio.TimeoutError) as exc:
+            log.info("admin port: connection dropped before its first request: %s", exc)
+            sock.close()
+
+    # -- middleware: token, errors ----------------------------------------------------------
+
+    def _guard(self) -> Callable[..., Awaitable[Any]]:
+        web = self._web
+
+        @web.middleware
+        async def guard(request: "web.Request", handler: Callable[..., Awaitable[Any]]) -> "web.StreamResponse":
+            if request.path in _SECURED:
+                # every tenant's token tried, each in constant time; open servers: the one tenant
+                tenant = self.server.tenants.bearer(request.headers.get("Authorization", ""))
+                if tenant is None:
+                    return web.Response(status=401, text="missing or wrong bearer token\n",
+                                        headers={"WWW-Authenticate": 'Bearer realm="kvstore"'})
+                request[_TENANT] = tenant
+            try:
+                return await handler(request)
+            except web.HTTPNotFound:
+                return web.Response(status=404, body=_NOT_FOUND, content_type="text/plain")
+            except web.HTTPMethodNotAllowed as exc:
+                return web.Response(status=405, text=f"use {_ALLOWED.get(request.path, exc.allowed_methods)}\n",
+                                    headers={"Allow": ", ".join(sorted(exc.allowed_methods))})
+            except (web.HTTPException, ConnectionError):
+                raise
+            except Exception as exc:  # report, never kill the admin port
+                log.exception("admin request %s %s failed", request.method, request.path)
+                return web.Response(status=503, text=f"{exc}\n")
+
+        return guard
+
+    # -- endpoints ------------------------------------------------------------------------
+
+    async def _healthz(self, request: "web.Request") -> "web.Response":
+        if self.server.closing:
+            return self._web.Response(status=503, text="shutting down\n")
+        return self._web.Response(text="ok\n")
+
+    async def _metrics(self, request: "web.Request") -> "web.Response":
+        body = await asyncio.get_running_loop().run_in_executor(None, self.server.metrics.render)
+        return self._web.Response(body=body, headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
+
+    async def _stats(self, request: "web.Request") -> "web.Response":
+        stats = await asyncio.get_running_loop().run_in_executor(None, self.server.stats, request[_TENANT])
+        return self._json(200, stats)
+
+    async def _clear(self, request: "web.Request") -> "web.Response":
+        removed = await asyncio.get_running_loop().run_in_executor(None, admin_clear, self.server.store,
+                                                                   request[_TENANT])
+        return self._json(200, {"removed": removed})
+
+    async def _lookup(self, request: "web.Request") -> "web.Response":
+        length = request.content_length
+        if length is None:
+            return self._json(411, {"error": "a Content-Length header is required"})
+        if length > _lookup.MAX_BODY_BYTES:
+            return self._json(413, {"error": f"body over {_lookup.MAX_BODY_BYTES} bytes"})
+        try:
+            body = await asyncio.wait_for(request.read(), BODY_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            return self._json(408, {"error": f"body not received within {BODY_TIMEOUT_S:g} s"}, close=True)
+        try:
+            tenant: Tenant = request[_TENANT]
+            answer = await asyncio.get_running_loop().run_in_executor(
+                None, _lookup.answer, self.server.store, body, lambda keys: tenant.keys(keys, cached=False))
+        except _lookup.BadLookup as exc:
+            return self._json(400, {"error": str(exc)})
+        return self._json(200, answer)
+
+    def _json(self, status: int, value: Any, *, close: bool = False) -> "web.Response":
+        headers = {"Connection": "close"} if close else None
+        return self._web.Response(status=status, body=json.dumps(value, default=str).encode(),
+                                  content_type="application/json", headers=headers)
 
 
-async def _lookup_route(server: "Server", headers: dict[str, str], reader: asyncio.StreamReader,
-                        tenant: Tenant) -> tuple[int, str, bytes]:
-    length = headers.get("content-length", "")
-    if not length.isdigit():
-        return 411, "application/json", _error("a Content-Length header is required")
-    if int(length) > _lookup.MAX_BODY_BYTES:
-        return 413, "application/json", _error(f"body over {_lookup.MAX_BODY_BYTES} bytes")
-    body = await asyncio.wait_for(reader.readexactly(int(length)), 30.0)
-    try:
-        answer = await asyncio.get_running_loop().run_in_executor(
-            None, lambda: _lookup.answer(server.store, body, lambda keys: tenant.keys(keys, cached=False)))
-    except _lookup.BadLookup as exc:
-        return 400, "application/json", _error(str(exc))
-    return 200, "application/json", json.dumps(answer).encode()
+
+class _BadRequestLogger(logging.LoggerAdapter):
+    """aiohttp logs a request it cannot parse with its traceback; here that is one line
+    (the peer, the parser's message) at INFO at most: such a request is the peer's fault."""
+
+    def log(self, level: int, msg: object, *args: object, exc_info: Any = None, **kwargs: Any) -> None:
+        from aiohttp.http_exceptions import HttpProcessingError
+
+        if isinstance(exc_info, HttpProcessingError):
+            log.log(min(level, logging.INFO), "admin: bad request from %s: %s", args[0] if args else "?",
+                    exc_info.message or type(exc_info).__name__)
+        else:
+            self.logger.log(level, msg, *args, exc_info=exc_info, **kwargs)
 
 
-def _error(message: str) -> bytes:
-    return json.dumps({"error": message}).encode()
-
-
-__all__ = ["handle_admin"]
+__all__ = ["AdminServer", "BODY_TIMEOUT_S", "HEAD_TIMEOUT_S", "MAX_CONNECTIONS"]

@@ -41,8 +41,10 @@ HELLO_MAX_BYTES = 4096          # the largest HELLO body read before authenticat
 class Connection(SameHostOps):
     """State of one client connection; all of it lives on the event loop thread.
     Memory it may hold: a scratch buffer of at most ``max_inflight_bytes`` (dropped after
-    use when over 256 MiB) and leases plus reservations on at most ``max_inflight_bytes``
-    of slots. The same-host operations live in :class:`SameHostOps` (``_conn_shm.py``)."""
+    use when over 256 MiB, or when others wait for the server's buffer budget,
+    ``max_inflight_bytes_total``, which every connection's buffer comes from) and leases
+    plus reservations on at most ``max_inflight_bytes`` of slots. The same-host
+    operations live in :class:`SameHostOps` (``_conn_shm.py``)."""
 
     def __init__(self, server: "Server", sock: socket.socket, peer: str, local: bool) -> None:
         self.server, self.sock, self.peer, self.local = server, sock, peer, local
@@ -131,15 +133,25 @@ class Connection(SameHostOps):
         self.tls = tls
         return True
 
-    def _buffer(self, nbytes: int) -> np.ndarray:
-        """The connection's scratch buffer, grown on demand and reused across requests."""
-        if nbytes > self.server.config.server.max_inflight_bytes:
-            raise _Fatal(P.Status.TOO_LARGE, f"{nbytes} bytes in flight exceed max_inflight_bytes "
-                         f"{self.server.config.server.max_inflight_bytes}")
+    async def _buffer(self, nbytes: int) -> np.ndarray:
+        """The connection's scratch buffer, grown on demand and reused across requests.
+        Its bytes come from the server-wide budget (``max_inflight_bytes_total``): when
+        that is spent, this waits (reading nothing more of the frame) until it has room."""
+        limit = self.server.config.server.max_inflight_bytes
+        if nbytes > limit:
+            raise _Fatal(P.Status.TOO_LARGE, f"{nbytes} bytes in flight exceed max_inflight_bytes {limit}")
         if self.buf.nbytes < nbytes:
-            self.buf = np.empty(0, np.uint8)  # drop the old one before allocating
-            self.buf = np.empty(max(nbytes, 1 << 20), np.uint8)
+            self.drop_buffer()                 # given back before a larger one is taken
+            size = min(max(nbytes, 1 << 20), limit)
+            await self.server.buffers.take(size, self.server.reclaim_buffers)
+            self.buf = np.empty(size, np.uint8)
         return self.buf
+
+    def drop_buffer(self) -> None:
+        """Free the scratch buffer and give its bytes back to the server's budget."""
+        if self.buf.nbytes:
+            nbytes, self.buf = self.buf.nbytes, np.empty(0, np.uint8)
+            self.server.buffers.give(nbytes)
 
     # -- the loop ----------------------------------------------------------------------------
 
@@ -171,8 +183,8 @@ class Connection(SameHostOps):
                 if self.authed:   # the tenant's key space, for every op: no handler sees a client's key
                     args = self.tenant.scope(op, args)
                 status = await self._dispatch(op, rid, args, header)
-                if self.buf.nbytes > _KEEP_BUFFER_BYTES:  # a rare huge request: do not hold its memory
-                    self.buf = np.empty(0, np.uint8)
+                if self.buf.nbytes > _KEEP_BUFFER_BYTES or server.buffers.waiting:
+                    self.drop_buffer()   # a rare huge request, or others wait: do not hold its memory
                 metrics.latency.labels(op.name).observe(time.perf_counter() - t0)
                 metrics.requests.labels(op.name, status.name).inc()
                 self.busy = False
@@ -219,6 +231,7 @@ class Connection(SameHostOps):
                 log.warning("connection %s: aborting a reservation failed: %s", self.peer, exc)
         self.reservations.clear()
         self.leased_bytes = 0
+        self.drop_buffer()
         if self.staging is not None:
             self.staging.close()
             self.staging = None
@@ -326,7 +339,7 @@ class Connection(SameHostOps):
         keys, rec = args
         keys = self.server.intern(keys)
         total = header.payload_len
-        buf = self._buffer(total)[:total]   # exactly this request's bytes: no slice reaches past them
+        buf = (await self._buffer(total))[:total]   # exactly this request's bytes: no slice reaches past them
         await self._recv_exact(memoryview(buf))  # straight off the socket, no copy
         self.server.metrics.bytes.labels("in", "tcp").inc(total)
         srcs, pos = [], 0
@@ -356,7 +369,7 @@ class Connection(SameHostOps):
                 else:
                     sizes[i] = P.SIZE_MISMATCH
             if lower:
-                buf = self._buffer(sum(want[i] for i in lower))
+                buf = await self._buffer(sum(want[i] for i in lower))
                 await self._load_lower(keys, want, lower, buf, 0, sizes, srcs, sums)
             total = sum(s for s in sizes if s > 0)
             body = P.encode_summed(sizes, [c or 0 for c in sums])

@@ -23,7 +23,8 @@ from kvstore import __version__
 from kvstore.config import DramTierConfig, StoreConfig
 from kvstore.errors import ConfigError
 from kvstore.server import _protocol as P
-from kvstore.server._admin import handle_admin
+from kvstore.server._admin import MAX_CONNECTIONS as ADMIN_MAX_CONNECTIONS, AdminServer
+from kvstore.server._budget import ByteBudget
 from kvstore.server._conn import Connection
 from kvstore.server._metrics import ServerMetrics
 from kvstore.server._paths import (ARENA_PREFIX, SHM_DIR, is_loopback, remove_stale_arenas, remove_stale_sockets,
@@ -77,6 +78,7 @@ class Server:
         # same-host, private to this user). Built before anything listens: a bad file
         # stops the start with a ConfigError.
         self.tls_context = _tls_context(cfg)
+        self._admin = AdminServer(self) if cfg.admin_port is not None else None   # before any resource
         self._owns_store = store is None
         self.store = store if store is not None else build_store(config)
         if self.tenants.enabled:
@@ -89,6 +91,8 @@ class Server:
         self.metrics = ServerMetrics(self.store, self.tenants.stats if self.tenants.enabled else None)
         self.nixl = NixlService(self)
         self.sender = Sender(cfg.send_threads, cfg.idle_timeout_s)
+        self.buffers = ByteBudget(cfg.max_inflight_bytes_total)   # every connection's scratch buffer
+        self.max_connections = cfg.max_connections                # lowered at start to fit the fd limit
         self._interned: dict[bytes, Any] = {}
         self.conns: set[Connection] = set()
         self.closing = False
@@ -97,7 +101,6 @@ class Server:
         self.socket_path: str | None = None
         self._listeners: list[socket.socket] = []
         self._tasks: list[asyncio.Task] = []
-        self._admin: asyncio.base_events.Server | None = None
         self._stopped: asyncio.Event | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self.started = time.time()
@@ -123,7 +126,28 @@ class Server:
     async def start(self) -> None:
         cfg = self.config.server
         self._loop = asyncio.get_running_loop()
+        self.max_connections = _fit_fd_limit(cfg.max_connections)
+        # Whether NIXL imports is probed (seconds, once per process) before anyone
+        # connects: in the first HELLO it held the loop while other connections' handshake
+        # deadlines ran out.
+        await self._loop.run_in_executor(None, self.nixl.offered)
         self._stopped = asyncio.Event()
+        try:
+            await self._listen()
+        except BaseException:            # e.g. a socket path or admin port taken: listen on nothing
+            for t in self._tasks:
+                t.cancel()
+            for sock in self._listeners:
+                sock.close()
+            if self.socket_path:
+                os.unlink(self.socket_path)
+                self.socket_path = None
+            if self._admin is not None:
+                await self._admin.close()
+            raise
+
+    async def _listen(self) -> None:
+        cfg = self.config.server
         tcp = socket.create_server((cfg.host, cfg.port), family=_family(cfg.host), backlog=256,
                                    reuse_port=False)
         tcp.setblocking(False)
@@ -136,19 +160,15 @@ class Server:
             path = cfg.socket_path or os.path.join(tempfile.gettempdir(), f"kvstore-{self.port}-{os.getpid()}.sock")
             take_socket_path(path)
             unix = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            self._listeners.append(unix)
             unix.bind(path)
+            self.socket_path = path
             os.chmod(path, 0o600)
             unix.listen(256)
             unix.setblocking(False)
-            self.socket_path = path
-            self._listeners.append(unix)
             self._tasks.append(asyncio.create_task(self._accept(unix, unix=True)))
-        if cfg.admin_port is not None:
-            self._admin = await asyncio.start_server(lambda r, w: handle_admin(self, r, w), cfg.host,
-                                                     cfg.admin_port, limit=64 << 10, ssl=self.tls_context,
-                                                     ssl_handshake_timeout=cfg.handshake_timeout_s if
-                                                     self.tls_context is not None else None)
-            self.admin_port = self._admin.sockets[0].getsockname()[1]
+        if self._admin is not None:
+            self.admin_port = await self._admin.start(cfg.host, cfg.admin_port, ssl_context=self.tls_context)
         self._tasks.append(asyncio.create_task(self._reap()))
 
     async def wait_closed(self) -> None:
@@ -176,8 +196,7 @@ class Server:
                 os.unlink(self.socket_path)
             except FileNotFoundError:
                 pass
-        if self._admin is not None:
-            self._admin.close()
+        admin = asyncio.ensure_future(self._admin.close()) if self._admin is not None else None
         idle = [c for c in self.conns if not c.busy and c.task is not None]
         for c in idle:
             c.task.cancel()
@@ -190,6 +209,8 @@ class Server:
             c.close()
         self.nixl.close()  # deregisters the arena before the Store unmaps it
         self.sender.close()
+        if admin is not None:
+            await admin          # listener closed at once; requests in progress get 1 s
         if self._owns_store:
             await asyncio.get_running_loop().run_in_executor(None, self._close_store)
         elif self.tenants.enabled:
@@ -217,14 +238,14 @@ class Server:
                 await asyncio.sleep(0.05)
                 continue
             reason = None
-            if len(self.conns) >= self.config.server.max_connections:
+            if len(self.conns) >= self.max_connections:
                 reason = "max_connections"
             elif not unix and sum(c.peer_ip == addr[0] for c in self.conns) >= \
                     self.config.server.max_connections_per_ip:
                 reason = "max_connections_per_ip"   # one address cannot take every slot
             if reason is not None:
+                self.metrics.refused.labels(reason).inc()   # counted before the peer can see the close
                 sock.close()                 # closed before anything is read or allocated
-                self.metrics.refused.labels(reason).inc()
                 continue
             sock.setblocking(False)
             if not unix:
@@ -261,6 +282,13 @@ class Server:
 
     # -- helpers for connections ---------------------------------------------------------------
 
+    def reclaim_buffers(self) -> None:
+        """Idle connections drop the scratch buffers they keep between requests (the
+        budget is short: someone waits for it)."""
+        for c in self.conns:
+            if not c.busy:
+                c.drop_buffer()
+
     def intern(self, keys: list[Any]) -> list[Any]:
         """The same key objects for the same digests, request after request: the Store's
         dicts then match a looked-up key by identity instead of calling ``__eq__`` on
@@ -296,6 +324,7 @@ class Server:
         out["server"] = {"version": __version__, "uptime_s": round(time.time() - self.started, 3),
                          "connections": len(self.conns),
                          "leased_bytes": sum(c.leased_bytes for c in self.conns),
+                         "buffer_bytes": self.buffers.used, "buffer_waits": self.buffers.waits,
                          "shm": self.arena.path if self.arena else None, "port": self.port,
                          "admin_port": self.admin_port, "socket_path": self.socket_path,
                          "tls": self.tls_context is not None,
@@ -315,6 +344,35 @@ def _tls_context(cfg: Any) -> Any:
         log.warning("server.tls.key %s can be read by other users (mode %o); chmod 600 it", cfg.tls.key,
                     mode & 0o777)
     return ctx
+
+
+_FD_RESERVE = 256   # descriptors beside client connections: tier files, the index, pipes, threads
+
+
+def _fit_fd_limit(max_connections: int) -> int:
+    """Raise the soft file-descriptor limit (up to the hard one) so ``max_connections``
+    client connections, the admin port's and the Store's own files all fit; when they
+    cannot, accept fewer client connections (warned), so a connection flood is closed
+    at accept instead of leaving the process without descriptors (no new client, no
+    ``/healthz``)."""
+    import resource
+
+    want = max_connections + ADMIN_MAX_CONNECTIONS + _FD_RESERVE
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft < want:
+        target = want if hard == resource.RLIM_INFINITY else min(want, hard)
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (ValueError, OSError) as exc:
+            log.warning("could not raise the file-descriptor limit to %d: %s", target, exc)
+    if soft == resource.RLIM_INFINITY or soft >= want:
+        return max_connections
+    fitted = max(1, soft - ADMIN_MAX_CONNECTIONS - _FD_RESERVE)
+    log.warning("server.max_connections %d does not fit the file-descriptor limit %d (hard %d): accepting %d "
+                "client connections at most; raise the limit (ulimit -n) to serve more", max_connections, soft,
+                hard, fitted)
+    return fitted
 
 
 def _family(host: str) -> int:
