@@ -151,7 +151,7 @@ def test_malformed_requests_are_a_400_without_a_traceback(quick, request_bytes, 
 
 
 def test_a_failing_handler_is_a_503_and_the_port_keeps_serving(quick, monkeypatch, caplog):
-    def broken():
+    def broken(tenant=None):
         raise RuntimeError("stats exploded")
 
     monkeypatch.setattr(quick.server, "stats", broken)
