@@ -38,21 +38,22 @@ from contextlib import contextmanager
 from functools import partial
 from typing import Any, Callable, Iterator, Sequence
 
+from kvstore._stats import sum_stat_sources
 from kvstore.buffers import nbytes_of
+from kvstore.buffers.streams import capture, submit
 from kvstore.errors import (ConfigError, InvalidArgumentError, KVStoreError, NotSupportedError, RemoteError,
                             StoreClosedError, TierUnavailableError, TransportError)
 from kvstore.hint import Hint, check_hint
 from kvstore.keys import BlockKey
-from kvstore.server import _protocol as P
-from kvstore._client_shm import SameHostPath
-from kvstore._client_tcp import Integrity, tcp_get, tcp_put
-from kvstore._stats import sum_stat_sources
-from kvstore.buffers.streams import capture, submit
-from kvstore._tls import client_tls
-from kvstore._wire import Address, ArenaMap, Conn
-from kvstore.transport import FallbackCounter, nixl_available, select_transport
+from kvstore.net import protocol as P
+from kvstore.net.client.selection import FallbackCounter, select_transport
+from kvstore.net.client.shm import SameHostPath, same_server_socket
+from kvstore.net.client.tcp import Integrity, tcp_get, tcp_put
+from kvstore.net.client.wire import Address, ArenaMap, Conn
+from kvstore.net.nixl import nixl_available
+from kvstore.net.tls import client_tls
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("kvstore.client")   # its name before the net/ layout
 
 DEFAULT_STAGING_BYTES = 64 << 20
 
@@ -142,24 +143,14 @@ class Client:
 
     def _same_server_socket(self, path: str) -> Address | None:
         """The Unix socket at ``path`` when the server answering there is the one this
-        client's HELLO came from (same instance id), else ``None``."""
-        addr = Address(None, None, path)
-        try:
-            probe = Conn(addr, self._token, self._timeout_s, self._tls)
-        except (OSError, KVStoreError) as exc:
-            log.info("server %s: its socket %s is not usable (%s); using TCP", self.address, path, exc)
+        client's HELLO came from (same instance id; its connection joins the pool), else ``None``."""
+        probe = same_server_socket(self.address, path, self.info.get("instance"),
+                                   lambda addr: Conn(addr, self._token, self._timeout_s, self._tls))
+        if probe is None:
             return None
-        try:
-            if probe.info.get("instance") != self.info.get("instance"):
-                log.warning("server %s: another server answers on its socket %s; using TCP", self.address, path)
-                return None
-            with self._lock:
-                self._idle.append(probe)
-                probe = None
-            return addr
-        finally:
-            if probe is not None:
-                probe.close()
+        with self._lock:
+            self._idle.append(probe)
+        return probe.addr
 
     def _start_nixl(self, transport: str) -> None:
         ok, why = nixl_available()
@@ -172,7 +163,7 @@ class Client:
             raise
         if choice != "nixl":
             return
-        from kvstore._nixl_client import NixlClientPath
+        from kvstore.net.client.nixl import NixlClientPath
 
         try:
             self._nixl = NixlClientPath(timeout_s=self._timeout_s, staging_bytes=self._staging_bytes,

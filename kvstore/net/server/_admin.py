@@ -1,11 +1,11 @@
 """The admin HTTP port: ``GET /healthz``, ``GET /metrics`` (Prometheus text),
 ``GET /stats`` (JSON), ``POST /clear``, ``POST /v1/lookup`` (JSON; the cached prefix of a
-prompt per tier, :mod:`kvstore.server._lookup`). A deliberately tiny HTTP/1.1 subset on
+prompt per tier, :mod:`kvstore.net.server._lookup`). A deliberately tiny HTTP/1.1 subset on
 asyncio streams: one request per connection, bounded bodies, bounded header reads.
 
 With a server token or tenants, ``/stats``, ``/clear`` and ``/v1/lookup`` need
 ``Authorization: Bearer <token>``: a tenant's token scopes them to that tenant (its
-stats, its blocks, its key space; see :mod:`kvstore.server._tenants`);
+stats, its blocks, its key space; see :mod:`kvstore.net.server._tenants`);
 ``/healthz`` and ``/metrics`` stay open so probes and scrapers need no secret.
 """
 
@@ -16,11 +16,11 @@ import json
 import logging
 from typing import TYPE_CHECKING
 
-from kvstore.server import _lookup
-from kvstore.server._tenants import Tenant, admin_clear
+from kvstore.net.server import _lookup
+from kvstore.net.server._tenants import Tenant, admin_clear
 
 if TYPE_CHECKING:
-    from kvstore.server._server import Server
+    from kvstore.net.server._server import Server
 
 log = logging.getLogger("kvstore.server")
 _REASONS = {200: "OK", 400: "Bad Request", 401: "Unauthorized", 404: "Not Found", 405: "Method Not Allowed",
