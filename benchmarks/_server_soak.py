@@ -272,7 +272,7 @@ def summary(r: dict[str, Any]) -> str:
 # -- the attacker (its own process) -------------------------------------------------------------
 
 def _frames() -> Any:
-    from kvstore.server import _protocol as P
+    from kvstore.net import protocol as P
     return P
 
 
@@ -296,7 +296,7 @@ def _drain(sock: socket.socket, timeout: float = 5.0) -> bool:
 
 
 def _hello(sock: socket.socket) -> None:
-    from kvstore.server._auth import hello_proof
+    from kvstore.net.auth import hello_proof
     P = _frames()
 
     def call(body: bytes, rid: int) -> bytes:
@@ -455,7 +455,7 @@ if __name__ == "__main__":
         port, names = int(sys.argv[2]), sys.argv[3].split(",")
         _frames()
         from kvstore import testing  # noqa: F401
-        from kvstore.server import _auth  # noqa: F401
+        from kvstore.net import auth  # noqa: F401
         print("ready", flush=True)
         for command in sys.stdin:
             print(json.dumps(attack(port, float(command.split()[1]), names)), flush=True)

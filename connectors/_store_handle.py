@@ -98,7 +98,7 @@ def _client(options: Mapping[str, Any], server: Any, owner: str) -> StoreAPI:
         if not isinstance(tls, (bool, Mapping)):
             raise ConfigError(f"{owner}: 'tls' must be true or a mapping of tls settings (ca, cert, key, "
                               f"server_hostname, check_hostname), got {type(tls).__name__}")
-        from kvstore._tls import client_tls
+        from kvstore.net.tls import client_tls
 
         try:
             kwargs["tls"] = client_tls(dict(tls) if isinstance(tls, Mapping) else tls)

@@ -16,7 +16,7 @@ def __getattr__(name: str):
 
         return Store
     if name == "Client":
-        from kvstore.client import Client
+        from kvstore.net.client import Client
 
         return Client
     raise AttributeError(f"module 'kvstore' has no attribute {name!r}")

@@ -7,7 +7,7 @@ Store) runs none of this. Not thread-safe: every method runs under the Store's l
 
 Ownership is read off the key. The server maps each tenant's keys into the tenant's own
 space, whose digests begin with the tenant's :data:`TAG_BYTES`-byte tag
-(:mod:`kvstore.server._tenants`), so a block's owner needs no table, is the same in every
+(:mod:`kvstore.net.server._tenants`), so a block's owner needs no table, is the same in every
 tier, and survives a restart from a persistent tier. A key without a tenant's tag (one
 stored before tenants were configured) is nobody's: counted against no quota.
 
@@ -31,7 +31,7 @@ from kvstore.keys import BlockKey
 if TYPE_CHECKING:
     from kvstore.store import Store
 
-TAG_BYTES = 8   # a tenant's keys all begin with its tag (see kvstore.server._tenants)
+TAG_BYTES = 8   # a tenant's keys all begin with its tag (see kvstore.net.server._tenants)
 
 
 class TenantLedger:

@@ -146,7 +146,7 @@ TlsVersion = Literal["1.2", "1.3"]
 
 def _check_file(kind: str) -> Any:
     """A field validator: the file (or CA directory) exists and OpenSSL loads it."""
-    from kvstore import _tls
+    from kvstore.net import tls as _tls
 
     check = {"ca": _tls.check_ca, "cert": _tls.check_cert}[kind]
 
@@ -159,7 +159,7 @@ def _check_file(kind: str) -> Any:
 
 def _check_key(value: str | None, info: Any) -> str | None:
     """``key`` loads with ``cert`` (validated first: fields validate in order)."""
-    from kvstore import _tls
+    from kvstore.net import tls as _tls
 
     cert = info.data.get("cert")   # absent when invalid (reported there); None: the pair check reports it
     if value is not None and cert is not None:
@@ -191,7 +191,7 @@ class ServerTlsConfig(_Frozen):
 
     def context(self) -> Any:
         """A fresh :class:`ssl.SSLContext` (files read again: a restart picks up new ones)."""
-        from kvstore import _tls
+        from kvstore.net import tls as _tls
 
         return _tls.server_context(self.cert, self.key, self.ca, self.require_client_cert, self.min_version)
 
@@ -221,7 +221,7 @@ class ClientTlsConfig(_Frozen):
 
     def context(self) -> Any:
         """A fresh :class:`ssl.SSLContext` for these settings."""
-        from kvstore import _tls
+        from kvstore.net import tls as _tls
 
         return _tls.client_context(self.ca, self.cert, self.key, check_hostname=self.check_hostname,
                                    min_version=self.min_version)

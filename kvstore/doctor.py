@@ -193,7 +193,7 @@ def _read(path: Path) -> str:
 
 def nixl_checks() -> list[Check]:
     """NIXL itself and each backend plugin it ships, created in a child process."""
-    result = _run_json([sys.executable, "-m", "kvstore.transport._nixl_probe"])
+    result = _run_json([sys.executable, "-m", "kvstore.net.nixl.probe"])
     if "import_error" in result:
         return [Check("nixl", "nixl", False,
                       f"NIXL not usable: {result['import_error']} "

@@ -7,7 +7,7 @@ from __future__ import annotations
 import socket
 import threading
 
-from kvstore.server import _protocol as P
+from kvstore.net import protocol as P
 
 
 class FlipProxy:

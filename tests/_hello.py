@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import socket
 
-from kvstore.server import _protocol as P
-from kvstore.server._auth import hello_proof
+from kvstore.net import protocol as P
+from kvstore.net.auth import hello_proof
 
 _REPLY = P.Limits(1 << 40, 1 << 30)
 

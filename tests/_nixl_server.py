@@ -26,7 +26,7 @@ import numpy as np
 from kvstore.errors import KVStoreError
 from kvstore.keys import BlockKey
 from kvstore.testing import make_keys, payload
-from kvstore.transport.nixl import Descs, NixlEndpoint, descs_of, receive_blocks, send_blocks
+from kvstore.net.nixl.endpoint import Descs, NixlEndpoint, descs_of, receive_blocks, send_blocks
 from tiers.dram import DramTier
 
 

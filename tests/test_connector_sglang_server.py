@@ -10,7 +10,7 @@ import pytest
 from kvstore.client import Client
 from kvstore.errors import ProtocolError
 from kvstore.keys import Namespace
-from kvstore.server import _protocol as P
+from kvstore.net import protocol as P
 from kvstore.testing import IN_CI
 from tests._servers import ThreadServer, config_dict
 

@@ -9,7 +9,7 @@ import pytest
 
 from kvstore import Client, Hint
 from kvstore.errors import InvalidArgumentError, RemoteError
-from kvstore.server import _protocol as P
+from kvstore.net import protocol as P
 from kvstore.testing import make_keys, payload
 from tests._servers import ThreadServer, config_dict
 

@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvstore.errors import ProtocolError
-from kvstore.server import _protocol as P
+from kvstore.net import protocol as P
 from kvstore.testing import make_keys
 
 LIMITS = P.Limits(max_frame_bytes=1 << 20, max_batch=64)

@@ -7,10 +7,10 @@ import time
 import numpy as np
 import pytest
 
-from kvstore._wire import Conn, Address
+from kvstore.net.client.wire import Conn, Address
 from kvstore.client import Client
 from kvstore.errors import BufferSizeError, InvalidArgumentError, RemoteError
-from kvstore.server import _protocol as P
+from kvstore.net import protocol as P
 from kvstore.testing import make_keys, payload
 from tests._servers import ThreadServer, config_dict
 

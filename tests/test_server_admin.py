@@ -17,7 +17,7 @@ import urllib.request
 
 import pytest
 
-from kvstore.server import _admin, _lookup
+from kvstore.net.server import _admin, _lookup
 from tests._servers import ThreadServer, config_dict
 
 TOKEN = "admin-s3cret"

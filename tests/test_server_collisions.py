@@ -109,7 +109,7 @@ def test_a_stale_socket_is_taken_over_and_a_non_socket_is_refused(tmp_path):
 
 
 def test_arenas_left_by_killed_servers_are_removed_at_start_and_live_ones_kept(tmp_path):
-    from kvstore.server import _paths
+    from kvstore.net.server import _paths
 
     dead = f"/dev/shm/kvstore-test-dead-{os.getpid()}"
     with open(dead, "wb") as f:
@@ -180,7 +180,7 @@ def test_a_client_never_pairs_one_servers_arena_with_another_servers_socket(tmp_
 
 
 def test_sockets_left_by_killed_servers_are_removed_and_live_ones_kept(tmp_path):
-    from kvstore.server import _paths
+    from kvstore.net.server import _paths
 
     dead = str(tmp_path / "kvstore-1-1.sock")
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

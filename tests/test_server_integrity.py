@@ -12,7 +12,7 @@ import pytest
 
 from kvstore.client import Client
 from kvstore.errors import AuthError
-from kvstore.server import _protocol as P
+from kvstore.net import protocol as P
 from kvstore.testing import make_keys, payload
 from tests._flip_proxy import FlipProxy
 from tests._hello import call, raw_hello

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from kvstore.client import Client
-from kvstore.server import _protocol as P
+from kvstore.net import protocol as P
 from kvstore.testing import make_keys, payload
 from tests._hello import raw_hello
 from tests._servers import ThreadServer, config_dict
@@ -209,7 +209,7 @@ def test_max_connections_is_fitted_to_the_file_descriptor_limit():
     import subprocess
     import sys
 
-    code = ("import logging, resource; logging.basicConfig(); from kvstore.server._server import _fit_fd_limit\n"
+    code = ("import logging, resource; logging.basicConfig(); from kvstore.net.server._server import _fit_fd_limit\n"
             "resource.setrlimit(resource.RLIMIT_NOFILE, ({soft}, {hard}))\n"
             "n = _fit_fd_limit(1024); print(n, resource.getrlimit(resource.RLIMIT_NOFILE)[0])")
     import resource
@@ -270,7 +270,7 @@ def _serves(s) -> bool:
 def test_admin_connections_past_its_cap_are_closed_at_accept(monkeypatch):
     import urllib.request
 
-    from kvstore.server import _admin
+    from kvstore.net.server import _admin
 
     monkeypatch.setattr(_admin, "MAX_CONNECTIONS", 4)
     s = ThreadServer(config_dict("4MiB"))

@@ -10,11 +10,11 @@ import time
 import numpy as np
 import pytest
 
-from kvstore._wire import Address, ArenaMap, Conn
+from kvstore.net.client.wire import Address, ArenaMap, Conn
 from kvstore.block import checksum
 from kvstore.client import Client
 from kvstore.errors import InvalidArgumentError, RemoteError
-from kvstore.server import _protocol as P
+from kvstore.net import protocol as P
 from kvstore.testing import make_keys, payload
 from tests._servers import ThreadServer, config_dict
 

@@ -20,14 +20,14 @@ import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvstore._wire import Address, Conn
+from kvstore.net.client.wire import Address, Conn
 from kvstore.client import Client
 from kvstore.config import load_config
 from kvstore.errors import AuthError, ConfigError, KVStoreError
 from kvstore.hint import Hint
 from kvstore.keys import BlockKey, Namespace
-from kvstore.server import _protocol as P
-from kvstore.server._tenants import KEYLESS, SCOPED, Tenant
+from kvstore.net import protocol as P
+from kvstore.net.server._tenants import KEYLESS, SCOPED, Tenant
 from kvstore.testing import make_keys, payload
 from tests._hello import call, raw_hello
 from tests._servers import ProcessServer, ThreadServer, config_dict
@@ -222,7 +222,7 @@ def test_a_connection_cannot_change_tenants(server):
         raw_hello(sock, A)
         _, body = call(sock, P.Op.HELLO, P.encode_json({"client": "test", "protocol": P.VERSION}), rid=3)
         nonce = bytes.fromhex(P.decode_json(body)["challenge"])
-        from kvstore.server._auth import hello_proof
+        from kvstore.net.auth import hello_proof
 
         hello = {"client": "test", "protocol": P.VERSION, "proof": hello_proof(B, nonce, "test")}
         hdr, body = call(sock, P.Op.HELLO, P.encode_json(hello), rid=4)
@@ -463,7 +463,7 @@ def test_tenants_alone_authenticate_a_server_beyond_loopback():
 # -- the Store's accounting (kvstore._tenants), under every eviction policy ----------------
 
 def _store_with_tenants(tiers: list, tenants: list = QUOTA_TENANTS):
-    from kvstore.server._tenants import Tenants
+    from kvstore.net.server._tenants import Tenants
     from kvstore.store import Store
 
     config = load_config({"tiers": tiers, "server": {"tenants": tenants}}, env={})

@@ -20,7 +20,7 @@ pytest.importorskip("cryptography")
 from kvstore.client import Client  # noqa: E402
 from kvstore.config import ClientTlsConfig, load_config  # noqa: E402
 from kvstore.errors import ConfigError, ProtocolError, TierUnavailableError  # noqa: E402
-from kvstore.server import _protocol as P  # noqa: E402
+from kvstore.net import protocol as P  # noqa: E402
 from kvstore.store import Store  # noqa: E402
 from kvstore.testing import make_keys, payload  # noqa: E402
 from tests._hello import raw_hello  # noqa: E402

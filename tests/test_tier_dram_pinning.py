@@ -148,10 +148,10 @@ def test_a_read_only_mapping_is_registered_read_only_and_released_once():
 
 
 def test_the_clients_arena_mapping_is_registered_read_only_when_it_may_only_read(monkeypatch, tmp_path):
-    """kvstore._wire.ArenaMap (the same-host client's view of the server's arena): a
+    """kvstore.net.client.wire.ArenaMap (the same-host client's view of the server's arena): a
     mapping opened read-only registers with cudaHostRegisterReadOnly, a writable one
     without; lazily, and released at close before the unmap."""
-    from kvstore import _wire
+    from kvstore.net.client import wire as _wire
     from kvstore.buffers import pinning as _pinning
 
     path = tmp_path / "arena"

@@ -25,7 +25,7 @@ if importlib.util.find_spec("nixl") is None:
     pytest.skip("nixl is not installed (bash scripts/deps/60-nixl.sh installs it)", allow_module_level=True)
 
 from kvstore.errors import BufferSizeError, ProtocolError, TransportError  # noqa: E402
-from kvstore.transport.nixl import Descs, NixlEndpoint, descs_of, staging_buffer  # noqa: E402
+from kvstore.net.nixl.endpoint import Descs, NixlEndpoint, descs_of, staging_buffer  # noqa: E402
 from tests._nixl_server import HarnessClient, block_payload  # noqa: E402
 
 

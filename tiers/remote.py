@@ -27,7 +27,7 @@ class RemoteTier(Tier):
 
     def __init__(self, address: str, capacity_bytes: int, *, name: str = "remote", token: str | None = None,
                  timeout_s: float = 10.0, client: Any = None, tls: Any = None) -> None:
-        from kvstore.client import Client
+        from kvstore.net.client import Client
 
         self.name = name
         self._capacity = int(capacity_bytes)

@@ -30,7 +30,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def format_report(checks: list[Check]) -> str:
-    from kvstore.transport import describe_selection
+    from kvstore.net.client.selection import describe_selection
 
     lines = []
     width = max(len(f"{c.area} {c.name}") for c in checks)

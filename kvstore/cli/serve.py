@@ -39,7 +39,7 @@ def default_config(data_dir: str) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvstore.server import run_server
+    from kvstore.net.server import run_server
 
     source = args.config or os.environ.get("KVSTORE_CONFIG") or default_config(args.data_dir)
     config = load_config(source)

@@ -49,7 +49,7 @@ def render(stats: dict[str, Any]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvstore.client import Client
+    from kvstore.net.client import Client
 
     tls = None
     if args.tls_ca or args.tls_cert or args.tls_key:

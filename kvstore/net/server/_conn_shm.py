@@ -2,7 +2,7 @@
 SHM_RESERVE, SHM_COMMIT): bulk bytes move through the shared arena and the client's
 staging region, only control frames cross the socket (see ``docs/protocol.md``).
 
-A mixin of :class:`kvstore.server._conn.Connection`; everything runs on the event loop
+A mixin of :class:`kvstore.net.server._conn.Connection`; everything runs on the event loop
 thread. Reader leases (``self.leases``) and reservations (``self.reservations``) both
 count against ``max_inflight_bytes`` and end when the connection closes.
 """
@@ -14,9 +14,9 @@ import asyncio
 import numpy as np
 
 from kvstore.errors import InvalidArgumentError
-from kvstore.server import _protocol as P
-from kvstore.server._refusals import Busy as _Busy, Fatal as _Fatal
-from kvstore.server._shm import Lease, Staging
+from kvstore.net import protocol as P
+from kvstore.net.server._refusals import Busy as _Busy, Fatal as _Fatal
+from kvstore.net.server._shm import Lease, Staging
 
 
 class SameHostOps:

@@ -1,9 +1,9 @@
-"""How a connection handler refuses a request (see ``kvstore/server/_conn.py``)."""
+"""How a connection handler refuses a request (see ``kvstore/net/server/_conn.py``)."""
 
 from __future__ import annotations
 
 from kvstore.errors import KVStoreError
-from kvstore.server import _protocol as P
+from kvstore.net import protocol as P
 
 
 class Disconnected(Exception):

@@ -1,7 +1,7 @@
 """The cache client's same-host data path: blocks move through the server's DRAM arena,
 mapped into this process (reserve, fill in place, commit; or read a leased slot), or
 through a staging region the client owns when it may only read the arena. Blocks the
-server holds only below its first tier come over the socket (:mod:`kvstore._client_tcp`).
+server holds only below its first tier come over the socket (:mod:`kvstore.net.client.tcp`).
 
 Both directions are verified: a put hashes each block as it copies it out of the
 caller's buffer and sends the checksums with SHM_COMMIT / SHM_PUT (the server publishes
@@ -11,18 +11,38 @@ and reports ``True`` only where it matches the checksum the server keeps for the
 
 from __future__ import annotations
 
+import logging
 from concurrent.futures import Executor
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
-from kvstore._client_tcp import Integrity, raise_mismatch, tcp_get
-from kvstore.buffers.host import copy_batch, copy_batch_hashed
-from kvstore._wire import ArenaMap, Conn
 from kvstore.buffers import nbytes_of
-from kvstore.errors import RemoteError
+from kvstore.buffers.host import copy_batch, copy_batch_hashed
+from kvstore.errors import KVStoreError, RemoteError
 from kvstore.keys import BlockKey
-from kvstore.server import _protocol as P
+from kvstore.net import protocol as P
+from kvstore.net.client.tcp import Integrity, raise_mismatch, tcp_get
+from kvstore.net.client.wire import Address, ArenaMap, Conn
+
+log = logging.getLogger("kvstore.client")
+
+
+def same_server_socket(address: Address, path: str, instance: Any, connect: Callable[[Address], Conn]) -> Conn | None:
+    """A connection (``connect``) to the server's Unix socket at ``path`` when the server
+    answering there is the one at ``address`` (its HELLO names ``instance``), else ``None``
+    (logged: the client then stays on TCP)."""
+    addr = Address(None, None, path)
+    try:
+        probe = connect(addr)
+    except (OSError, KVStoreError) as exc:
+        log.info("server %s: its socket %s is not usable (%s); using TCP", address, path, exc)
+        return None
+    if probe.info.get("instance") != instance:
+        log.warning("server %s: another server answers on its socket %s; using TCP", address, path)
+        probe.close()
+        return None
+    return probe
 
 
 class SameHostPath:
@@ -135,4 +155,4 @@ class SameHostPath:
         return out
 
 
-__all__ = ["SameHostPath"]
+__all__ = ["SameHostPath", "same_server_socket"]

@@ -1,4 +1,4 @@
-"""The client side of the NIXL data plane, used by :class:`kvstore.client.Client`.
+"""The client side of the NIXL data plane, used by :class:`kvstore.net.client.Client`.
 
 The client owns a NIXL agent and tells the server about it on each pooled connection
 (``NIXL_HELLO``, again whenever it registered more memory). It sends, per request, the
@@ -25,13 +25,13 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from kvstore._client_tcp import Integrity
 from kvstore.block import checksum
 from kvstore.buffers import copy_bytes, host_view, is_device, nbytes_of
 from kvstore.errors import BufferSizeError, RemoteError
 from kvstore.keys import BlockKey
-from kvstore.server import _protocol as P
-from kvstore.transport.nixl import Descs, NixlEndpoint, descs_of, staging_buffer
+from kvstore.net import protocol as P
+from kvstore.net.client.tcp import Integrity
+from kvstore.net.nixl.endpoint import Descs, NixlEndpoint, descs_of, staging_buffer
 
 _KIND = {"DRAM": 0, "VRAM": 1}
 

@@ -37,7 +37,7 @@ class BadLookup(ValueError):
 
 def answer(store: Any, body: bytes, scope: Callable[[list[BlockKey]], list[BlockKey]] | None = None) -> dict[str, Any]:
     """The JSON-able answer for ``body``; raises :class:`BadLookup`. ``scope``: the
-    bearer tenant's key mapping (:meth:`kvstore.server._tenants.Tenant.keys`)."""
+    bearer tenant's key mapping (:meth:`kvstore.net.server._tenants.Tenant.keys`)."""
     keys, chunk_tokens = parse(body)
     if scope is not None:
         keys = scope(keys)

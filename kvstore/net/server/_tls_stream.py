@@ -23,7 +23,7 @@ import socket
 import ssl
 from typing import Any, Callable, Sequence
 
-from kvstore.server._send import THREAD_BYTES, Sender
+from kvstore.net.server._send import THREAD_BYTES, Sender
 
 COALESCE_BYTES = 64 << 10   # smaller buffers are joined up to this size: one TLS record run, not one each
 _EOF = "eof"

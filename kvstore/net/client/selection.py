@@ -1,61 +1,31 @@
-"""Data-plane transports between the cache server and its clients, one module each.
+"""Which data-plane transport a client uses; the client has one module per transport:
 
-* ``tcp``  — block bytes travel inside frames on the control connection (always there).
-* ``shm``  — same-host clients map the server's DRAM arena and copy once themselves.
+* ``tcp``  — block bytes travel inside frames on the control connection (always there;
+  :mod:`kvstore.net.client.tcp`).
+* ``shm``  — same-host clients map the server's DRAM arena and copy once themselves
+  (:mod:`kvstore.net.client.shm`).
 * ``nixl`` — the server moves bytes one-sided between its registered DRAM arena and the
   client's registered buffers with NIXL (UCX: RDMA where the fabric has it, else
-  cross-memory attach or TCP), see :mod:`kvstore.transport.nixl`.
+  cross-memory attach or TCP; :mod:`kvstore.net.client.nixl` over the agent wrapper
+  both ends share, :mod:`kvstore.net.nixl`).
 
 :func:`select_transport` turns the ``server.transport`` setting into the transport for
 one client; :class:`FallbackCounter` logs and counts clients that drop back to TCP after
-a NIXL/UCX failure. Importing this package never loads NIXL.
+a NIXL/UCX failure. Importing this module never loads NIXL.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 import threading
 from typing import Any, Iterable
 
 from kvstore.errors import ConfigError
+from kvstore.net.nixl import nixl_available
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("kvstore.transport")   # its name before the net/ layout
 
 TRANSPORTS = ("tcp", "shm", "nixl")
-_nixl_state: tuple[bool, str] | None = None
-_nixl_lock = threading.Lock()
-
-
-def nixl_available() -> tuple[bool, str]:
-    """``(True, version)`` when the ``nixl`` package imports, else ``(False, reason)``.
-    Cached for the process; does not create an agent (a failure there is a runtime
-    fallback, counted by :class:`FallbackCounter`)."""
-    global _nixl_state
-    with _nixl_lock:
-        if _nixl_state is None:
-            _nixl_state = _probe_nixl_import()
-        return _nixl_state
-
-
-def _probe_nixl_import() -> tuple[bool, str]:
-    if importlib.util.find_spec("nixl") is None:
-        return False, "the nixl package is not installed (pip install --no-deps nixl-cu12==1.5.1 nixl==1.5.1)"
-    from kvstore.transport._nixl_env import prepare_ucx_env
-
-    prepare_ucx_env()
-    try:
-        from nixl._api import nixl_agent  # noqa: F401
-    except Exception as exc:  # a broken wheel or missing native library: NIXL is unusable
-        return False, f"nixl does not import: {type(exc).__name__}: {exc}"
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return True, version("nixl")
-    except PackageNotFoundError:
-        return True, "unknown version"
-
-
 def select_transport(value: str, *, local: bool, nixl_ok: bool | None = None, why: str | None = None,
                      setting: str = "server.transport") -> str:
     """The transport for one client: ``"tcp"``, ``"shm"`` or ``"nixl"``.
@@ -125,4 +95,4 @@ def describe_selection(checks: Iterable[Any]) -> str:
     return f"transport auto: same-host clients -> shm; remote clients -> {remote}"
 
 
-__all__ = ["FallbackCounter", "TRANSPORTS", "describe_selection", "nixl_available", "select_transport"]
+__all__ = ["FallbackCounter", "TRANSPORTS", "describe_selection", "select_transport"]

@@ -2,7 +2,7 @@
 with the XXH3-64 of its bytes, computed here before they leave), a GET receives them
 after their sizes and checksums, on one connection, and verifies every block before
 reporting it loaded; device buffers cross through host memory. Used by
-:class:`kvstore.client.Client` and, for blocks the server can only send over the
+:class:`kvstore.net.client.Client` and, for blocks the server can only send over the
 socket, by the same-host path."""
 
 from __future__ import annotations
@@ -12,12 +12,12 @@ from typing import Any
 
 import numpy as np
 
-from kvstore._wire import Conn
 from kvstore.block import checksum
 from kvstore.buffers import copy_bytes, host_view, is_device, nbytes_of
 from kvstore.errors import BufferSizeError, RemoteError
 from kvstore.keys import BlockKey
-from kvstore.server import _protocol as P
+from kvstore.net import protocol as P
+from kvstore.net.client.wire import Conn
 
 
 class Integrity:

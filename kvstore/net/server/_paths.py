@@ -12,7 +12,7 @@ import socket
 import stat
 
 from kvstore.errors import ConfigError
-from kvstore.server._shm import STAGING_PREFIX
+from kvstore.net.staging import STAGING_PREFIX
 
 log = logging.getLogger("kvstore.server")
 

@@ -14,7 +14,7 @@ TLS), checked when presented otherwise.
 Covers TCP only. The same-host path (Unix socket + shared memory) stays plaintext: its
 bytes never leave the machine and the socket and arena are private to the server's
 user. NIXL/RDMA transfers are not encrypted (out of scope; a TLS client does not pick
-NIXL unless asked to, see :class:`kvstore.client.Client`).
+NIXL unless asked to, see :class:`kvstore.net.client.Client`).
 """
 
 from __future__ import annotations

@@ -38,8 +38,8 @@ from kvstore._tenants import TAG_BYTES, TenantLedger
 from kvstore.config import ServerConfig
 from kvstore.errors import ConfigError, ProtocolError
 from kvstore.keys import BlockKey, _trusted
-from kvstore.server import _protocol as P
-from kvstore.server._auth import hello_proof
+from kvstore.net import protocol as P
+from kvstore.net.auth import hello_proof
 
 _KDF_SALT = b"kvstore/tenant/v1"
 _CACHE_MAX = 1 << 16       # mapped keys kept per tenant (as Server.intern keeps)

@@ -22,17 +22,17 @@ from typing import Any, Sequence
 from kvstore import __version__
 from kvstore.config import DramTierConfig, StoreConfig
 from kvstore.errors import ConfigError
-from kvstore.server import _protocol as P
-from kvstore.server._admin import MAX_CONNECTIONS as ADMIN_MAX_CONNECTIONS, AdminServer
-from kvstore.server._budget import ByteBudget
-from kvstore.server._conn import Connection
-from kvstore.server._metrics import ServerMetrics
-from kvstore.server._paths import (ARENA_PREFIX, SHM_DIR, is_loopback, remove_stale_arenas, remove_stale_sockets,
+from kvstore.net import protocol as P
+from kvstore.net.server._admin import MAX_CONNECTIONS as ADMIN_MAX_CONNECTIONS, AdminServer
+from kvstore.net.server._budget import ByteBudget
+from kvstore.net.server._conn import Connection
+from kvstore.net.server._metrics import ServerMetrics
+from kvstore.net.server._paths import (ARENA_PREFIX, SHM_DIR, is_loopback, remove_stale_arenas, remove_stale_sockets,
                                    take_socket_path)
-from kvstore.server._nixl import NixlService
-from kvstore.server._send import Sender
-from kvstore.server._shm import Arena
-from kvstore.server._tenants import Tenant, Tenants
+from kvstore.net.server._nixl import NixlService
+from kvstore.net.server._send import Sender
+from kvstore.net.server._shm import Arena
+from kvstore.net.server._tenants import Tenant, Tenants
 
 _INTERN_MAX = 1 << 16   # interned keys kept (about 25 MiB at most)
 log = logging.getLogger("kvstore.server")

@@ -1,6 +1,6 @@
 """Child-process probe behind ``kvstore doctor``: which NIXL backend plugins load.
 
-Run as ``python -m kvstore.transport._nixl_probe``; prints one JSON object. Kept out of
+Run as ``python -m kvstore.net.nixl.probe``; prints one JSON object. Kept out of
 the doctor's own process because plugins load native libraries that may abort.
 """
 
@@ -20,7 +20,7 @@ _HINTS = {
 
 
 def probe() -> dict:
-    from kvstore.transport._nixl_env import prepare_ucx_env
+    from kvstore.net.nixl.env import prepare_ucx_env
 
     prepare_ucx_env()
     try:

@@ -23,15 +23,15 @@ import numpy as np
 from kvstore.block import checksum
 from kvstore.errors import (AuthError, BufferSizeError, InvalidArgumentError, KVStoreError, ProtocolError,
                             StoreClosedError, TransportError)
-from kvstore.server import _protocol as P
-from kvstore.server._conn_shm import SameHostOps
-from kvstore.server._refusals import Busy as _Busy, Disconnected as _Disconnected, Fatal as _Fatal
-from kvstore.server._shm import Lease, Staging
-from kvstore.server._tenants import Tenant, clear as _clear
-from kvstore.server._tls_stream import TlsStream, peek_first_byte
+from kvstore.net import protocol as P
+from kvstore.net.server._conn_shm import SameHostOps
+from kvstore.net.server._refusals import Busy as _Busy, Disconnected as _Disconnected, Fatal as _Fatal
+from kvstore.net.server._shm import Lease, Staging
+from kvstore.net.server._tenants import Tenant, clear as _clear
+from kvstore.net.server._tls_stream import TlsStream, peek_first_byte
 
 if TYPE_CHECKING:
-    from kvstore.server._server import Server
+    from kvstore.net.server._server import Server
 
 log = logging.getLogger("kvstore.server")
 _KEEP_BUFFER_BYTES = 256 << 20  # scratch buffers up to this size are kept for the next request
@@ -411,7 +411,7 @@ class Connection(SameHostOps):
         for (i, dst), csum in zip(hits, got):
             sizes[i], srcs[i], sums[i] = want[i], dst, csum
 
-    # -- NIXL (see kvstore/server/_nixl.py) ----------------------------------------------------
+    # -- NIXL (see kvstore/net/server/_nixl.py) ----------------------------------------------------
 
     async def _op_nixl_hello(self, rid: int, metadata: bytes, header: P.Header) -> None:
         if not self.server.nixl.offered():

@@ -13,7 +13,7 @@ The server initiates every transfer, so its CPU never copies block bytes:
   client's buffers into them and publishes them only once the transfer is complete.
 
 Descriptors travel as :class:`Descs` (address, length, device id rows of one memory
-kind; defined in ``_nixl_descs`` with :func:`descs_of` and :func:`staging_buffer`,
+kind; defined in :mod:`kvstore.net.nixl.descs` with :func:`descs_of` and :func:`staging_buffer`,
 re-exported here); :meth:`Descs.to_bytes` is their wire form. All NIXL/UCX failures surface as
 :class:`~kvstore.errors.TransportError`; a transfer that cannot be cancelled after a
 timeout keeps its leases or reservation for good (``in_flight``), because UCX may still
@@ -35,10 +35,10 @@ import numpy as np
 
 from kvstore.errors import BufferSizeError, InvalidArgumentError, TransportError
 from kvstore.keys import BlockKey
-from kvstore.transport._nixl_descs import Descs, descs_of, staging_buffer
-from kvstore.transport._nixl_env import prepare_ucx_env
+from kvstore.net.nixl.descs import Descs, descs_of, staging_buffer
+from kvstore.net.nixl.env import prepare_ucx_env
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("kvstore.transport.nixl")   # its name before the net/ layout
 
 DEFAULT_TIMEOUT_S = 30.0
 # With copy threads, a transfer of at least this many descriptors is cut into one chunk

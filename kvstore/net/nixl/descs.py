@@ -1,5 +1,5 @@
 """Descriptor lists for NIXL transfers and the staging buffers they point into (see
-:mod:`kvstore.transport.nixl`)."""
+:mod:`kvstore.net.nixl.endpoint`)."""
 
 from __future__ import annotations
 

@@ -24,9 +24,7 @@ from typing import Any
 import numpy as np
 
 from kvstore.errors import InvalidArgumentError
-
-STAGING_DIR = "/dev/shm"
-STAGING_PREFIX = "kvstore-client-"
+from kvstore.net.staging import STAGING_DIR, STAGING_PREFIX
 
 
 @dataclass(frozen=True)

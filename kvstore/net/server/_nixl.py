@@ -34,10 +34,10 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from kvstore.errors import TransportError
-from kvstore.server import _protocol as P
+from kvstore.net import protocol as P
 
 if TYPE_CHECKING:
-    from kvstore.server._server import Server
+    from kvstore.net.server._server import Server
 
 log = logging.getLogger("kvstore.server")
 _MEM = {0: "DRAM", 1: "VRAM"}
@@ -68,7 +68,7 @@ class NixlService:
     def offered(self) -> bool:
         """Whether clients are told NIXL is available (config allows it, nixl imports,
         the first tier is borrowable host memory)."""
-        from kvstore.transport import nixl_available
+        from kvstore.net.nixl import nixl_available
 
         if self.server.config.server.transport not in ("auto", "nixl") or self._start_error:
             return False
@@ -80,7 +80,7 @@ class NixlService:
                 return self._endpoint
             if self._start_error:
                 raise TransportError(self._start_error)
-            from kvstore.transport.nixl import NixlEndpoint
+            from kvstore.net.nixl.endpoint import NixlEndpoint
 
             try:
                 ep = NixlEndpoint("server", workers=_UCX_WORKERS, threads=_UCX_THREADS, progress_thread=False)
@@ -142,7 +142,7 @@ class NixlService:
             self._endpoint.remove_peer(name)
 
     def _remote(self, args: tuple) -> tuple[list, list[int], Any]:
-        from kvstore.transport.nixl import Descs
+        from kvstore.net.nixl.endpoint import Descs
 
         mem_kind, device, keys, rec = args
         rows = np.empty((len(keys), 3), dtype=np.uint64)
@@ -155,7 +155,7 @@ class NixlService:
         """WRITE the requested blocks into the client's buffers. Per key: its size when
         sent, ``MISS``, ``SIZE_MISMATCH``, or ``NOT_SENT`` (slower tier; use GET), and
         the stored checksum of each block sent (0 elsewhere), which the client verifies."""
-        from kvstore.transport.nixl import Descs
+        from kvstore.net.nixl.endpoint import Descs
 
         peer = self._peer_of(conn)
         keys, want, remote = self._remote(args)
@@ -202,7 +202,7 @@ class NixlService:
 
     def put(self, conn: Any, args: tuple) -> list[bool]:
         """READ the client's buffers into a staging buffer, then save."""
-        from kvstore.transport.nixl import descs_of
+        from kvstore.net.nixl.endpoint import descs_of
 
         peer = self._peer_of(conn)
         keys, want, remote = self._remote(args)
@@ -239,7 +239,7 @@ class NixlService:
             for i, (buf, region) in enumerate(self._free):
                 if buf.nbytes >= nbytes:
                     return self._free.pop(i)
-        from kvstore.transport.nixl import staging_buffer
+        from kvstore.net.nixl.endpoint import staging_buffer
 
         buf = staging_buffer(max(nbytes, 16 << 20))
         return buf, self._endpoint.register(buf)

@@ -1,6 +1,6 @@
 """The client's side of one server connection: a blocking socket (TCP or Unix) that
-speaks the frames of ``kvstore/server/_protocol.py``, plus the client's staging region
-for same-host puts. Used by :class:`kvstore.client.Client`; one thread at a time.
+speaks the frames of ``kvstore/net/protocol.py``, plus the client's staging region
+for same-host puts. Used by :class:`kvstore.net.client.Client`; one thread at a time.
 """
 
 from __future__ import annotations
@@ -16,13 +16,12 @@ from typing import Any, Sequence
 import numpy as np
 
 from kvstore.buffers.pinning import HostPin
-from kvstore._tls import ClientTls, describe as describe_tls
-
 from kvstore.errors import (AuthError, BufferSizeError, InvalidArgumentError, ProtocolError, RemoteError,
                             TierUnavailableError)
-from kvstore.server import _protocol as P
-from kvstore.server._auth import hello_proof
-from kvstore.server._shm import STAGING_DIR, STAGING_PREFIX
+from kvstore.net import protocol as P
+from kvstore.net.auth import hello_proof
+from kvstore.net.staging import STAGING_DIR, STAGING_PREFIX
+from kvstore.net.tls import ClientTls, describe as describe_tls
 
 _REPLY_LIMITS = P.Limits(max_frame_bytes=1 << 62, max_batch=1 << 30)
 _CLOSING = {P.Status.PROTOCOL, P.Status.AUTH, P.Status.TOO_LARGE, P.Status.INTERNAL}

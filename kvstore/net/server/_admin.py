@@ -1,17 +1,17 @@
 """The admin HTTP port: ``GET /healthz``, ``GET /metrics`` (Prometheus text),
 ``GET /stats`` (JSON), ``POST /clear``, ``POST /v1/lookup`` (JSON; the cached prefix of a
-prompt per tier, :mod:`kvstore.server._lookup`), served by aiohttp on the server's loop.
+prompt per tier, :mod:`kvstore.net.server._lookup`), served by aiohttp on the server's loop.
 
 Bounds: at most :data:`MAX_CONNECTIONS` open connections (more are closed at accept);
 a request's head must arrive within :data:`HEAD_TIMEOUT_S` of the connection (or of the
 previous reply on a kept-alive one), its body within :data:`BODY_TIMEOUT_S`; header
 lines, fields and counts are capped by aiohttp's parser, bodies at
-:data:`kvstore.server._lookup.MAX_BODY_BYTES`. A malformed request is a 400 logged in one
+:data:`kvstore.net.server._lookup.MAX_BODY_BYTES`. A malformed request is a 400 logged in one
 line, never a traceback; a failing handler is a 503 naming the error.
 
 With a server token or tenants, ``/stats``, ``/clear`` and ``/v1/lookup`` need
 ``Authorization: Bearer <token>``: a tenant's token scopes them to that tenant (its
-stats, its blocks, its key space; see :mod:`kvstore.server._tenants`);
+stats, its blocks, its key space; see :mod:`kvstore.net.server._tenants`);
 ``/healthz`` and ``/metrics`` stay open so probes and scrapers need no secret.
 """
 
@@ -25,13 +25,13 @@ import ssl
 from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
 from kvstore.errors import ConfigError
-from kvstore.server import _lookup
-from kvstore.server._tenants import Tenant, admin_clear
+from kvstore.net.server import _lookup
+from kvstore.net.server._tenants import Tenant, admin_clear
 
 if TYPE_CHECKING:
     from aiohttp import web
 
-    from kvstore.server._server import Server
+    from kvstore.net.server._server import Server
 
 log = logging.getLogger("kvstore.server")
 HEAD_TIMEOUT_S = 5.0      # from accept (or the last reply) to a complete request head

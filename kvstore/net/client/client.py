@@ -1,0 +1,495 @@
+"""A client of the kvstore cache server with the Store's API.
+
+``Client("host:port", token=...)`` connects, authenticates, and, when the server runs
+on this host and shares its DRAM arena, moves block bytes through shared memory: a
+load copies straight out of the server's arena (one memcpy, or one H2D copy into a GPU
+tensor) under a lease, a save reserves arena slots, copies straight into them and
+commits (through a per-connection staging region where this process cannot write the
+arena, or the server found no room); only small control frames cross the (Unix) socket. For a remote server that offers NIXL, the
+server moves bytes one-sided between its arena and the client's buffers (RDMA where
+the fabric has it; see docs/nixl.md); a NIXL/UCX failure switches this client to TCP,
+logged and counted in ``fallbacks``. Otherwise bytes travel over TCP, received
+straight into the caller's buffers.
+
+Every block is verified end to end: a save sends the XXH3-64 of each block, computed
+here before the bytes leave (the server stores only blocks that match), and a load
+checks each block it received against the checksum the server keeps for it; a block
+that fails is a miss (``False``), counted in ``stats()["client"]["checksum_mismatches"]``.
+The HELLO is a challenge-response: the token itself never crosses the wire. With
+``tls=...`` (a server with ``server.tls``), TCP connections are TLS 1.2+ with the
+server's certificate verified (docs/server.md, "TLS").
+
+Thread-safety: every method may be called from any thread. Calls check out a pooled
+connection each, so up to ``pool_size`` run at once. ``save``/``load`` return futures;
+callers must not touch their buffers until the future is done. A network failure is
+retried once on a fresh connection and then raised as
+:class:`~kvstore.errors.TierUnavailableError`; a load never reports ``True`` for a
+block whose bytes did not fully arrive.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
+from functools import partial
+from typing import Any, Callable, Iterator, Sequence
+
+from kvstore._stats import sum_stat_sources
+from kvstore.buffers import nbytes_of
+from kvstore.buffers.streams import capture, submit
+from kvstore.errors import (ConfigError, InvalidArgumentError, KVStoreError, NotSupportedError, RemoteError,
+                            StoreClosedError, TierUnavailableError, TransportError)
+from kvstore.hint import Hint, check_hint
+from kvstore.keys import BlockKey
+from kvstore.net import protocol as P
+from kvstore.net.client.selection import FallbackCounter, select_transport
+from kvstore.net.client.shm import SameHostPath, same_server_socket
+from kvstore.net.client.tcp import Integrity, tcp_get, tcp_put
+from kvstore.net.client.wire import Address, ArenaMap, Conn
+from kvstore.net.nixl import nixl_available
+from kvstore.net.tls import client_tls
+
+log = logging.getLogger("kvstore.client")   # its name before the net/ layout
+
+DEFAULT_STAGING_BYTES = 64 << 20
+
+
+class Client:
+    """``address``: ``host:port`` or a Unix socket path. ``transport``: ``auto`` (shared
+    memory when the server is on this host, else NIXL when both sides have it, else
+    TCP), ``tcp``, ``shm`` or ``nixl`` (fail if unavailable). ``verify=False`` skips
+    checking loaded blocks against the server's checksums: for measuring what the
+    check costs (``benchmarks/server.py``) only, never for serving.
+
+    ``tls``: TLS to a server with ``server.tls`` — an :class:`ssl.SSLContext` (the name
+    checked is the address's host), a :class:`kvstore.config.ClientTlsConfig`, or a
+    dict of its fields (``ca``, ``cert``, ``key``, ``server_hostname``,
+    ``check_hostname``, ``min_version``); ``True``: verified against the system's
+    trust store. It covers TCP: a same-host client still moves bytes through shared
+    memory and the server's Unix socket (plaintext, never leaving the host), and with
+    ``transport="auto"`` a TLS client does not pick NIXL, whose transfers TLS does not
+    cover (``transport="nixl"`` still selects it: control over TLS, bytes over NIXL)."""
+
+    lends_memory = False   # borrow/reserve would need the server's memory in this process
+
+    def __init__(self, address: str, *, token: str | None = None, timeout_s: float = 10.0,
+                 pool_size: int = 8, transport: str = "auto",
+                 staging_bytes: int = DEFAULT_STAGING_BYTES, copy_threads: int | None = None,
+                 verify: bool = True, tls: Any = None) -> None:
+        if transport not in ("auto", "tcp", "shm", "nixl"):
+            raise InvalidArgumentError(f"transport must be auto, tcp, shm or nixl, got {transport!r}")
+        self.address = Address.parse(address)
+        self._tls = client_tls(tls)
+        self._token, self._timeout_s = token, timeout_s
+        self._pool_size, self._staging_bytes = max(1, pool_size), staging_bytes
+        self._idle: list[Conn] = []
+        self._lock = threading.Lock()
+        self._stat_sources: list[tuple[str, Any]] = []  # this process's connectors (attach_stats)
+        self._closed = False
+        self.integrity = Integrity(verify)
+        self._tcp_get = partial(tcp_get, integrity=self.integrity)
+        first = Conn(self.address, token, timeout_s, self._tls)
+        self.info = first.info
+        self._max_batch = int(self.info.get("max_batch", 4096))
+        self._max_payload = min(int(self.info.get("max_frame_bytes", 256 << 20)),
+                                int(self.info.get("max_inflight_bytes", 1 << 30))) - (1 << 20)
+        # the server refuses a staging region larger than its per-client in-flight limit
+        self._staging_bytes = min(self._staging_bytes, int(self.info.get("max_inflight_bytes", 1 << 30)))
+        self._arena: ArenaMap | None = None
+        self._conn_addr = self.address
+        if transport in ("auto", "shm") and ArenaMap.is_local(self.info.get("shm")):
+            try:
+                self._arena = ArenaMap(self.info["shm"])
+            except PermissionError as exc:
+                # The server's arena is private to its user (mode 0600): another user's
+                # client talks TCP instead.
+                if transport == "shm":
+                    first.close()
+                    raise RemoteError(f"server {self.address}: its shared memory is not readable by this "
+                                      f"user ({exc.strerror}); run as the server's user or use TCP") from exc
+                log.info("server %s: shared memory not readable by this user; using TCP", self.address)
+            if self._arena is not None and self.info.get("socket_path") and not self.address.path:
+                self._conn_addr = self._same_server_socket(self.info["socket_path"])
+                if self._conn_addr is None:     # another server answers there: not its arena either
+                    self._arena.close()
+                    self._arena, self._conn_addr = None, self.address
+        elif transport == "shm":
+            first.close()
+            raise RemoteError(f"server {self.address} offers no shared memory to this host")
+        if self._conn_addr == self.address:
+            self._idle.append(first)
+        else:
+            first.close()
+        self._pool = ThreadPoolExecutor(self._pool_size, thread_name_prefix="kvstore-client")
+        # Same-host copies of a large batch are split over a few threads: one memcpy
+        # stream does not saturate memory bandwidth, and numpy/torch copies drop the GIL.
+        if copy_threads is None:
+            copy_threads = min(2, os.cpu_count() or 1)
+        self._copy_threads = max(1, copy_threads) if self._arena is not None else 1
+        self._copier = ThreadPoolExecutor(self._copy_threads - 1, thread_name_prefix="kvstore-copy") \
+            if self._copy_threads > 1 else None
+        self._shm = (SameHostPath(self._arena, copier=self._copier, copy_threads=self._copy_threads,
+                                  staging_bytes=self._staging_bytes, max_batch=self._max_batch,
+                                  integrity=self.integrity)
+                     if self._arena is not None else None)
+        self.fallbacks = FallbackCounter()
+        self._nixl: Any = None
+        if self._arena is None and (transport == "nixl" or (transport == "auto" and self._tls is None)):
+            self._start_nixl(transport)   # a TLS client takes NIXL (which TLS does not cover) only when asked
+
+    def _same_server_socket(self, path: str) -> Address | None:
+        """The Unix socket at ``path`` when the server answering there is the one this
+        client's HELLO came from (same instance id; its connection joins the pool), else ``None``."""
+        probe = same_server_socket(self.address, path, self.info.get("instance"),
+                                   lambda addr: Conn(addr, self._token, self._timeout_s, self._tls))
+        if probe is None:
+            return None
+        with self._lock:
+            self._idle.append(probe)
+        return probe.addr
+
+    def _start_nixl(self, transport: str) -> None:
+        ok, why = nixl_available()
+        offered = bool(self.info.get("nixl"))
+        try:
+            choice = select_transport(transport, local=False, nixl_ok=ok and offered, setting="Client transport",
+                                      why=why if not ok else f"server {self.address} does not offer NIXL")
+        except ConfigError:
+            self.close()
+            raise
+        if choice != "nixl":
+            return
+        from kvstore.net.client.nixl import NixlClientPath
+
+        try:
+            self._nixl = NixlClientPath(timeout_s=self._timeout_s, staging_bytes=self._staging_bytes,
+                                        integrity=self.integrity)
+            self._run(self._nixl.introduce)
+        except (TransportError, TierUnavailableError) as exc:
+            self._nixl_failed(exc)
+
+    def _nixl_failed(self, exc: BaseException) -> None:
+        """Switch this client to TCP for good: logged and counted."""
+        path, self._nixl = self._nixl, None
+        if path is not None:
+            self.fallbacks.record(str(self.address), "nixl", exc)
+            path.close()
+
+    def register(self, buf: Any) -> None:
+        """Register a long-lived buffer (e.g. a KV-cache pool, host or GPU memory) so the
+        NIXL path moves blocks straight into and out of it. A no-op on other paths."""
+        if self._nixl is not None:
+            self._nixl.register(buf)
+
+    @property
+    def tls(self) -> bool:
+        """Whether this client's connections run over TLS (TCP with ``tls`` given; the
+        same-host path never does)."""
+        return self._tls is not None and self._conn_addr.path is None
+
+    @property
+    def transport(self) -> str:
+        """``shm`` when bulk bytes move through shared memory, ``nixl`` through NIXL,
+        else ``tcp``."""
+        if self._arena is not None:
+            return "shm"
+        return "nixl" if self._nixl is not None else "tcp"
+
+    # -- connections ---------------------------------------------------------------------------
+
+    @contextmanager
+    def _conn(self) -> Iterator[Conn]:
+        if self._closed:
+            raise StoreClosedError("the Client is closed")
+        with self._lock:
+            conn = self._idle.pop() if self._idle else None
+        if conn is None:
+            conn = Conn(self._conn_addr, self._token, self._timeout_s, self._tls)
+        try:
+            yield conn
+        finally:
+            if conn.broken or self._closed:
+                conn.close()
+            else:
+                with self._lock:
+                    if len(self._idle) < self._pool_size:
+                        self._idle.append(conn)
+                        conn = None
+                if conn is not None:
+                    conn.close()
+
+    def _run(self, fn: Callable[[Conn], Any]) -> Any:
+        """Run ``fn`` on a pooled connection; on a network failure retry once on a fresh
+        connection (a restarted server, a connection the server closed while idle)."""
+        try:
+            with self._conn() as conn:
+                return fn(conn)
+        except TierUnavailableError:
+            with self._lock:
+                stale, self._idle = self._idle, []
+            for c in stale:
+                c.close()
+            with self._conn() as conn:
+                return fn(conn)
+
+    # -- control operations ----------------------------------------------------------------------
+
+    def ping(self) -> float:
+        """Round-trip time in seconds."""
+        t0 = time.perf_counter()
+        self._run(lambda c: c.call(P.Op.PING))
+        return time.perf_counter() - t0
+
+    def lookup(self, keys: Sequence[BlockKey], lease_s: float | None = None, *,
+               hint: Hint | None = None) -> int:
+        """Length of the prefix of ``keys`` the server holds; with ``lease_s`` those
+        blocks are protected from eviction until loaded or the lease expires. ``hint``
+        goes to that prefix in a second request (HINT), answered before this returns."""
+        _check_keys(keys)
+        check_hint(hint)
+        total = 0
+        for part in self._chunks(keys):
+            body = P.encode_lookup(part, lease_s)
+            n = P.decode_u32(self._run(lambda c: c.call(P.Op.LOOKUP, body))[1])
+            total += n
+            if n < len(part):
+                break
+        if hint is not None and total:
+            self._hint_quietly(keys[:total], hint)
+        return total
+
+    def hint(self, keys: Sequence[BlockKey], hint: Hint) -> int:
+        """Give a retention hint to the blocks of ``keys`` the server holds (as
+        :meth:`kvstore.store.Store.hint`); returns how many it holds."""
+        _check_keys(keys)
+        if check_hint(hint) is None:
+            raise InvalidArgumentError("hint must be a kvstore.Hint, got None")
+        return sum(P.decode_u32(self._run(lambda c: c.call(P.Op.HINT, P.encode_hint(p, hint)))[1])
+                   for p in self._chunks(keys))
+
+    def _hint_quietly(self, keys: Sequence[BlockKey], hint: Hint) -> None:
+        """A hint after a lookup or save that succeeded: advice, so a failure to deliver
+        it is logged, never raised over the answer the caller already has."""
+        try:
+            self.hint(keys, hint)
+        except KVStoreError as exc:
+            log.warning("retention hint for %d blocks not delivered: %s", len(keys), exc)
+
+    def contains(self, keys: Sequence[BlockKey]) -> list[bool]:
+        _check_keys(keys)
+        out: list[bool] = []
+        for part in self._chunks(keys):
+            body = P.encode_keys(part)
+            out += P.decode_flags(self._run(lambda c: c.call(P.Op.CONTAINS, body))[1], len(part))
+        return out
+
+    def delete(self, keys: Sequence[BlockKey]) -> int:
+        _check_keys(keys)
+        return sum(P.decode_u32(self._run(lambda c: c.call(P.Op.DELETE, P.encode_keys(p)))[1])
+                   for p in self._chunks(keys))
+
+    def release(self, keys: Sequence[BlockKey]) -> None:
+        _check_keys(keys)
+        for part in self._chunks(keys):
+            self._run(lambda c: c.call(P.Op.RELEASE, P.encode_keys(part)))
+
+    def clear(self, namespaces: Sequence[bytes] | None = None) -> int:
+        """Remove every block on the server (as :meth:`Store.clear`), or, with
+        ``namespaces`` (namespace digests, ``Namespace.digest``), only the blocks whose
+        keys carry one of them. Returns how many blocks were removed."""
+        spaces = list(namespaces or [])
+        if not namespaces and namespaces is not None:
+            return 0
+        total = 0
+        for lo in range(0, max(len(spaces), 1), self._max_batch):
+            body = P.encode_namespaces(spaces[lo:lo + self._max_batch])
+            total += P.decode_u64(self._run(lambda c: c.call(P.Op.CLEAR, body))[1])
+        return total
+
+    def stats(self) -> dict[str, Any]:
+        """The server's counters, with this process's attached connector counters under
+        ``"connectors"`` (the server's own, from connectors embedded in it, are replaced)."""
+        out = P.decode_json(self._run(lambda c: c.call(P.Op.STATS))[1])
+        out["connectors"] = sum_stat_sources(self._stat_sources)
+        out["client"] = {"verify": self.integrity.verify, "checksum_mismatches": self.integrity.mismatches}
+        return out
+
+    def attach_stats(self, name: str, source: Any) -> None:
+        """As :meth:`kvstore.store.Store.attach_stats`: reported by this Client's
+        :meth:`stats` only (the server never sees them)."""
+        self._stat_sources.append((name, source))
+
+    def detach_stats(self, name: str, source: Any) -> None:
+        self._stat_sources = [s for s in self._stat_sources if s != (name, source)]
+
+    # -- StoreAPI methods the cache-server protocol does not carry ----------------------------------
+
+    def pin(self, keys: Sequence[BlockKey]) -> None:
+        raise _unsupported("pin", "the cache-server protocol has no pin operation (a pin outliving its "
+                                  "client would never end); lease blocks with lookup(keys, lease_s=...)")
+
+    def unpin(self, keys: Sequence[BlockKey]) -> None:
+        raise _unsupported("unpin", "the cache-server protocol has no pin operation")
+
+    def prefetch(self, keys: Sequence[BlockKey], tier: int | str = 0) -> "Future[int]":
+        raise _unsupported("prefetch", "the cache-server protocol has no prefetch operation; the server "
+                                       "promotes on a hit and on lookup (placement.prefetch_depth)")
+
+    def reserve(self, keys: Sequence[BlockKey], sizes: Sequence[int], *, evict: bool = True) -> Any:
+        raise _unsupported("reserve", "a reservation lends the store's own memory, which lives in the "
+                                      "server (lends_memory is False); use save()")
+
+    def borrow(self, keys: Sequence[BlockKey]) -> Any:
+        raise _unsupported("borrow", "borrowed views are the store's own memory, which lives in the "
+                                     "server (lends_memory is False); use load()")
+
+    def flush(self) -> int:
+        raise _unsupported("flush", "the cache-server protocol has no flush operation; the server "
+                                    "flushes its volatile tiers when it shuts down")
+
+    # -- data operations ---------------------------------------------------------------------------
+
+    def save(self, keys: Sequence[BlockKey], srcs: Sequence[Any], *,
+             hint: Hint | None = None) -> "Future[list[bool]]":
+        """Store copies of ``srcs`` on the server; resolves to whether each is stored.
+        ``hint`` goes to every key the server holds after the save (one HINT request),
+        before the future resolves."""
+        keys, srcs = _check_pairs(keys, srcs)
+        if check_hint(hint) is not None:
+            return self._submit(partial(self._save_hinted, hint=hint), keys, srcs)
+        return self._submit(self._save, keys, srcs)
+
+    def _save_hinted(self, keys: list[BlockKey], srcs: list[Any], hint: Hint) -> list[bool]:
+        out = self._save(keys, srcs)
+        if keys:
+            self._hint_quietly(keys, hint)
+        return out
+
+    def load(self, keys: Sequence[BlockKey], dsts: Sequence[Any]) -> "Future[list[bool]]":
+        """Copy blocks into caller-owned buffers; ``True`` only where every byte arrived.
+        A stored block whose size differs from its buffer raises BufferSizeError."""
+        keys, dsts = _check_pairs(keys, dsts)
+        return self._submit(self._load, keys, dsts)
+
+    def _submit(self, fn: Callable, keys: list, bufs: list) -> Future:
+        if self._closed:
+            raise StoreClosedError("the Client is closed")
+        return submit(self._pool, capture(bufs), fn, keys, bufs)
+
+    def _save(self, keys: list[BlockKey], srcs: list[Any]) -> list[bool]:
+        out: list[bool] = []
+        if not keys:
+            return out
+        limit = min(self._max_payload, self._staging_bytes) if self._arena is not None else self._max_payload
+        for lo, hi in self._batches(srcs, limit):
+            put = self._shm.put if self._shm is not None else self._nixl_put if self._nixl else tcp_put
+            out += self._run(lambda c: put(c, keys[lo:hi], srcs[lo:hi]))
+        return out
+
+    def _load(self, keys: list[BlockKey], dsts: list[Any]) -> list[bool]:
+        out: list[bool] = []
+        if not keys:
+            return out
+        get = self._shm.get if self._shm is not None else self._nixl_get if self._nixl else self._tcp_get
+        for lo, hi in self._batches(dsts, self._max_payload):
+            out += self._run(lambda c: get(c, keys[lo:hi], dsts[lo:hi]))
+        return out
+
+    def _nixl_call(self, conn: Conn, fn: Callable[[], Any]) -> Any:
+        """Run a NIXL operation; on a NIXL/UCX failure (the connection itself intact)
+        switch to TCP and return None so the caller redoes the batch over TCP."""
+        path = self._nixl
+        if path is None:
+            return None
+        try:
+            return fn(path)
+        except (TransportError, TierUnavailableError) as exc:
+            if conn.broken:  # the network, not NIXL: let _run retry / raise
+                raise
+            self._nixl_failed(exc)
+            return None
+
+    def _nixl_get(self, conn: Conn, keys: list[BlockKey], dsts: list[Any]) -> list[bool]:
+        res = self._nixl_call(conn, lambda p: p.get(conn, keys, dsts))
+        if res is None:
+            return self._tcp_get(conn, keys, dsts)
+        out, later = res
+        if later:  # held in a slower tier on the server: fetched over TCP
+            got = self._tcp_get(conn, [keys[i] for i in later], [dsts[i] for i in later])
+            for i, ok in zip(later, got):
+                out[i] = ok
+        return out
+
+    def _nixl_put(self, conn: Conn, keys: list[BlockKey], srcs: list[Any]) -> list[bool]:
+        res = self._nixl_call(conn, lambda p: p.put(conn, keys, srcs))
+        return tcp_put(conn, keys, srcs) if res is None else res
+
+    # -- batching ---------------------------------------------------------------------------------
+
+    def _chunks(self, keys: Sequence[BlockKey]) -> Iterator[list[BlockKey]]:
+        keys = list(keys)
+        for lo in range(0, len(keys), self._max_batch):
+            yield keys[lo:lo + self._max_batch]
+
+    def _batches(self, bufs: list[Any], limit: int) -> Iterator[tuple[int, int]]:
+        """Index ranges of at most ``max_batch`` buffers and ``limit`` bytes (a single
+        larger buffer goes alone; the server refuses it if it exceeds its limits)."""
+        lo, acc = 0, 0
+        for i, buf in enumerate(bufs):
+            n = nbytes_of(buf)
+            if i > lo and (acc + n > limit or i - lo >= self._max_batch):
+                yield lo, i
+                lo, acc = i, 0
+            acc += n
+        if lo < len(bufs):
+            yield lo, len(bufs)
+
+    def close(self) -> None:
+        """Close every connection and unmap shared memory. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._pool.shutdown(wait=True)
+        if self._copier is not None:
+            self._copier.shutdown(wait=True)
+        with self._lock:
+            idle, self._idle = self._idle, []
+        for c in idle:
+            c.close()
+        if self._arena is not None:
+            self._arena.close()
+        if self._nixl is not None:
+            self._nixl.close()
+            self._nixl = None
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _unsupported(method: str, why: str) -> NotSupportedError:
+    return NotSupportedError(f"Client.{method} is not supported: {why}")
+
+
+def _check_keys(keys: Sequence[BlockKey]) -> None:
+    for key in keys:
+        if not isinstance(key, BlockKey):
+            raise InvalidArgumentError(f"keys must be BlockKey, got {type(key).__name__}")
+
+
+def _check_pairs(keys: Sequence[BlockKey], bufs: Sequence[Any]) -> tuple[list, list]:
+    if len(keys) != len(bufs):
+        raise InvalidArgumentError(f"{len(keys)} keys but {len(bufs)} buffers")
+    _check_keys(keys)
+    if len(set(keys)) != len(keys):
+        raise InvalidArgumentError("a key appears twice in one batch")
+    return list(keys), list(bufs)
+
+
+__all__ = ["Client"]
