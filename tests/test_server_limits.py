@@ -341,7 +341,7 @@ def test_slow_start_up_work_never_runs_out_other_connections_handshake_deadlines
     import threading
     import time
 
-    from kvstore import transport
+    from kvstore.net import nixl as transport   # nixl_available and its cached probe
 
     def slow():
         time.sleep(1.5)
