@@ -289,10 +289,10 @@ class Store(TierMovement, StoreHints):
             size = self._sizes.get(key)
             if size is None:
                 continue
-            buf = self._staging(size)
-            ok = self._tier_call(self._levels[src], "read_into", [key], [buf])
-            if ok and ok[0]:
-                written += bool(self._put(target, [key], [buf])[0])
+            with self._scratch(size) as buf:
+                ok = self._tier_call(self._levels[src], "read_into", [key], [buf])
+                if ok and ok[0]:
+                    written += bool(self._put(target, [key], [buf])[0])
         return written
 
     def hint(self, keys: Sequence[BlockKey], hint: Hint) -> int:
