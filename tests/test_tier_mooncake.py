@@ -73,6 +73,19 @@ def test_another_node_finds_the_block(pool):
         b.close()
 
 
+def test_find_asks_the_pool(pool):
+    a = _tier(pool, 1 << 20, prefix="shared-find")
+    b = _tier(pool, 2 * 4096, prefix="shared-find")
+    try:
+        keys = make_keys(4, salt="find")
+        assert a.write(keys[:3], [payload(i, 4096) for i in range(3)]) == [True] * 3
+        assert b.find(keys) == [4096, 4096, None, None]   # the third is past b's budget
+        assert b.used_bytes == 2 * 4096 and b.stats()["found"] == 2
+    finally:
+        a.close()
+        b.close()
+
+
 @pytest.mark.parametrize("where", ["payload", "header", "truncated"])
 def test_corrupt_object_is_a_miss_and_removed(pool, where):
     tier = _tier(pool, 1 << 20)

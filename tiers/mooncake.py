@@ -98,10 +98,11 @@ class MooncakeTier(Tier):
             raise ConfigError(f"tiers.{name}.staging_bytes: Mooncake refused to register the staging buffer "
                               f"({rc})")
         self._health = Health(name, self._probe)
-        self._counters = dict.fromkeys(("gets", "puts", "deletes", "corrupt_blocks", "faults", "bytes_read",
-                                        "bytes_written"), 0)
+        self._counters = dict.fromkeys(("gets", "puts", "deletes", "corrupt_blocks", "faults", "found",
+                                        "bytes_read", "bytes_written"), 0)
         self._closed = False
-        self.capabilities = TierCapabilities(device="mooncake", persistent=False, alignment=1, max_concurrency=1)
+        self.capabilities = TierCapabilities(device="mooncake", persistent=False, alignment=1, max_concurrency=1,
+                                             shared=True)
 
     def _probe(self) -> None:
         rc = self._store.batch_is_exist([f"{self.prefix}:.probe"])[0]
@@ -155,6 +156,42 @@ class MooncakeTier(Tier):
             for i, rc in zip(ask, found):
                 known[i] = rc == 1
         return known
+
+    def find(self, keys: Sequence[BlockKey]) -> list[int | None]:
+        """Indexed keys from the index; the others asked of the pool (``batch_is_exist``,
+        then the object's size): an object of a block's size (header + payload) is
+        indexed and budgeted while the budget has room. Its header and checksum are
+        checked when it is read."""
+        sizes = self._sizes
+        out: list[int | None] = [sizes.get(k) for k in keys]
+        ask = [j for j, n in enumerate(out) if n is None]
+        if not ask:
+            return out
+        self._health.check()
+        names = [_object_name(self.prefix, keys[j]) for j in ask]
+        exist = self._store.batch_is_exist(names)
+        if any(_master_down(rc) for rc in exist):
+            self._fault(min(exist), "is_exist")
+            raise TierUnavailableError("master unreachable during a lookup", tier=self.name)
+        for j, name, rc in zip(ask, names, exist):
+            if rc != 1:
+                continue
+            total = self._store.get_size(name)
+            if _master_down(total):
+                self._fault(total, f"get_size {name}")
+                raise TierUnavailableError("master unreachable during a lookup", tier=self.name)
+            n = total - HEADER_BYTES
+            if n <= 0:
+                continue
+            with self._lock:
+                if keys[j] in self._sizes:
+                    out[j] = self._sizes[keys[j]]
+                elif self._used + n <= self._capacity:
+                    self._sizes[keys[j]] = n
+                    self._used += n
+                    self._counters["found"] += 1
+                    out[j] = n
+        return out
 
     # -- reads ------------------------------------------------------------------------------
 
