@@ -82,10 +82,17 @@ class MooncakeTier(Tier):
         self._sizes: dict[BlockKey, int] = {}
         self._lock = threading.Lock()          # index and counters
         self._batch_lock = threading.Lock()    # the staging buffer: one batch at a time
-        host = local_hostname or f"127.0.0.1:{_free_port()}"
-        self._store = MooncakeDistributedStore()
-        rc = self._store.setup(host, metadata_server, global_segment_size, local_buffer_size, protocol,
-                               device, master)
+        # The transfer engine picks its own TCP listen port, which another process can hold
+        # (the engine then fails "cannot start handshake daemon"): a failed setup is tried
+        # twice more, on a fresh local port unless one was configured.
+        for attempt in range(3):
+            host = local_hostname or f"127.0.0.1:{_free_port()}"
+            self._store = MooncakeDistributedStore()
+            rc = self._store.setup(host, metadata_server, global_segment_size, local_buffer_size, protocol,
+                                   device, master)
+            if rc == 0:
+                break
+            self._store.close()
         if rc != 0:
             raise ConfigError(f"tiers.{name}.master: cannot join the Mooncake pool at master {master!r} "
                               f"with metadata server {metadata_server!r} (setup returned {rc})")
