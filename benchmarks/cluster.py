@@ -1,8 +1,11 @@
-"""Tiers on distributed engines against those engines' own clients, side by side in one
-run (issue 21, "Measured"): each path contributes rows of one batch put and got through
-the kvstore tier and through the raw client on the same server or pool.
+"""Tiers on distributed engines against those engines' own clients, and cross-node hits
+through each shared path, side by side in one run (issue 21, "Measured").
 
-    python -m benchmarks.cluster [--paths redis,mooncake] [--block-kib 1024] [--blocks 64] [--repeat 7]
+    python -m benchmarks.cluster [--paths redis,mooncake] [--cross remote,redis,mooncake,s3]
+                                 [--block-kib 1024] [--blocks 64] [--repeat 7] [--cross-repeat 20]
+
+Ratio table: each path contributes rows of one batch put and got through the kvstore
+tier and through the raw client on the same server or pool.
 
 Paths (each a ``rows`` function returning a list of dicts with ``path, op, block_bytes,
 blocks, kvstore_gbps, baseline, baseline_gbps, ratio``; add a path by adding one):
@@ -11,8 +14,14 @@ blocks, kvstore_gbps, baseline, baseline_gbps, ratio``; add a path by adding one
 - ``mooncake``: the mooncake tier vs Mooncake's Python client on one pool
   (``benchmarks/_cluster_mooncake.py``; needs the Mooncake wheel).
 
-Target: ratio (raw time / tier time) >= 0.9 for every row. Prints one table and writes
-benchmarks/results/cluster.json.
+Target: ratio (raw time / tier time) >= 0.9 for every row.
+
+Cross-node table (``benchmarks/_cluster_cross.py``): a batch saved on node A and read,
+verified, on node B through the remote tier (A's server over TCP), a 3-master Redis
+Cluster, a Mooncake pool and S3 on Swift: GB/s and p50/p99 per batch.
+
+Prints both tables and writes benchmarks/results/cluster.json and cluster.png (the
+cross-node table). Every server is started and stopped here, on loopback.
 """
 
 from __future__ import annotations
@@ -24,7 +33,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks._common import print_table, write_json  # noqa: E402
+from benchmarks._common import RESULTS, print_table, write_json  # noqa: E402
 
 
 def _redis(block_bytes: int, blocks: int, repeat: int) -> list[dict]:
@@ -35,11 +44,16 @@ def _redis(block_bytes: int, blocks: int, repeat: int) -> list[dict]:
 
 def _mooncake(block_bytes: int, blocks: int, repeat: int) -> list[dict]:
     from benchmarks._cluster_mooncake import mooncake_rows
+    from tests._mooncake import missing
+
+    if missing():
+        raise ImportError(missing())
 
     return mooncake_rows(block_bytes, blocks, repeat)
 
 
 PATHS = {"redis": _redis, "mooncake": _mooncake}
+CROSS = ("remote", "redis", "mooncake", "s3")
 TARGET = 0.9
 
 
@@ -49,10 +63,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--block-kib", type=int, default=1024)
     ap.add_argument("--blocks", type=int, default=64)
     ap.add_argument("--repeat", type=int, default=7)
+    ap.add_argument("--cross", default=",".join(CROSS), help="cross-node paths (empty: none): " + ", ".join(CROSS))
+    ap.add_argument("--cross-repeat", type=int, default=20, help="timed batches per cross-node path")
     args = ap.parse_args(argv)
     rows: list[dict] = []
     skipped: dict[str, str] = {}
-    for name in args.paths.split(","):
+    for name in filter(None, args.paths.split(",")):
         if name not in PATHS:
             ap.error(f"unknown path {name!r}; choose from {', '.join(PATHS)}")
         try:
@@ -60,11 +76,30 @@ def main(argv: list[str] | None = None) -> int:
         except ImportError as exc:   # a peer that is not installed here: said, never silent
             skipped[name] = f"{type(exc).__name__}: {exc}"
             print(f"{name}: skipped ({skipped[name]})")
-    print_table(["path", "op", "kvstore GB/s", "baseline", "baseline GB/s", "ratio", "target"],
-                [[r["path"], r["op"], r["kvstore_gbps"], r["baseline"], r["baseline_gbps"], r["ratio"],
-                  "ok" if r["ratio"] >= TARGET else f"< {TARGET}"] for r in rows])
+    if rows:
+        print_table(["path", "op", "kvstore GB/s", "baseline", "baseline GB/s", "ratio", "target"],
+                    [[r["path"], r["op"], r["kvstore_gbps"], r["baseline"], r["baseline_gbps"], r["ratio"],
+                      "ok" if r["ratio"] >= TARGET else f"< {TARGET}"] for r in rows])
+    cross: list[dict] = []
+    cross_skipped: dict[str, str] = {}
+    wanted = [p for p in args.cross.split(",") if p]
+    for name in wanted:
+        if name not in CROSS:
+            ap.error(f"unknown cross-node path {name!r}; choose from {', '.join(CROSS)}")
+    if wanted:
+        from benchmarks._cluster_cross import cross_rows, plot
+
+        cross, cross_skipped = cross_rows(wanted, args.block_kib << 10, args.blocks, args.cross_repeat)
+        print()
+        print(f"cross-node hit: {args.blocks} x {args.block_kib} KiB saved on node A, read (verified) on node B")
+        if cross:
+            print_table(["path", "GB/s", "p50 ms", "p99 ms", "batches"],
+                        [[r["path"], r["gbps"], r["p50_ms"], r["p99_ms"], r["batches"]] for r in cross])
+            plot(cross, RESULTS / "cluster.png")
+            print(f"wrote {RESULTS / 'cluster.png'}")
     path = write_json("cluster", {"command": "python -m benchmarks.cluster " + " ".join(argv or sys.argv[1:]),
-                                  "target_ratio": TARGET, "rows": rows, "skipped": skipped})
+                                  "target_ratio": TARGET, "rows": rows, "skipped": skipped,
+                                  "cross_node": cross, "cross_skipped": cross_skipped})
     print(f"wrote {path}")
     return 0
 

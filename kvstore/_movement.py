@@ -11,8 +11,9 @@ take it briefly and never hold it across tier I/O.
 from __future__ import annotations
 
 import logging
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 
@@ -322,21 +323,36 @@ class TierMovement:
         with tier.view(key) as view:   # verified by a tier that keeps checksums
             if view is not None:
                 return self._put(dst, [key], [view], tier.checksums([key]))[0]
-        buf = self._staging(size)
-        ok = self._tier_call(self._levels[src], "read_into", [key], [buf])
-        if not ok or not ok[0]:
-            with self._lock:
-                self._drop(key, src)
-            return False
-        return self._put(dst, [key], [buf])[0]
+        with self._scratch(size) as buf:
+            ok = self._tier_call(self._levels[src], "read_into", [key], [buf])
+            if not ok or not ok[0]:
+                with self._lock:
+                    self._drop(key, src)
+                return False
+            return self._put(dst, [key], [buf])[0]
 
-    def _staging(self, nbytes: int) -> np.ndarray:
-        """A per-thread scratch buffer, grown on demand and reused (no per-block alloc)."""
-        buf = getattr(self._local, "buf", None)
+    @contextmanager
+    def _scratch(self, nbytes: int) -> Iterator[np.ndarray]:
+        """A per-thread scratch buffer, grown on demand and reused (no per-block alloc).
+        Nested uses get a buffer each: a put through a scratch buffer may evict from a
+        full tier and spill the victim through a scratch buffer of its own (one per
+        level down), so the block being moved is never overwritten before it is written."""
+        local = self._local
+        bufs = getattr(local, "scratch", None)
+        if bufs is None:
+            bufs = local.scratch = []
+            local.depth = 0
+        depth = local.depth
+        if depth == len(bufs):
+            bufs.append(None)
+        buf = bufs[depth]
         if buf is None or buf.nbytes < nbytes:
-            buf = np.empty(max(nbytes, 1 << 20), dtype=np.uint8)
-            self._local.buf = buf
-        return buf[:nbytes]
+            buf = bufs[depth] = np.empty(max(nbytes, 1 << 20), dtype=np.uint8)
+        local.depth = depth + 1
+        try:
+            yield buf[:nbytes]
+        finally:
+            local.depth = depth
 
     def _tier_call(self, lvl: Level, method: str, *args: Any) -> Any:
         """Call a tier; a tier failure is logged and counted, never raised to callers

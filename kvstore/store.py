@@ -76,7 +76,9 @@ class Store(TierMovement, StoreHints):
         self._tenants: TenantLedger | None = None   # the cache server's tenants (set_tenants)
         self._stat_sources: list[tuple[str, Any]] = []  # (name, callable) from attach_stats
         self._ops = dict.fromkeys(("saves", "loads", "lookups", "lookup_hits", "prefetches", "background_errors",
-                                   "refused_checksum"), 0)
+                                   "refused_checksum", "shared_found"), 0)
+        # levels other nodes write into too: keys missing from the index are asked of them
+        self._shared = [i for i, lvl in enumerate(self._levels) if lvl.tier.capabilities.shared]
         try:    # KV events for routers: None (and no cost) unless configured
             self._events = open_events(config.events, [c.name for c in config.tiers])
         except BaseException:
@@ -170,6 +172,15 @@ class Store(TierMovement, StoreHints):
         check_hint(hint)
         where = self._where
         persist = None
+        if self._shared:
+            with self._lock:
+                n = 0
+                for key in keys:
+                    if not where.get(key):
+                        break
+                    n += 1
+            if n < len(keys):
+                self._discover(list(keys[n:]))
         with self._lock:
             self._ops["lookups"] += 1
             n = 0
@@ -202,6 +213,44 @@ class Store(TierMovement, StoreHints):
         if self._trace is not None:
             self._trace.lookup(keys, self._sizes.get(keys[0]) if n else None)
         return n
+
+    @property
+    def discovers(self) -> bool:
+        """Whether :meth:`lookup` and :meth:`load` may ask shared tiers over the network
+        about keys missing from the index (the cache server then runs lookups off its
+        event loop)."""
+        return bool(self._shared)
+
+    def _discover(self, keys: list[BlockKey]) -> None:
+        """Index the blocks of ``keys`` that other nodes wrote into shared tiers. Keys (a
+        prompt's missing tail, in order) are asked of each shared tier in turn, fastest
+        first (:meth:`Tier.find`); those one tier does not find go to the next. A block
+        found is indexed at that level (its tier has budgeted it) and reported stored.
+        A tier that fails is counted and its keys stay missing."""
+        pending = keys
+        for i in self._shared:
+            if not pending:
+                break
+            lvl = self._levels[i]
+            sizes = self._tier_call(lvl, "find", pending)
+            if sizes is None:
+                continue
+            fresh: list[BlockKey] = []
+            with self._lock:
+                for key, n in zip(pending, sizes):
+                    if n is None:
+                        continue
+                    mask = self._where.get(key, 0)
+                    if mask >> i & 1 or self._sizes.get(key, n) != n:
+                        continue   # indexed meanwhile, or another size than this node's copy
+                    self._where[key] = mask | 1 << i
+                    self._sizes[key] = n
+                    lvl.policy.on_insert(key, n, parent_of(key) if lvl.policy.uses_parent else None)
+                    fresh.append(key)
+                self._ops["shared_found"] += len(fresh)
+                if self._events is not None and fresh:
+                    self._events.stored(i, fresh)
+            pending = [k for k, n in zip(pending, sizes) if n is None]
 
     def release(self, keys: Sequence[BlockKey]) -> None:
         """Drop one lease taken by :meth:`lookup` on each key without loading (e.g. a
@@ -291,10 +340,10 @@ class Store(TierMovement, StoreHints):
             size = self._sizes.get(key)
             if size is None:
                 continue
-            buf = self._staging(size)
-            ok = self._tier_call(self._levels[src], "read_into", [key], [buf])
-            if ok and ok[0]:
-                written += bool(self._put(target, [key], [buf])[0])
+            with self._scratch(size) as buf:
+                ok = self._tier_call(self._levels[src], "read_into", [key], [buf])
+                if ok and ok[0]:
+                    written += bool(self._put(target, [key], [buf])[0])
         return written
 
     def hint(self, keys: Sequence[BlockKey], hint: Hint) -> int:
@@ -523,6 +572,14 @@ class Store(TierMovement, StoreHints):
         with self._lock:
             self._ops["loads"] += n
             masks = [self._where.get(k, 0) for k in keys]
+        unknown = [j for j in range(n) if not masks[j]] if self._shared else []
+        if unknown:
+            self._discover([keys[j] for j in unknown])
+            with self._lock:
+                for j in unknown:
+                    # a block found with another size than the caller's buffer is a miss
+                    if self._sizes.get(keys[j]) == nbytes_of(dsts[j]):
+                        masks[j] = self._where.get(keys[j], 0)
         for i, lvl in enumerate(self._levels):
             todo = [j for j in range(n) if not done[j] and masks[j] >> i & 1]
             if not todo:

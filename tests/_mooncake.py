@@ -22,9 +22,26 @@ from kvstore.testing import free_port
 ENV = {"MC_LEGACY_RPC_PORT_BINDING": "1", "MC_TCP_BIND_ADDRESS": "127.0.0.1"}
 
 
+WHEEL = "mooncake-transfer-engine-non-cuda==0.3.13.post1"
+
+
 def binaries() -> tuple[str, str] | None:
     master, client = shutil.which("mooncake_master"), shutil.which("mooncake_client")
     return (master, client) if master and client else None
+
+
+def missing() -> str | None:
+    """Why Mooncake cannot run here (its wheel's binaries or Python client absent), or
+    ``None`` when it can."""
+    gone = [b for b in ("mooncake_master", "mooncake_client") if shutil.which(b) is None]
+    try:
+        import mooncake.store  # noqa: F401
+    except ImportError as exc:
+        gone.append(f"the Python client (import mooncake.store: {exc})")
+    if not gone:
+        return None
+    return (f"Mooncake is not installed ({', '.join(gone)} missing): scripts/deps/65-mooncake.sh installs "
+            f"{WHEEL}; if it printed that the wheel did not install, that is why")
 
 
 def _wait_port(port: int, proc: subprocess.Popen, what: str, timeout_s: float = 20.0) -> None:
@@ -43,24 +60,36 @@ class MooncakePool:
     def __init__(self, tmp: Path, segment_mib: int = 256) -> None:
         found = binaries()
         if found is None:
-            raise RuntimeError("mooncake_master/mooncake_client not installed (pip install "
-                               "mooncake-transfer-engine-non-cuda; scripts/deps/00-python.sh)")
+            raise RuntimeError(missing() or "mooncake_master/mooncake_client not found")
         self._master_exe, self._client_exe = found
         self.tmp = tmp
         self.env = {**os.environ, **ENV}
         os.environ.update(ENV)   # the tier's own transfer engine binds to loopback too
-        self.p_meta, self.p_rpc, self.p_metrics, self.p_host, self.p_client = (free_port() for _ in range(5))
-        self.metadata = f"http://127.0.0.1:{self.p_meta}/metadata"
-        self.master = f"127.0.0.1:{self.p_rpc}"
         self.segment_mib = segment_mib
         self._master: subprocess.Popen | None = None
         self._client: subprocess.Popen | None = None
-        self.start_master()
-        self._client = self._spawn([self._client_exe, f"--host=127.0.0.1:{self.p_host}", f"--port={self.p_client}",
-                                    f"--global_segment_size={segment_mib}MB", "--local_buffer_size=0",
-                                    f"--master_server_address={self.master}", f"--metadata_server={self.metadata}",
-                                    "--protocol=tcp", "--threads=2"], "client")
-        _wait_port(self.p_client, self._client, "mooncake_client")
+        # Free ports can be taken by another process between the check and the bind (a
+        # master that cannot bind aborts at once): start afresh on new ports, a few times.
+        for attempt in range(4):
+            ports: set[int] = set()
+            while len(ports) < 5:
+                ports.add(free_port())
+            self.p_meta, self.p_rpc, self.p_metrics, self.p_host, self.p_client = list(ports)
+            self.metadata = f"http://127.0.0.1:{self.p_meta}/metadata"
+            self.master = f"127.0.0.1:{self.p_rpc}"
+            try:
+                self.start_master()
+                self._client = self._spawn([self._client_exe, f"--host=127.0.0.1:{self.p_host}",
+                                            f"--port={self.p_client}", f"--global_segment_size={segment_mib}MB",
+                                            "--local_buffer_size=0", f"--master_server_address={self.master}",
+                                            f"--metadata_server={self.metadata}", "--protocol=tcp", "--threads=2"],
+                                           "client")
+                _wait_port(self.p_client, self._client, "mooncake_client")
+                return
+            except RuntimeError:
+                self.stop()
+                if attempt == 3:
+                    raise
 
     def _spawn(self, argv: list[str], what: str) -> subprocess.Popen:
         log = open(self.tmp / f"mooncake_{what}.log", "ab")

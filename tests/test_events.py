@@ -290,3 +290,33 @@ def test_blocks_recovered_from_a_persistent_tier_are_published_at_start(tmp_path
             assert sorted(h for e in events for h in e.block_hashes) == sorted(block_hash(k.digest) for k in keys)
         finally:
             sub.close()
+
+
+@pytest.mark.redis
+def test_blocks_found_in_a_shared_tier_are_reported_stored_there(tmp_path_factory, tmp_path):
+    """A node that finds another node's blocks in a shared tier (a lookup asks Redis)
+    publishes them stored in that tier, as if it had written them."""
+    pytest.importorskip("redis", reason="redis-py is installed by scripts/deps/00-python.sh")
+    from tests._redis import running_redis
+
+    servers = running_redis(tmp_path_factory, "events-shared")
+    server = next(servers)
+    try:
+        shared = {"name": "shared", "kind": "redis", "url": server.url, "capacity": 16 * BLOCK, "prefix": "ev"}
+        writer = Store.from_config({"tiers": [dict(shared)]})
+        reader = Store.from_config({"tiers": [{"name": "hot", "kind": "dram", "capacity": 4 * BLOCK}, shared],
+                                    "events": events_config(tmp_path)})
+        sub = Subscriber(f"ipc://{tmp_path}/pub", f"ipc://{tmp_path}/replay", topic="kv")
+        try:
+            keys, _, srcs = prompt(2, salt="found")
+            assert writer.save(keys, srcs).result() == [True, True]
+            assert reader.lookup(keys) == 2
+            events = flat(everything(reader, sub))
+            stored = [e for e in events if isinstance(e, BlockStored)]
+            assert [(e.medium, e.block_hashes) for e in stored] == [("shared", [block_hash(k.digest) for k in keys])]
+        finally:
+            sub.close()
+            reader.close()
+            writer.close()
+    finally:
+        servers.close()

@@ -282,3 +282,53 @@ def test_server_killed_during_loads_then_restarted(tmp_path):
             assert all(np.array_equal(s, d) for s, d in zip(srcs, dsts))
     finally:
         server.stop()
+
+
+def test_find_asks_redis_for_blocks_another_node_wrote(tier, server, raw):
+    keys = make_keys(4, salt="find-other")
+    srcs = [payload(i) for i in range(3)]
+    assert tier.write(keys[:3], srcs) == [True] * 3
+    name = f"{tier.prefix}:{keys[2].namespace.hex()}:{keys[2].hex()}"
+    body = bytearray(raw.get(name))
+    body[10] ^= 0x01                      # inside the header: not this key's block
+    raw.set(name, bytes(body))
+    other = make_tier(server, prefix=tier.prefix, capacity=len(srcs[0]) * 4)
+    try:
+        assert other.used_bytes == 0 and other.contains(keys) == [False] * 4
+        assert other.find(keys) == [len(srcs[0]), len(srcs[1]), None, None]
+        assert other.contains(keys) == [True, True, False, False]       # indexed ...
+        assert other.used_bytes == len(srcs[0]) + len(srcs[1])          # ... and budgeted here
+        stats = other.stats()
+        assert stats["found"] == 2 and stats["corrupt_blocks"] == 1
+        assert raw.exists(name) == 0                                    # the bad value is gone
+        assert other.find(keys[:2]) == [len(srcs[0]), len(srcs[1])]     # from the index now
+        assert other.stats()["found"] == 2
+    finally:
+        other.close()
+    full = make_tier(server, prefix=tier.prefix, capacity=len(srcs[0]))
+    try:
+        assert full.find(keys[:2]) == [len(srcs[0]), None]              # past this node's budget
+    finally:
+        full.close()
+
+
+def test_store_finds_what_another_store_saved_after_it_started(server):
+    prefix = f"f{uuid.uuid4().hex[:8]}"
+    keys = make_keys(5, salt="store-find")
+    srcs = [payload(i) for i in range(5)]
+    with _store(server, prefix) as reader, _store(server, prefix) as writer:
+        assert reader.lookup(keys) == 0
+        assert writer.save(keys[:4], srcs[:4]).result() == [True] * 4
+        assert reader.lookup(keys) == 4                       # asked Redis; the fifth was never saved
+        assert reader.stats()["shared_found"] == 4
+        dsts = [np.zeros(len(s), np.uint8) for s in srcs]
+        assert reader.load(keys, dsts).result() == [True] * 4 + [False]
+        assert all(np.array_equal(d, s) for d, s in zip(dsts, srcs[:4]))
+        more = make_keys(2, salt="store-find-load")
+        assert writer.save(more, srcs[:2]).result() == [True, True]
+        dsts = [np.zeros(len(s), np.uint8) for s in srcs[:2]]
+        assert reader.load(more, dsts).result() == [True, True]   # a load without a lookup finds them too
+        assert np.array_equal(dsts[1], srcs[1])
+        wrong = [np.zeros(len(srcs[0]) - 1, np.uint8)]
+        assert writer.save(make_keys(1, salt="store-find-size"), srcs[:1]).result() == [True]
+        assert reader.load(make_keys(1, salt="store-find-size"), wrong).result() == [False]   # another size: a miss

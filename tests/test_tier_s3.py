@@ -304,6 +304,39 @@ def test_reads_blocks_written_by_another_instance_without_recover(swift, raw):
         b.close()
 
 
+def test_find_reads_headers_of_another_instances_blocks_and_stops_at_a_gap(swift, raw):
+    prefix = f"find-{uuid.uuid4().hex[:8]}"
+    a = make_tier(swift, prefix=prefix)
+    b = make_tier(swift, prefix=prefix)   # concurrency 4: headers in rounds of 4
+    try:
+        keys = make_keys(12, salt="find")
+        written = [0, 1, 2, 3, 4, 10]     # a gap at 5: the round holding it is the last one asked
+        assert a.write([keys[j] for j in written], [payload(j) for j in written]) == [True] * 6
+        n = len(payload(0))
+        assert b.find(keys) == [n] * 5 + [None] * 7
+        stats = b.stats()
+        assert stats["found"] == 5 and stats["header_gets"] == 5
+        assert b.contains(keys[:5]) == [True] * 5 and b.used_bytes == 5 * n
+        assert b.contains(keys[10:11]) == [False]   # its round (8-11) was never asked
+        assert b.find(keys[10:11]) == [n]
+    finally:
+        a.close()
+        b.close()
+
+
+def test_store_finds_what_another_store_saved_after_it_started(swift, raw):
+    cfg = _store_config(swift)
+    keys = make_keys(3, salt="store-find")
+    srcs = [payload(i) for i in range(3)]
+    with Store.from_config(cfg) as reader, Store.from_config(cfg) as writer:
+        assert reader.lookup(keys) == 0
+        assert writer.save(keys, srcs).result() == [True] * 3
+        assert reader.lookup(keys) == 3
+        dsts = [np.zeros_like(s) for s in srcs]
+        assert reader.load(keys, dsts).result() == [True] * 3
+        assert all(np.array_equal(s, d) for s, d in zip(srcs, dsts))
+
+
 def _store_config(swift, **tier):
     return {"tiers": [{"name": "shared", "kind": "s3", "capacity": "64MiB", "bucket": BUCKET,
                        "endpoint_url": swift.endpoint_url, "region": REGION, "addressing_style": "path",

@@ -59,6 +59,10 @@ class TierCapabilities:
     # ``write(keys, srcs, checksums)`` keeps the given XXH3-64 (``kvstore.block.checksum``,
     # flags 0) of each source as its block's checksum instead of hashing the source again
     write_checksums: bool = False
+    # other processes and nodes write blocks into the same medium (a Redis Cluster, a
+    # Mooncake pool, a bucket): the Store asks :meth:`Tier.find` about keys its index
+    # does not hold before it reports them missing
+    shared: bool = False
 
 
 @dataclass(frozen=True)
@@ -134,6 +138,17 @@ class Tier(ABC):
     def nbytes(self, key: BlockKey) -> int | None:
         """Payload size of a stored block, or ``None`` when absent."""
         return None
+
+    def find(self, keys: Sequence[BlockKey]) -> list[int | None]:
+        """Payload size of each key's block, ``None`` where absent. A ``shared`` tier
+        asks its medium about keys its index does not hold (blocks another node wrote),
+        checks what it finds as far as it can without reading payloads (a block header),
+        and indexes and budgets each block found while its byte budget has room (a block
+        found past it is ``None``: this node cannot take it). ``keys`` is a prompt's
+        prefix in order: a tier may stop asking after the first key it does not find and
+        answer ``None`` for the rest. Raises as :meth:`read_into` does when the medium
+        does not answer. The default answers from :meth:`nbytes`."""
+        return [self.nbytes(k) for k in keys]
 
     def recover(self) -> list[RecoveredBlock]:
         """Rebuild the tier's index after a restart; returns what it holds, oldest

@@ -82,10 +82,17 @@ class MooncakeTier(Tier):
         self._sizes: dict[BlockKey, int] = {}
         self._lock = threading.Lock()          # index and counters
         self._batch_lock = threading.Lock()    # the staging buffer: one batch at a time
-        host = local_hostname or f"127.0.0.1:{_free_port()}"
-        self._store = MooncakeDistributedStore()
-        rc = self._store.setup(host, metadata_server, global_segment_size, local_buffer_size, protocol,
-                               device, master)
+        # The transfer engine picks its own TCP listen port, which another process can hold
+        # (the engine then fails "cannot start handshake daemon"): a failed setup is tried
+        # twice more, on a fresh local port unless one was configured.
+        for attempt in range(3):
+            host = local_hostname or f"127.0.0.1:{_free_port()}"
+            self._store = MooncakeDistributedStore()
+            rc = self._store.setup(host, metadata_server, global_segment_size, local_buffer_size, protocol,
+                                   device, master)
+            if rc == 0:
+                break
+            self._store.close()
         if rc != 0:
             raise ConfigError(f"tiers.{name}.master: cannot join the Mooncake pool at master {master!r} "
                               f"with metadata server {metadata_server!r} (setup returned {rc})")
@@ -98,10 +105,11 @@ class MooncakeTier(Tier):
             raise ConfigError(f"tiers.{name}.staging_bytes: Mooncake refused to register the staging buffer "
                               f"({rc})")
         self._health = Health(name, self._probe)
-        self._counters = dict.fromkeys(("gets", "puts", "deletes", "corrupt_blocks", "faults", "bytes_read",
-                                        "bytes_written"), 0)
+        self._counters = dict.fromkeys(("gets", "puts", "deletes", "corrupt_blocks", "faults", "found",
+                                        "bytes_read", "bytes_written"), 0)
         self._closed = False
-        self.capabilities = TierCapabilities(device="mooncake", persistent=False, alignment=1, max_concurrency=1)
+        self.capabilities = TierCapabilities(device="mooncake", persistent=False, alignment=1, max_concurrency=1,
+                                             shared=True)
 
     def _probe(self) -> None:
         rc = self._store.batch_is_exist([f"{self.prefix}:.probe"])[0]
@@ -155,6 +163,42 @@ class MooncakeTier(Tier):
             for i, rc in zip(ask, found):
                 known[i] = rc == 1
         return known
+
+    def find(self, keys: Sequence[BlockKey]) -> list[int | None]:
+        """Indexed keys from the index; the others asked of the pool (``batch_is_exist``,
+        then the object's size): an object of a block's size (header + payload) is
+        indexed and budgeted while the budget has room. Its header and checksum are
+        checked when it is read."""
+        sizes = self._sizes
+        out: list[int | None] = [sizes.get(k) for k in keys]
+        ask = [j for j, n in enumerate(out) if n is None]
+        if not ask:
+            return out
+        self._health.check()
+        names = [_object_name(self.prefix, keys[j]) for j in ask]
+        exist = self._store.batch_is_exist(names)
+        if any(_master_down(rc) for rc in exist):
+            self._fault(min(exist), "is_exist")
+            raise TierUnavailableError("master unreachable during a lookup", tier=self.name)
+        for j, name, rc in zip(ask, names, exist):
+            if rc != 1:
+                continue
+            total = self._store.get_size(name)
+            if _master_down(total):
+                self._fault(total, f"get_size {name}")
+                raise TierUnavailableError("master unreachable during a lookup", tier=self.name)
+            n = total - HEADER_BYTES
+            if n <= 0:
+                continue
+            with self._lock:
+                if keys[j] in self._sizes:
+                    out[j] = self._sizes[keys[j]]
+                elif self._used + n <= self._capacity:
+                    self._sizes[keys[j]] = n
+                    self._used += n
+                    self._counters["found"] += 1
+                    out[j] = n
+        return out
 
     # -- reads ------------------------------------------------------------------------------
 

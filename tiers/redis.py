@@ -105,8 +105,9 @@ class RedisTier(Tier):
         self._lock = threading.Lock()
         self._closed = False
         self._counters = dict.fromkeys(("gets", "puts", "deletes", "corrupt_blocks", "vanished", "faults",
-                                        "oom_refused", "bytes_read", "bytes_written"), 0)
-        self.capabilities = TierCapabilities(device="redis", persistent=True, max_concurrency=concurrency)
+                                        "oom_refused", "found", "bytes_read", "bytes_written"), 0)
+        self.capabilities = TierCapabilities(device="redis", persistent=True, max_concurrency=concurrency,
+                                             shared=True)
 
     def _check_access(self) -> None:
         """SET, GET, GETRANGE, STRLEN, DEL and SCAN under the prefix, as the tier will."""
@@ -144,6 +145,44 @@ class RedisTier(Tier):
         blocks other nodes wrote since :meth:`recover` (which :meth:`read_into` still finds)."""
         index = self._index
         return [k in index for k in keys]
+
+    def find(self, keys: Sequence[BlockKey]) -> list[int | None]:
+        """Indexed keys from the index; the others with one pipelined ``GETRANGE`` of the
+        block header and ``STRLEN`` each (128 bytes back per key, no payload): a value
+        whose header is this key's block is indexed and budgeted while the budget has
+        room; a bad one is deleted and counted in ``corrupt_blocks``."""
+        index = self._index
+        out: list[int | None] = [index[k].nbytes if k in index else None for k in keys]
+        ask = [j for j, n in enumerate(out) if n is None]
+        if not ask:
+            return out
+        names = [self.key_name(keys[j]) for j in ask]
+        outcomes = self._run(names, lambda i: header_requests(names[i]), read_header_replies)
+        self._raise_faults(outcomes)
+        corrupt = []
+        with self._lock:
+            for j, name, o in zip(ask, names, outcomes):
+                if o is None or not isinstance(o, tuple):   # absent, or refused (e.g. NOPERM): not found
+                    continue
+                key = keys[j]
+                try:
+                    nbytes, _, _ = check_header(o, key.digest)
+                except CorruptBlockError as exc:
+                    log.warning("tier %s: dropping corrupt value %s: %s", self.name, name.decode(), exc)
+                    self._counters["corrupt_blocks"] += 1
+                    corrupt.append(name)
+                    continue
+                entry = self._index.get(key)
+                if entry is not None:          # a concurrent read or write indexed it
+                    out[j] = entry.nbytes
+                elif self._used + self._reserved + nbytes <= self._capacity:
+                    self._index[key] = _Entry(key, nbytes)
+                    self._used += nbytes
+                    self._counters["found"] += 1
+                    out[j] = nbytes
+        if corrupt:
+            self._delete_names(corrupt, quiet=True)
+        return out
 
     def _forget(self, key: BlockKey) -> None:
         """Caller holds the lock."""

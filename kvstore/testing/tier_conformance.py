@@ -63,6 +63,12 @@ class TierConformance:
         assert tier.read_into(keys[1:], [dst]) == [False]
         assert tier.contains(keys) == [True, False]
 
+    def test_find_answers_sizes(self, tier):
+        keys = make_keys(3, salt="find")
+        assert tier.write(keys[:2], [payload(0, self.BLOCK), payload(1, self.BLOCK)]) == [True, True]
+        assert tier.find(keys) == [self.BLOCK, self.BLOCK, None]
+        assert tier.find([]) == []
+
     def test_wrong_buffer_size_raises_and_keeps_data(self, tier):
         key = make_keys(1)
         src = payload(1, self.BLOCK)

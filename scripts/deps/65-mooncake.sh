@@ -16,5 +16,16 @@ if [ ${#need[@]} -gt 0 ]; then
         $SUDO apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null
     fi
 fi
-python -c "import mooncake.store" 2>/dev/null && command -v mooncake_master >/dev/null 2>&1 && exit 0
-python -m pip install -q --disable-pip-version-check "mooncake-transfer-engine-non-cuda==0.3.13.post1"
+WHEEL="mooncake-transfer-engine-non-cuda==0.3.13.post1"
+installed() {
+    python -c "import mooncake.store" 2>/dev/null && command -v mooncake_master >/dev/null 2>&1 \
+        && command -v mooncake_client >/dev/null 2>&1
+}
+installed && exit 0
+# A wheel that does not install here (no build for this platform or Python) must not stop
+# the rest of the suite: say so, loudly. Under CI every test of tests/test_tier_mooncake.py
+# then fails with the reason; elsewhere they are skipped with it. Never a silent skip.
+if ! python -m pip install -q --disable-pip-version-check "$WHEEL" || ! installed; then
+    echo "65-mooncake.sh: $WHEEL did not install (see pip's output above);" \
+         "the mooncake tier's tests fail under CI and are skipped elsewhere" >&2
+fi

@@ -115,9 +115,9 @@ class S3Tier(Tier):
         self._staging = Staging(self._part_size, self._multipart_threshold)
         self._closed = False
         self._counters = dict.fromkeys(("gets", "puts", "deletes", "corrupt_blocks", "ranged_gets",
-                                        "multipart_puts", "header_gets", "bytes_read", "bytes_written"), 0)
+                                        "multipart_puts", "header_gets", "found", "bytes_read", "bytes_written"), 0)
         self.capabilities = TierCapabilities(device="s3", persistent=True, max_concurrency=concurrency,
-                                             write_checksums=True)
+                                             write_checksums=True, shared=True)
 
     def _probe(self) -> None:
         """HEAD an object that never exists: a 404 proves the whole object path answers
@@ -139,6 +139,44 @@ class S3Tier(Tier):
         :meth:`recover`, which :meth:`read_into` still finds."""
         index = self._index
         return [k in index for k in keys]
+
+    def find(self, keys: Sequence[BlockKey]) -> list[int | None]:
+        """Indexed keys from the index; the others with one small ranged GET of the block
+        header each (verified: it gives the payload size), ``concurrency`` at a time in
+        prefix order, stopping after a round with a key not found (a prompt's cached
+        prefix ends there). Found blocks are indexed and budgeted while the budget has
+        room."""
+        index = self._index
+        out: list[int | None] = [index[k].nbytes if k in index else None for k in keys]
+        ask = [j for j, n in enumerate(out) if n is None]
+        if not ask:
+            return out
+        self._health.check()
+        step = max(1, self._concurrency)
+        for start in range(0, len(ask), step):
+            chunk = ask[start:start + step]
+            found = self._map(self._recover_one, [keys[j] for j in chunk], [0.0] * len(chunk))
+            self._settle([_Outcome(exc=exc) for _, exc in found])
+            missing = False
+            with self._lock:
+                for j, (entry, _) in zip(chunk, found):
+                    if entry is None:
+                        missing = True
+                        continue
+                    key = keys[j]
+                    known = self._index.get(key)
+                    if known is not None:
+                        out[j] = known.nbytes
+                    elif self._used + self._reserved + entry.nbytes <= self._capacity:
+                        self._index[key] = _Entry(key, entry.nbytes, header=entry.header)
+                        self._used += entry.nbytes
+                        self._counters["found"] += 1
+                        out[j] = entry.nbytes
+                    else:
+                        missing = True
+            if missing:
+                break
+        return out
 
     def _map(self, fn, *iterables) -> list:
         """Run ``fn`` over a batch on the pool; a single item, or a pool of one, runs on

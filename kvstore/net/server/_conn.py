@@ -312,7 +312,12 @@ class Connection(SameHostOps):
 
     async def _op_lookup(self, rid: int, args: tuple, header: P.Header) -> None:
         lease_s, keys = args
-        await self._reply(P.Op.LOOKUP, rid, P.encode_u32(self.server.store.lookup(keys, lease_s)))
+        store = self.server.store
+        if getattr(store, "discovers", False):   # may ask shared tiers (Redis, S3, Mooncake) over the network
+            n = await self.loop.run_in_executor(None, store.lookup, keys, lease_s)
+        else:
+            n = store.lookup(keys, lease_s)
+        await self._reply(P.Op.LOOKUP, rid, P.encode_u32(n))
 
     async def _op_hint(self, rid: int, args: tuple, header: P.Header) -> None:
         hint, keys = args
