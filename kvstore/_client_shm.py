@@ -5,8 +5,9 @@ server holds only below its first tier come over the socket (:mod:`kvstore._clie
 
 Both directions are verified: a put hashes each block as it copies it out of the
 caller's buffer and sends the checksums with SHM_COMMIT / SHM_PUT (the server publishes
-only matching blocks); a get hashes each block as it copies it into the caller's buffer
-and reports ``True`` only where it matches the checksum the server keeps for the slot.
+only matching blocks); a get hashes each block in the caller's buffer as it copies it
+there (the copy, not the arena slot it came from) and reports ``True`` only where it
+matches the checksum the server keeps for the slot.
 """
 
 from __future__ import annotations
@@ -112,10 +113,11 @@ class SameHostPath:
                 if not verify:
                     copy_batch(*args)
                     continue
-                # Each block is hashed on the arena side right after its copy (still in
-                # cache): one whose leased slot no longer holds the bytes the server
-                # stored is a miss, never a hit.
-                got_sums = copy_batch_hashed(*args, hash_source=True)
+                # Each block is hashed in the caller's buffer right after its copy (still
+                # in cache): what landed there, not the shared slot it came from, which
+                # a concurrent writer may change back between the copy and the hash. A
+                # block whose copy differs from the bytes the server stored is a miss.
+                got_sums = copy_batch_hashed(*args)
                 bad = [i for i, csum in zip(ii, got_sums) if csum != int(stored[i])]
                 for i in bad:
                     out[i] = False
