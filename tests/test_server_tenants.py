@@ -66,11 +66,11 @@ def _a_reads_back(server, keys, srcs, transport: str = "tcp") -> None:
 
 # -- isolation, path by path -----------------------------------------------------------------
 
-@pytest.mark.parametrize("transport", ["tcp", "shm"])
+@pytest.mark.parametrize("transport", ["tcp", "auto"])
 def test_b_cannot_read_see_or_delete_a_block_under_the_same_key(server, transport):
     keys, srcs = _saved_by_a(server, transport, f"same-{transport}")
     with Client(server.address, token=B, transport=transport) as b:
-        assert b.transport == transport
+        assert b.transport != "shm"                                  # never the shared arena
         assert b.contains(keys) == [False] * 3                      # CONTAINS
         assert b.lookup(keys) == 0 and b.lookup(keys, lease_s=30) == 0   # LOOKUP (and no lease)
         dsts = [np.zeros(BLOCK, np.uint8) for _ in keys]
@@ -84,7 +84,7 @@ def test_b_cannot_read_see_or_delete_a_block_under_the_same_key(server, transpor
     assert server.store.contains(stored) == [True] * 3 and not any(k in server.store._hints for k in stored)
 
 
-@pytest.mark.parametrize("transport", ["tcp", "shm"])
+@pytest.mark.parametrize("transport", ["tcp", "auto"])
 def test_the_same_key_holds_each_tenants_own_bytes(server, transport):
     """B saving A's key is not "already present" (no PRESENT from a reservation, no
     dedup): B stores its own block, and each tenant reads back its own bytes."""
@@ -99,37 +99,30 @@ def test_the_same_key_holds_each_tenants_own_bytes(server, transport):
     assert server.store.contains(keys) == [False] * 3               # the Store never saw the client keys
 
 
-def test_staged_shared_memory_puts_are_scoped(server):
-    """SHM_PUT (a client that may only read the arena puts through its staging region)."""
-    keys, srcs = _saved_by_a(server, "tcp", "staged")
-    theirs = [payload(200 + i, BLOCK) for i in range(3)]
-    with Client(server.address, token=B, transport="shm") as b:
-        b._arena.writable = False
-        assert b.save(keys, theirs).result(10) == [True] * 3
-        dsts = [np.zeros(BLOCK, np.uint8) for _ in keys]
-        assert b.load(keys, dsts).result(10) == [True] * 3
-        assert all(np.array_equal(t, d) for t, d in zip(theirs, dsts))
-    assert server.server.metrics.registry.get_sample_value("kvstore_requests_total",
-                                                           {"op": "SHM_PUT", "status": "OK"}) >= 1
-    _a_reads_back(server, keys, srcs, "shm")
-
-
-def test_raw_reservation_of_a_key_a_holds_is_not_present_for_b(server):
-    keys, _ = _saved_by_a(server, "tcp", "reserve")
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    sock.connect(server.server.socket_path)
+def test_a_tenant_client_gets_no_arena_and_still_works(server):
+    """Review F1: with tenants the shared arena is never offered (a process that maps it
+    reads and writes every tenant's hot-tier bytes): HELLO names none, a same-host client
+    takes the copy path, SHM_* ops are refused, and the arena is not under /dev/shm."""
+    assert server.server.arena is None and server.server.store.tiers[0].shm_path is None
+    for token in (A, B, OPERATOR):
+        with Client(server.address, token=token) as c:               # transport auto, same host
+            assert c.info["shm"] is None and c._arena is None and c.transport != "shm"
+    keys, srcs = _saved_by_a(server, "auto", "no-arena")
+    _a_reads_back(server, keys, srcs, "auto")
+    with pytest.raises(KVStoreError, match="no shared memory"):
+        Client(server.address, token=A, transport="shm")
+    sock = socket.create_connection(("127.0.0.1", server.server.port))
     try:
         raw_hello(sock, B)
-        hdr, body = call(sock, P.Op.SHM_RESERVE, P.encode_records(P.SIZED, keys, [BLOCK] * 3), rid=3)
-        assert hdr.status == 0
-        rid, placed = P.decode_placed(body, 3)
-        assert (placed["nbytes"] == BLOCK).all() and rid        # room for B's own copies, not PRESENT
-        hdr, body = call(sock, P.Op.SHM_COMMIT, P.encode_commit(rid, False), rid=4)   # abort
-        assert hdr.status == 0
+        hdr, _ = call(sock, P.Op.SHM_RESERVE, P.encode_records(P.SIZED, keys, [BLOCK] * 3), rid=3)
+        assert hdr.status == P.Status.UNAVAILABLE
     finally:
         sock.close()
-    with Client(server.address, token=A, transport="tcp") as a:
-        assert a.contains(keys) == [True] * 3
+
+
+def test_transport_shm_with_tenants_is_a_config_error():
+    with pytest.raises(ConfigError, match="server.transport"):
+        ThreadServer(config_dict(tiers=TWO_TIERS, transport="shm", tenants=TENANTS))
 
 
 def test_release_by_b_does_not_drop_a_lease(server):
@@ -306,7 +299,7 @@ def _tier(server, tenant: str, tier: str) -> dict:
     return server.server.stats()["tenants"][tenant]["tiers"][tier]
 
 
-@pytest.mark.parametrize("transport", ["tcp", "shm"])
+@pytest.mark.parametrize("transport", ["tcp", "auto"])
 def test_a_tenant_over_quota_evicts_its_own_blocks_first(quota_server, transport):
     s = quota_server
     mine, theirs = _keys(8, "a"), _keys(4, "b")
