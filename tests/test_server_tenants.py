@@ -1,17 +1,14 @@
 """Tenants (``server.tenants``): a real server on 127.0.0.1 with two tenants that use the
 very same client keys. Tenant B can never read, see, lease, hint, reserve over or delete
-tenant A's block on any path (TCP, shared memory: leased reads, reservations, staged
-puts; NIXL; the admin port); a tenant over its quota in a tier evicts its own blocks
-first; wrong tokens are refused; stats and metrics per tenant; config errors name the
-field."""
+tenant A's block on any path (TCP, the admin port; the shared arena and NIXL are not
+offered with tenants); a tenant over its quota in a tier evicts its own blocks first;
+wrong tokens are refused; stats and metrics per tenant; config errors name the field."""
 
 from __future__ import annotations
 
 import hashlib
 import hmac
-import importlib.util
 import json
-import os
 import socket
 import urllib.error
 import urllib.request
@@ -30,7 +27,7 @@ from kvstore.server import _protocol as P
 from kvstore.server._tenants import KEYLESS, SCOPED, Tenant
 from kvstore.testing import make_keys, payload
 from tests._hello import call, raw_hello
-from tests._servers import ProcessServer, ThreadServer, config_dict
+from tests._servers import ThreadServer, config_dict
 
 BLOCK = 256 * 1024
 A, B, OPERATOR = "token-of-a", "token-of-b", "operator-token"
@@ -70,7 +67,7 @@ def _a_reads_back(server, keys, srcs, transport: str = "tcp") -> None:
 def test_b_cannot_read_see_or_delete_a_block_under_the_same_key(server, transport):
     keys, srcs = _saved_by_a(server, transport, f"same-{transport}")
     with Client(server.address, token=B, transport=transport) as b:
-        assert b.transport != "shm"                                  # never the shared arena
+        assert b.transport == "tcp"                                  # never the shared arena (nor NIXL)
         assert b.contains(keys) == [False] * 3                      # CONTAINS
         assert b.lookup(keys) == 0 and b.lookup(keys, lease_s=30) == 0   # LOOKUP (and no lease)
         dsts = [np.zeros(BLOCK, np.uint8) for _ in keys]
@@ -106,7 +103,7 @@ def test_a_tenant_client_gets_no_arena_and_still_works(server):
     assert server.server.arena is None and server.server.store.tiers[0].shm_path is None
     for token in (A, B, OPERATOR):
         with Client(server.address, token=token) as c:               # transport auto, same host
-            assert c.info["shm"] is None and c._arena is None and c.transport != "shm"
+            assert c.info["shm"] is None and c._arena is None and c.transport == "tcp"
     keys, srcs = _saved_by_a(server, "auto", "no-arena")
     _a_reads_back(server, keys, srcs, "auto")
     with pytest.raises(KVStoreError, match="no shared memory"):
@@ -158,37 +155,35 @@ def test_every_op_is_scoped_or_carries_no_key():
 
 # -- NIXL ----------------------------------------------------------------------------------
 
-@pytest.mark.skipif(importlib.util.find_spec("nixl") is None, reason="nixl is not installed "
-                    "(bash scripts/deps/60-nixl.sh)")
-def test_nixl_paths_are_scoped(tmp_path):
-    env = {} if os.path.isdir("/sys/class/infiniband") else {"UCX_MODULES": "^ib"}
-    s = ProcessServer(config_dict(tiers=TWO_TIERS, transport="nixl", tenants=TENANTS), tmp_path, env=env)
+def test_nixl_is_refused_with_tenants(server):
+    """Review F4: the server's NIXL metadata names its registered arena (any NIXL peer
+    could READ and WRITE it), so with tenants NIXL is not offered: HELLO says so, a
+    NIXL_HELLO is refused before any peer metadata is loaded (no endpoint is even
+    started), an auto client takes TCP, and server.transport nixl is a config error."""
+    with Client(server.address, token=A) as a:                       # transport auto
+        assert a.info["nixl"] is False and a.transport == "tcp"
+        keys, srcs = _keys(2, "nixl-refused"), [payload(i, BLOCK) for i in range(2)]
+        assert a.save(keys, srcs).result(10) == [True, True]
+    _a_reads_back(server, keys, srcs)
+    conn = Conn(Address.parse(server.address), B, 30)
     try:
-        keys, srcs = _keys(3, "nixl"), [payload(i, BLOCK) for i in range(3)]
-        with Client(s.address, token=A, transport="nixl", timeout_s=30) as a:
-            assert a.transport == "nixl"
-            assert a.save(keys, srcs).result(30) == [True] * 3          # NIXL_PUT
-            conn = Conn(Address.parse(s.address), B, 30)                 # B presents A's agent: refused
-            try:
-                with pytest.raises(KVStoreError, match="another tenant"):
-                    conn.call(P.Op.NIXL_HELLO, a._nixl.endpoint.metadata())
-            finally:
-                conn.close()
-        with Client(s.address, token=B, transport="nixl", timeout_s=30) as b:
-            dsts = [np.zeros(BLOCK, np.uint8) for _ in keys]
-            assert b.load(keys, dsts).result(30) == [False] * 3         # NIXL_GET
-            assert b.contains(keys) == [False] * 3
-            theirs = [payload(50 + i, BLOCK) for i in range(3)]
-            assert b.save(keys, theirs).result(30) == [True] * 3
-            assert b.load(keys, dsts).result(30) == [True] * 3
-            assert all(np.array_equal(t, d) for t, d in zip(theirs, dsts))
-            assert b.stats()["server"]["nixl"]["gets"] >= 1
-        with Client(s.address, token=A, transport="nixl", timeout_s=30) as a:
-            dsts = [np.zeros(BLOCK, np.uint8) for _ in keys]
-            assert a.load(keys, dsts).result(30) == [True] * 3
-            assert all(np.array_equal(x, d) for x, d in zip(srcs, dsts))
+        with pytest.raises(KVStoreError, match="not offered with server.tenants"):
+            conn.call(P.Op.NIXL_HELLO, b"metadata of some agent")
     finally:
-        s.kill()
+        conn.close()
+    nixl = server.server.nixl
+
+    class _Conn:
+        tenant = Tenant("b", B, "salt-b")
+        nixl_peer = None
+
+    with pytest.raises(KVStoreError, match="not offered with server.tenants"):
+        nixl.hello(_Conn(), b"metadata of some agent")              # the service's own check
+    assert nixl._endpoint is None and not nixl._peers and not nixl.offered()
+    with pytest.raises(KVStoreError):
+        Client(server.address, token=A, transport="nixl")
+    with pytest.raises(ConfigError, match="server.transport"):
+        ThreadServer(config_dict(tiers=TWO_TIERS, transport="nixl", tenants=TENANTS))
 
 
 # -- authentication ------------------------------------------------------------------------

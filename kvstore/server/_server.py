@@ -70,8 +70,9 @@ class Server:
         self.config = config
         cfg = config.server
         self.tenants = Tenants(cfg)
-        if self.tenants.enabled and cfg.transport == "shm":
-            raise ConfigError("server.transport: 'shm' is not offered with server.tenants (the shared arena "
+        if self.tenants.enabled and cfg.transport in ("shm", "nixl"):
+            raise ConfigError(f"server.transport: {cfg.transport!r} is not offered with server.tenants (the "
+                              f"{'shared arena' if cfg.transport == 'shm' else 'NIXL metadata of the arena'} "
                               "would let every tenant read and write every other's blocks); use 'auto' or 'tcp'")
         if self.tenants.open and not cfg.allow_unauthenticated and not is_loopback(cfg.host):
             raise ConfigError(f"server.host {cfg.host!r} serves beyond this machine, and no server.token is set "
