@@ -309,7 +309,7 @@ def test_a_tenant_over_quota_evicts_its_own_blocks_first(quota_server, transport
         assert hot["used_bytes"] == 1 << 20 and hot["evictions"] == 4 and hot["quota_bytes"] == 1 << 20
         assert _tier(s, "a", "warm")["blocks"] == 4                     # spilled, as eviction does
         assert _tier(s, "b", "hot") == {"used_bytes": 1 << 20, "blocks": 4, "quota_bytes": None,
-                                        "evictions": 0, "quota_full": 0}   # B's blocks stayed
+                                        "evictions": 0, "quota_full": 0, "walk_capped": 0}   # B's stayed
         with Client(s.address, token=B, transport=transport) as b:        # lower-tier paths are scoped too
             assert b.load(mine[:4], [np.zeros(BLOCK, np.uint8) for _ in range(4)]).result(10) == [False] * 4
         dsts = [np.zeros(BLOCK, np.uint8) for _ in mine]
@@ -329,7 +329,7 @@ def test_an_insert_that_cannot_fit_the_quota_behaves_like_a_full_tier(quota_serv
     with Client(s.address, token="token-of-c", transport="tcp") as c:   # quota 0: never in hot
         assert c.save(_keys(2, "c"), [payload(i, BLOCK) for i in range(2)]).result(10) == [True] * 2
         assert _tier(s, "c", "hot") == {"used_bytes": 0, "blocks": 0, "quota_bytes": 0, "evictions": 0,
-                                        "quota_full": 2}
+                                        "quota_full": 2, "walk_capped": 0}
         assert _tier(s, "c", "warm")["blocks"] == 2
         dst = np.zeros(BLOCK, np.uint8)
         assert c.load(_keys(2, "c")[:1], [dst]).result(10) == [True]    # and no promotion into hot
