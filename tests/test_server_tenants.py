@@ -31,7 +31,8 @@ from tests._servers import ThreadServer, config_dict
 
 BLOCK = 256 * 1024
 A, B, OPERATOR = "token-of-a", "token-of-b", "operator-token"
-TENANTS = [{"name": "a", "token": A, "salt": "salt-a"}, {"name": "b", "token": B, "salt": "salt-b"}]
+TENANTS = [{"name": "a", "token": A, "salt": "salt-of-tenant-a-0001"}, {"name": "b", "token": B, "salt": "salt-of-tenant-b-0001"}]
+SALT1, SALT2 = "salt-one-0123456789", "salt-two-0123456789"
 TWO_TIERS = [{"name": "hot", "kind": "dram", "capacity": "16MiB", "pin": False},
              {"name": "warm", "kind": "dram", "capacity": "64MiB", "pin": False}]
 
@@ -77,7 +78,7 @@ def test_b_cannot_read_see_or_delete_a_block_under_the_same_key(server, transpor
         assert b.delete(keys) == 0                                   # DELETE
         assert b.clear(namespaces=[keys[0].namespace]) == 0          # CLEAR of the namespace
     _a_reads_back(server, keys, srcs, transport)
-    stored = Tenant("a", A, "salt-a").keys(keys)
+    stored = Tenant("a", A, "salt-of-tenant-a-0001").keys(keys)
     assert server.store.contains(stored) == [True] * 3 and not any(k in server.store._hints for k in stored)
 
 
@@ -174,7 +175,7 @@ def test_nixl_is_refused_with_tenants(server):
     nixl = server.server.nixl
 
     class _Conn:
-        tenant = Tenant("b", B, "salt-b")
+        tenant = Tenant("b", B, "salt-of-tenant-b-0001")
         nixl_peer = None
 
     with pytest.raises(KVStoreError, match="not offered with server.tenants"):
@@ -276,9 +277,9 @@ def test_operator_clear_removes_everything():
 
 # -- quotas ----------------------------------------------------------------------------------
 
-QUOTA_TENANTS = [{"name": "a", "token": A, "salt": "salt-a", "quota": {"hot": "1MiB"}},
-                 {"name": "b", "token": B, "salt": "salt-b"},
-                 {"name": "c", "token": "token-of-c", "salt": "salt-c", "quota": {"hot": 0}}]
+QUOTA_TENANTS = [{"name": "a", "token": A, "salt": "salt-of-tenant-a-0001", "quota": {"hot": "1MiB"}},
+                 {"name": "b", "token": B, "salt": "salt-of-tenant-b-0001"},
+                 {"name": "c", "token": "token-of-c", "salt": "salt-of-tenant-c-0001", "quota": {"hot": 0}}]
 
 
 @pytest.fixture
@@ -387,7 +388,7 @@ def test_without_tenants_keys_are_stored_as_sent():
 
 def test_the_key_mapping_is_the_documented_hkdf_and_hmac():
     """docs/server.md (Tenants) states the derivation; this recomputes it from there."""
-    salt, key = "salt-a", make_keys(2, salt="kat")[1]
+    salt, key = "salt-of-tenant-a-0001", make_keys(2, salt="kat")[1]
     prk = hmac.new(b"kvstore/tenant/v1", salt.encode(), hashlib.sha256).digest()
     k_map = hmac.new(prk, b"key-map\x01", hashlib.sha256).digest()
     tag = hmac.new(prk, b"tag\x01", hashlib.sha256).digest()[:8]
@@ -398,7 +399,7 @@ def test_the_key_mapping_is_the_documented_hkdf_and_hmac():
     got = Tenant("a", A, salt).keys([key])[0]
     assert got.digest == mapped(key.digest) and got.parent == mapped(key.parent)
     assert got.namespace == mapped(key.namespace)
-    other = Tenant("b", B, "salt-b").keys([key])[0]
+    other = Tenant("b", B, "salt-of-tenant-b-0001").keys([key])[0]
     assert other.digest != got.digest and other.digest[:8] != got.digest[:8]
     assert Tenant("d", None, None).keys([key])[0] is key                  # no tenants: as sent
 
@@ -406,32 +407,36 @@ def test_the_key_mapping_is_the_documented_hkdf_and_hmac():
 # -- configuration --------------------------------------------------------------------------
 
 @pytest.mark.parametrize("tenants, where", [
-    ([{"name": "a", "token": A, "salt": "s1"}, {"name": "a", "token": B, "salt": "s2"}], "tenants.1.name"),
-    ([{"name": "a", "token": A, "salt": "s1"}, {"name": "b", "token": A, "salt": "s2"}], "tenants.1.token"),
-    ([{"name": "a", "token": A, "salt": "s1"}, {"name": "b", "token": B, "salt": "s1"}], "tenants.1.salt"),
-    ([{"name": "a", "token": "", "salt": "s1"}], "server.tenants.0: token is set but empty"),
-    ([{"name": "a", "token": None, "salt": "s1"}], "server.tenants.0: token is set but empty"),
-    ([{"name": "a", "salt": "s1"}], "server.tenants.0.token"),
+    ([{"name": "a", "token": A, "salt": SALT1}, {"name": "a", "token": B, "salt": SALT2}], "tenants.1.name"),
+    ([{"name": "a", "token": A, "salt": SALT1}, {"name": "b", "token": A, "salt": SALT2}], "tenants.1.token"),
+    ([{"name": "a", "token": A, "salt": SALT1}, {"name": "b", "token": B, "salt": SALT1}], "tenants.1.salt"),
+    ([{"name": "a", "token": "", "salt": SALT1}], "server.tenants.0: token is set but empty"),
+    ([{"name": "a", "token": None, "salt": SALT1}], "server.tenants.0: token is set but empty"),
+    ([{"name": "a", "salt": SALT1}], "server.tenants.0.token"),
     ([{"name": "a", "token": A, "salt": ""}], "server.tenants.0.salt"),
     ([{"name": "a", "token": A}], "server.tenants.0.salt"),
-    ([{"name": "a", "token": A, "salt": "s", "quota": {"cold": "1GiB"}}], "server.tenants.0.quota.cold"),
-    ([{"name": "a", "token": A, "salt": "s", "quota": {"hot": "lots"}}], "server.tenants.0.quota.hot"),
-    ([{"name": "a b", "token": A, "salt": "s"}], "server.tenants.0.name"),
-    ([{"name": "default", "token": A, "salt": "s"}], "tenants.0.name: 'default' is already"),
-    ([{"name": "a", "token": OPERATOR, "salt": "s"}], "tenants.0.token: this token is already server.token"),
+    ([{"name": "a", "token": A, "salt": "a" * 15}], "server.tenants.0.salt: salt has 15 characters, needs at least 16"),
+    ([{"name": "a", "token": A, "salt": SALT1, "quota": {"cold": "1GiB"}}], "server.tenants.0.quota.cold"),
+    ([{"name": "a", "token": A, "salt": SALT1, "quota": {"hot": "lots"}}], "server.tenants.0.quota.hot"),
+    ([{"name": "a b", "token": A, "salt": SALT1}], "server.tenants.0.name"),
+    ([{"name": "default", "token": A, "salt": SALT1}], "tenants.0.name: 'default' is already"),
+    ([{"name": "a", "token": OPERATOR, "salt": SALT1}], "tenants.0.token: this token is already server.token"),
 ])
 def test_config_errors_name_the_field(tenants, where):
-    with pytest.raises(ConfigError, match=where.replace(".", r"\.")):
+    with pytest.raises(ConfigError, match=where.replace(".", r"\.")) as err:
         load_config(config_dict(token=OPERATOR, tenants=tenants), env={})
+    for t in tenants:   # review F6: a salt is a secret, like a token: never echoed
+        for secret in (t.get("salt"), t.get("token")):
+            assert not secret or repr(secret) not in str(err.value)
 
 
 def test_tenant_tokens_come_from_the_environment_too():
-    cfg = load_config(config_dict(tenants=[{"name": "a", "token": "placeholder", "salt": "s"}]),
+    cfg = load_config(config_dict(tenants=[{"name": "a", "token": "placeholder", "salt": SALT1}]),
                       env={"KVSTORE_SERVER__TENANTS__a__TOKEN": "from-env",
                            "KVSTORE_SERVER__TENANTS__0__QUOTA": "{hot: 2MiB}"})
     assert cfg.server.tenants[0].token == "from-env" and cfg.server.tenants[0].quota == {"hot": 2 << 20}
     with pytest.raises(ConfigError, match="token is set but empty"):
-        load_config(config_dict(tenants=[{"name": "a", "token": "t", "salt": "s"}]),
+        load_config(config_dict(tenants=[{"name": "a", "token": "t", "salt": SALT1}]),
                     env={"KVSTORE_SERVER__TENANTS__0__TOKEN": ""})
 
 
