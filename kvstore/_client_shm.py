@@ -12,18 +12,21 @@ matches the checksum the server keeps for the slot.
 
 from __future__ import annotations
 
+import logging
 from concurrent.futures import Executor
 from typing import Any
 
 import numpy as np
 
-from kvstore._client_tcp import Integrity, raise_mismatch, tcp_get
+from kvstore._client_tcp import Integrity, raise_mismatch, tcp_get, tcp_put
 from kvstore.buffers.host import copy_batch, copy_batch_hashed
 from kvstore._wire import ArenaMap, Conn
 from kvstore.buffers import nbytes_of
-from kvstore.errors import RemoteError
+from kvstore.errors import InvalidArgumentError, RemoteError
 from kvstore.keys import BlockKey
 from kvstore.server import _protocol as P
+
+log = logging.getLogger("kvstore.client")
 
 
 class SameHostPath:
@@ -37,6 +40,24 @@ class SameHostPath:
         self._copier, self._copy_threads = copier, copy_threads
         self._staging_bytes = staging_bytes
         self.max_batch = max_batch
+        self._staging_refused = False
+
+    def _attach(self, conn: Conn) -> bool:
+        """The connection's staging region, attached now if need be. False where the
+        server refuses it: it maps only a region it can tell is this process's (its pid
+        in the name, seen through SO_PEERCRED; a client in another PID namespace is not
+        told apart): such blocks then go over the socket."""
+        if conn.staging is not None:
+            return True
+        if self._staging_refused:
+            return False
+        try:
+            conn.attach_staging(self._staging_bytes)
+        except InvalidArgumentError as exc:
+            self._staging_refused = True
+            log.info("%s; staged blocks go over the socket", exc)
+            return False
+        return True
 
     def put(self, conn: Conn, keys: list[BlockKey], srcs: list[Any]) -> list[bool]:
         if not self._arena.writable:
@@ -76,7 +97,9 @@ class SameHostPath:
         return out
 
     def _staged_put(self, conn: Conn, keys: list[BlockKey], srcs: list[Any]) -> list[bool]:
-        staging = conn.attach_staging(self._staging_bytes)
+        if not self._attach(conn):
+            return tcp_put(conn, keys, srcs, self._integrity)
+        staging = conn.staging
         sizes, offsets, pos = [], [], 0
         for src in srcs:
             n = nbytes_of(src)
@@ -130,7 +153,7 @@ class SameHostPath:
         socket_idx = np.flatnonzero((got >= 0) & (where == P.WHERE_SOCKET)).tolist()
         if socket_idx:
             if conn.staging is None:  # next time the server loads such blocks into staging
-                conn.attach_staging(self._staging_bytes)
+                self._attach(conn)
             res = tcp_get(conn, [keys[i] for i in socket_idx], [dsts[i] for i in socket_idx], self._integrity)
             for i, ok in zip(socket_idx, res):
                 out[i] = ok

@@ -123,3 +123,27 @@ def test_shm_attach_with_tenants_is_refused(tmp_path):
         staging.unlink()
         staging.close()
         s.stop()
+
+
+def test_a_client_whose_region_is_refused_puts_and_gets_over_the_socket(monkeypatch):
+    # A client the server cannot tell from its pid (another PID namespace, here a
+    # region named for another pid): SHM_ATTACH is refused, its staged blocks go over
+    # the socket instead, and nothing fails.
+    tiers = [{"name": "hot", "kind": "dram", "capacity": "1MiB", "pin": False},
+             {"name": "warm", "kind": "dram", "capacity": "16MiB", "pin": False}]
+    s = ThreadServer(config_dict(tiers=tiers))
+    try:
+        keys = make_keys(8, salt="f3-refused")
+        srcs = [payload(100 + i, 256 * 1024) for i in range(8)]
+        with Client(s.address, transport="shm") as c:
+            c._arena.writable = False
+            real_pid = os.getpid
+            monkeypatch.setattr(os, "getpid", lambda: real_pid() + 1)   # the region's name
+            assert c.save(keys, srcs).result(10) == [True] * 8           # 4 spill to warm
+            monkeypatch.undo()
+            dsts = [np.zeros(256 * 1024, np.uint8) for _ in keys]
+            assert c.load(keys, dsts).result(10) == [True] * 8          # warm blocks: the socket
+            assert all(np.array_equal(a, b) for a, b in zip(srcs, dsts))
+            assert c._shm._staging_refused
+    finally:
+        s.stop()
