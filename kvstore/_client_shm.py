@@ -22,6 +22,7 @@ from kvstore._client_tcp import Integrity, raise_mismatch, tcp_get, tcp_put
 from kvstore.buffers.host import copy_batch, copy_batch_hashed
 from kvstore._wire import ArenaMap, Conn
 from kvstore.buffers import nbytes_of
+from kvstore.buffers.views import is_device
 from kvstore.errors import InvalidArgumentError, RemoteError
 from kvstore.keys import BlockKey
 from kvstore.server import _protocol as P
@@ -140,7 +141,22 @@ class SameHostPath:
                 # in cache): what landed there, not the shared slot it came from, which
                 # a concurrent writer may change back between the copy and the hash. A
                 # block whose copy differs from the bytes the server stored is a miss.
+                # A device buffer cannot be hashed here: its block lands in a private
+                # host buffer first (hashed there), then goes on to the device.
+                dev = [k for k, i in enumerate(ii) if is_device(dsts[i])]
+                if dev:
+                    bounce = np.empty(sum(sizes[ii[k]] for k in dev), np.uint8)
+                    bounced, at, pos = list(args[0]), [], 0
+                    for k in dev:
+                        n = sizes[ii[k]]
+                        bounced[k] = bounce[pos:pos + n]
+                        at.append(pos)
+                        pos += n
+                    args = (bounced,) + args[1:8] + (None,)
                 got_sums = copy_batch_hashed(*args)
+                if dev:
+                    copy_batch([dsts[ii[k]] for k in dev], [sizes[ii[k]] for k in dev], bounce,
+                               bounce.ctypes.data, at, False, None, 1)
                 bad = [i for i, csum in zip(ii, got_sums) if csum != int(stored[i])]
                 for i in bad:
                     out[i] = False

@@ -139,3 +139,32 @@ def test_a_save_is_verified_as_copied_into_the_slot(monkeypatch, transport):
                 assert not ok or np.array_equal(d, src)
     finally:
         s.stop()
+
+
+def test_a_same_host_get_into_device_buffers_hashes_a_private_copy(monkeypatch):
+    """A device buffer cannot be hashed on the host: its block is copied out of the
+    arena into a private host buffer, hashed there, and only then sent to the device
+    (never straight from the shared slot). torch's "meta" device and a recording copier
+    stand in for a GPU."""
+    torch = pytest.importorskip("torch")
+    s = ThreadServer(config_dict("16MiB"))
+    try:
+        keys = make_keys(2, salt="f2a-device")
+        srcs = [payload(65 + i, BLOCK) for i in range(2)]
+        with Client(s.address, transport="shm", timeout_s=30) as c:
+            assert c.save(keys, srcs).result(10) == [True, True]
+            arena = c._arena
+            sent = []
+            monkeypatch.setattr(host, "copy_device_pairs",
+                                lambda pairs, pinned=False: sent.extend(np.array(src) for _, src in pairs))
+            racer = _RacingWriter(monkeypatch, arena.address, arena.nbytes)
+            dsts = [torch.empty(BLOCK, dtype=torch.uint8, device="meta") for _ in keys]
+            got = c.load(keys, dsts).result(10)
+            assert racer.fired == 1 and len(sent) == 2
+            # what went to the device is what was hashed: the block that caught the
+            # writer is a miss, the other True with exactly its bytes
+            assert got.count(False) == 1
+            for ok, dev_bytes, src in zip(got, sent, srcs):
+                assert ok == np.array_equal(dev_bytes, src)
+    finally:
+        s.stop()
