@@ -19,7 +19,10 @@ refused in that level as by a full tier (counted in ``quota_full``; a save then 
 the next level). A quota is a cap, not a reservation: a full tier still evicts in its
 policy's order across tenants. The walk for a tenant's own victims steps over other
 tenants' blocks ahead of its first one, a skip as far as the policy can tell (as for a
-leased block: S3-FIFO and SIEVE move such keys on).
+leased block: S3-FIFO and SIEVE move such keys on). So it is bounded: a tenant that
+holds no bytes in the level has nothing to evict and is refused at once (no walk), and
+a walk stops after :data:`WALK_STEPS` keys (what is still over the quota is refused;
+counted in ``walk_capped``), so no save walks the whole shared policy under the lock.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ if TYPE_CHECKING:
     from kvstore.store import Store
 
 TAG_BYTES = 8   # a tenant's keys all begin with its tag (see kvstore.net.server._tenants)
+WALK_STEPS = 1024   # keys one quota eviction walk may pull from a level's policy
 
 
 class TenantLedger:
@@ -53,6 +57,7 @@ class TenantLedger:
         self._pending = {name: [0] * n for name in names}    # admitted, not yet indexed
         self._evictions = {name: [0] * n for name in names}
         self._quota_full = {name: [0] * n for name in names}
+        self._walk_capped = {name: [0] * n for name in names}   # walks stopped at WALK_STEPS
 
     def owner(self, key: BlockKey) -> str | None:
         return self._tags.get(key.digest[:TAG_BYTES])
@@ -109,7 +114,8 @@ class TenantLedger:
         charged: dict[BlockKey, tuple[str, int]] = {}
         for name, idx in groups.items():
             incoming = sum(sizes[j] for j in idx)
-            if evict and self._over(name, i, incoming) > 0:
+            # nothing of its own indexed here: nothing to evict, no walk (the batch is refused)
+            if evict and self._used[name][i] > 0 and self._over(name, i, incoming) > 0:
                 self._evict_own(store, i, name, incoming, protect, victims)
             over = self._over(name, i, incoming)
             while over > 0 and idx:   # the tail of the batch goes: its prefix stays useful
@@ -134,14 +140,18 @@ class TenantLedger:
     def _evict_own(self, store: "Store", i: int, name: str, incoming: int, protect: set[bytes | None] | None,
                    victims: list[tuple[BlockKey, int]]) -> None:
         """Take ``name``'s own blocks out of level ``i`` in its policy's order until its
-        bytes there plus ``incoming`` fit its quota (or none is left to take)."""
+        bytes there plus ``incoming`` fit its quota, none is left to take, or
+        :data:`WALK_STEPS` keys were looked at (counted in ``walk_capped``)."""
         now = store._clock()
         owner, taken = self.owner, len(victims)
-        for key in store._levels[i].policy.victims():
+        for step, key in enumerate(store._levels[i].policy.victims()):
+            if step >= WALK_STEPS:
+                self._walk_capped[name][i] += 1
+                break
             if owner(key) != name or not store._evictable(key, now, protect):
                 continue
             store._take_victim(i, key, victims)
-            if self._over(name, i, incoming) <= 0:
+            if self._over(name, i, incoming) <= 0 or self._used[name][i] <= 0:
                 break   # stop at the victim that makes room (see Store._choose_victims)
         if store._events is not None and len(victims) > taken:
             store._events.removed(i, [key for key, _ in victims[taken:]])
@@ -155,10 +165,11 @@ class TenantLedger:
         for name in self._used:
             tiers = {tier: {"used_bytes": self._used[name][i], "blocks": self._blocks[name][i],
                             "quota_bytes": self._quota[name][i], "evictions": self._evictions[name][i],
-                            "quota_full": self._quota_full[name][i]}
+                            "quota_full": self._quota_full[name][i],
+                            "walk_capped": self._walk_capped[name][i]}
                      for i, tier in enumerate(self.levels)}
             out[name] = {"tiers": tiers}
         return out
 
 
-__all__ = ["TAG_BYTES", "TenantLedger"]
+__all__ = ["TAG_BYTES", "TenantLedger", "WALK_STEPS"]

@@ -328,6 +328,9 @@ class PlacementConfig(_Frozen):
     selective_threshold: int = Field(2, ge=1)
 
 
+MIN_SALT_CHARS = 16   # a tenant's salt (server.tenants.<i>.salt) is a secret
+
+
 class TenantConfig(_Frozen):
     """One tenant of the cache server (``server.tenants``, see ``docs/server.md``,
     Tenants): clients that authenticate with ``token`` work in the key space of
@@ -345,6 +348,12 @@ class TenantConfig(_Frozen):
     def _some_salt(cls, salt: str) -> str:
         if not salt.strip():
             raise ValueError("salt is blank; give each tenant a salt of its own")
+        # KV events carry keys mapped under the salt alone: whoever knows (or guesses) it
+        # can test which of the tenant's prompts are cached. A secret, like the token.
+        if len(salt) < MIN_SALT_CHARS:
+            raise ValueError(f"salt has {len(salt)} characters, needs at least {MIN_SALT_CHARS}: it is a "
+                             "secret, like the token (KV events carry keys mapped under it); e.g. "
+                             "`python -c 'import secrets; print(secrets.token_hex(16))'`")
         return salt
 
 
@@ -388,7 +397,7 @@ class ServerConfig(_Frozen):
                 value = getattr(tenant, field_name)
                 other = seen[field_name].get(value)
                 if other is not None:
-                    shown = "this token" if field_name == "token" else repr(value)
+                    shown = f"this {field_name}" if field_name in ("token", "salt") else repr(value)
                     raise ValueError(f"tenants.{i}.{field_name}: {shown} is already {other}; each tenant "
                                      f"needs its own {field_name}")
                 seen[field_name][value] = f"the {field_name} of tenants.{i}"
@@ -515,7 +524,9 @@ def _describe(exc: ValidationError, prefix: str = "") -> str:
         if err["type"] == "extra_forbidden":
             msg = "unknown field"
         got = err.get("input")
-        got_text = "" if err["type"] in ("missing",) or isinstance(got, (dict, list)) else f" (got {got!r})"
+        secret = bool(parts) and parts[-1] in ("token", "salt")   # never echoed into logs
+        got_text = "" if err["type"] in ("missing",) or isinstance(got, (dict, list)) or secret \
+            else f" (got {got!r})"
         lines.append(f"  {loc or '<root>'}: {msg}{got_text}")
     return "\n".join(lines)
 

@@ -504,7 +504,7 @@ class Store(TierMovement, StoreHints):
 
     # -- data path ----------------------------------------------------------------------
 
-    def _save(self, keys: list[BlockKey], srcs: list[Any]) -> list[bool]:
+    def _save(self, keys: list[BlockKey], srcs: list[Any], sums: list[int] | None = None) -> list[bool]:
         # Same key, same content: a key cached in any tier is only touched, never
         # rewritten, so a save can never change what a later load returns.
         with self._lock:
@@ -521,31 +521,37 @@ class Store(TierMovement, StoreHints):
         if len(fresh) < len(keys):
             stored = [True] * len(keys)
             if fresh:
-                for j, ok in zip(fresh, self._save_new([keys[j] for j in fresh], [srcs[j] for j in fresh])):
+                for j, ok in zip(fresh, self._save_new([keys[j] for j in fresh], [srcs[j] for j in fresh],
+                                                       None if sums is None else [sums[j] for j in fresh])):
                     stored[j] = ok
             return stored
-        return self._save_new(keys, srcs)
+        return self._save_new(keys, srcs, sums)
 
     def _save_checked(self, keys: list[BlockKey], srcs: list[Any], sums: list[int]) -> list[bool]:
+        # Checked here, and handed down: a tier that takes checksums (DRAM) checks the
+        # bytes again as they landed in it, so a source changed by another writer (a
+        # shared staging region) between this check and the tier's copy is refused.
         good = [j for j, (src, csum) in enumerate(zip(srcs, sums)) if checksum(host_view(src)) == csum]
         if len(good) == len(keys):
-            return self._save(keys, srcs)
+            return self._save(keys, srcs, sums)
         with self._lock:
             self._ops["refused_checksum"] += len(keys) - len(good)
         log.warning("save: %d of %d blocks did not match their writer's checksum; not stored",
                     len(keys) - len(good), len(keys))
         out = [False] * len(keys)
-        for j, ok in zip(good, self._save([keys[j] for j in good], [srcs[j] for j in good]) if good else []):
+        for j, ok in zip(good, self._save([keys[j] for j in good], [srcs[j] for j in good],
+                                          [sums[j] for j in good]) if good else []):
             out[j] = ok
         return out
 
-    def _save_new(self, keys: list[BlockKey], srcs: list[Any]) -> list[bool]:
-        stored = self._put(0, keys, srcs)
+    def _save_new(self, keys: list[BlockKey], srcs: list[Any], sums: list[int] | None = None) -> list[bool]:
+        stored = self._put(0, keys, srcs, sums)
         if self.placement.write is WriteMode.THROUGH:
             # a discard block is not kept past the tier that took it
             through = [j for j, k in enumerate(keys) if not (stored[j] and self._hint_index.is_discard(k))]
             for i in range(1, len(self._levels)):
-                below = self._put(i, [keys[j] for j in through], [srcs[j] for j in through])
+                below = self._put(i, [keys[j] for j in through], [srcs[j] for j in through],
+                                  None if sums is None else [sums[j] for j in through])
                 for j, ok in zip(through, below):
                     stored[j] = stored[j] or ok
         elif len(self._levels) > 1:
@@ -554,7 +560,8 @@ class Store(TierMovement, StoreHints):
             for i in range(1, len(self._levels)):
                 if not missed:
                     break
-                got = self._put(i, [keys[j] for j in missed], [srcs[j] for j in missed])
+                got = self._put(i, [keys[j] for j in missed], [srcs[j] for j in missed],
+                                None if sums is None else [sums[j] for j in missed])
                 for j, ok in zip(missed, got):
                     stored[j] = ok
                 missed = [j for j, ok in zip(missed, got) if not ok]

@@ -152,7 +152,7 @@ class DramTier(ArenaTier):
         self._corrupt = 0           # slots whose bytes no longer matched their checksum
         self._refused = 0           # reserved blocks whose bytes did not match the writer's checksum
         self.capabilities = TierCapabilities(device="cpu", alignment=SLOT_ALIGN, max_concurrency=1,
-                                             zero_copy_view=True)
+                                             zero_copy_view=True, write_checksums=True)
 
     @property
     def pinned(self) -> bool:
@@ -182,12 +182,20 @@ class DramTier(ArenaTier):
             self._corrupt += 1
             log.warning("DRAM tier %s: block %r failed its checksum on %s; dropped", self.name, key, what)
 
-    def write(self, keys: Sequence[BlockKey], srcs: Sequence[Any]) -> list[bool]:
+    def write(self, keys: Sequence[BlockKey], srcs: Sequence[Any],
+              checksums: Sequence[int | None] | None = None) -> list[bool]:
+        """Store a copy of each source. ``checksums`` (one per source, ``None``: none
+        given): the XXH3-64 its writer vouched for (a client's, or the slot a spill comes
+        from); a copy whose bytes, as they landed in the slot, do not match is freed and
+        refused (``False``, counted in ``refused_writes``): a source changed by someone
+        else between its check and this copy is never stored under a fresh checksum."""
         # Reserve every slot of the batch under one lock hold, so a batch lands in
         # adjacent slots when the arena has the room (same-host readers then copy it
         # as one range); copy outside the lock (device sources as one batch), publish
         # at the end.
         check_batch(keys, srcs)
+        if checksums is not None:
+            check_batch(keys, checksums, "checksums")
         sizes = [nbytes_of(src) for src in srcs]
         reserved = self._index.reserve_many(keys, sizes)
         held = [(j, entry, src) for j, (entry, src) in enumerate(zip(reserved, srcs)) if isinstance(entry, tuple)]
@@ -198,8 +206,17 @@ class DramTier(ArenaTier):
             self._index.abort_many(reserved)
             raise
         sums: list[int | None] = [None] * len(keys)
-        for (j, _, _), csum in zip(held, got):
+        bad = []
+        for (j, entry, _), csum in zip(held, got):
+            if checksums is not None and checksums[j] is not None and checksums[j] != csum:
+                bad.append(entry)
+                reserved[j] = None
             sums[j] = csum
+        if bad:
+            self._index.abort_many(bad)
+            self._refused += len(bad)
+            log.warning("DRAM tier %s: %d blocks did not match their writer's checksum once copied; refused",
+                        self.name, len(bad))
         return self._index.commit_many(keys, reserved, sums)
 
     def _copy(self, bufs: list[Any], offsets: list[int], sizes: list[int], *, to_arena: bool) -> list[int]:

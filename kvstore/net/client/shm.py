@@ -5,8 +5,9 @@ server holds only below its first tier come over the socket (:mod:`kvstore.net.c
 
 Both directions are verified: a put hashes each block as it copies it out of the
 caller's buffer and sends the checksums with SHM_COMMIT / SHM_PUT (the server publishes
-only matching blocks); a get hashes each block as it copies it into the caller's buffer
-and reports ``True`` only where it matches the checksum the server keeps for the slot.
+only matching blocks); a get hashes each block in the caller's buffer as it copies it
+there (the copy, not the arena slot it came from) and reports ``True`` only where it
+matches the checksum the server keeps for the slot.
 """
 
 from __future__ import annotations
@@ -19,10 +20,11 @@ import numpy as np
 
 from kvstore.buffers import nbytes_of
 from kvstore.buffers.host import copy_batch, copy_batch_hashed
-from kvstore.errors import KVStoreError, RemoteError
+from kvstore.buffers.views import is_device
+from kvstore.errors import InvalidArgumentError, KVStoreError, RemoteError
 from kvstore.keys import BlockKey
 from kvstore.net import protocol as P
-from kvstore.net.client.tcp import Integrity, raise_mismatch, tcp_get
+from kvstore.net.client.tcp import Integrity, raise_mismatch, tcp_get, tcp_put
 from kvstore.net.client.wire import Address, ArenaMap, Conn
 
 log = logging.getLogger("kvstore.client")
@@ -44,6 +46,8 @@ def same_server_socket(address: Address, path: str, instance: Any, connect: Call
         return None
     return probe
 
+log = logging.getLogger("kvstore.client")
+
 
 class SameHostPath:
     """Puts and gets through ``arena`` (the server's, mapped here). ``copier`` and
@@ -56,6 +60,24 @@ class SameHostPath:
         self._copier, self._copy_threads = copier, copy_threads
         self._staging_bytes = staging_bytes
         self.max_batch = max_batch
+        self._staging_refused = False
+
+    def _attach(self, conn: Conn) -> bool:
+        """The connection's staging region, attached now if need be. False where the
+        server refuses it: it maps only a region it can tell is this process's (its pid
+        in the name, seen through SO_PEERCRED; a client in another PID namespace is not
+        told apart): such blocks then go over the socket."""
+        if conn.staging is not None:
+            return True
+        if self._staging_refused:
+            return False
+        try:
+            conn.attach_staging(self._staging_bytes)
+        except InvalidArgumentError as exc:
+            self._staging_refused = True
+            log.info("%s; staged blocks go over the socket", exc)
+            return False
+        return True
 
     def put(self, conn: Conn, keys: list[BlockKey], srcs: list[Any]) -> list[bool]:
         if not self._arena.writable:
@@ -95,7 +117,9 @@ class SameHostPath:
         return out
 
     def _staged_put(self, conn: Conn, keys: list[BlockKey], srcs: list[Any]) -> list[bool]:
-        staging = conn.attach_staging(self._staging_bytes)
+        if not self._attach(conn):
+            return tcp_put(conn, keys, srcs, self._integrity)
+        staging = conn.staging
         sizes, offsets, pos = [], [], 0
         for src in srcs:
             n = nbytes_of(src)
@@ -132,10 +156,26 @@ class SameHostPath:
                 if not verify:
                     copy_batch(*args)
                     continue
-                # Each block is hashed on the arena side right after its copy (still in
-                # cache): one whose leased slot no longer holds the bytes the server
-                # stored is a miss, never a hit.
-                got_sums = copy_batch_hashed(*args, hash_source=True)
+                # Each block is hashed in the caller's buffer right after its copy (still
+                # in cache): what landed there, not the shared slot it came from, which
+                # a concurrent writer may change back between the copy and the hash. A
+                # block whose copy differs from the bytes the server stored is a miss.
+                # A device buffer cannot be hashed here: its block lands in a private
+                # host buffer first (hashed there), then goes on to the device.
+                dev = [k for k, i in enumerate(ii) if is_device(dsts[i])]
+                if dev:
+                    bounce = np.empty(sum(sizes[ii[k]] for k in dev), np.uint8)
+                    bounced, at, pos = list(args[0]), [], 0
+                    for k in dev:
+                        n = sizes[ii[k]]
+                        bounced[k] = bounce[pos:pos + n]
+                        at.append(pos)
+                        pos += n
+                    args = (bounced,) + args[1:8] + (None,)
+                got_sums = copy_batch_hashed(*args)
+                if dev:
+                    copy_batch([dsts[ii[k]] for k in dev], [sizes[ii[k]] for k in dev], bounce,
+                               bounce.ctypes.data, at, False, None, 1)
                 bad = [i for i, csum in zip(ii, got_sums) if csum != int(stored[i])]
                 for i in bad:
                     out[i] = False
@@ -148,7 +188,7 @@ class SameHostPath:
         socket_idx = np.flatnonzero((got >= 0) & (where == P.WHERE_SOCKET)).tolist()
         if socket_idx:
             if conn.staging is None:  # next time the server loads such blocks into staging
-                conn.attach_staging(self._staging_bytes)
+                self._attach(conn)
             res = tcp_get(conn, [keys[i] for i in socket_idx], [dsts[i] for i in socket_idx], self._integrity)
             for i, ok in zip(socket_idx, res):
                 out[i] = ok

@@ -419,6 +419,8 @@ class Connection(SameHostOps):
     # -- NIXL (see kvstore/net/server/_nixl.py) ----------------------------------------------------
 
     async def _op_nixl_hello(self, rid: int, metadata: bytes, header: P.Header) -> None:
+        if self.server.tenants.enabled:   # before any metadata is loaded (see NixlService.hello)
+            raise TransportError("NIXL is not offered with server.tenants; use TCP")
         if not self.server.nixl.offered():
             raise TransportError("this server does not offer NIXL")
         meta = await self.loop.run_in_executor(None, self.server.nixl.hello, self, metadata)

@@ -10,6 +10,8 @@ count against ``max_inflight_bytes`` and end when the connection closes.
 from __future__ import annotations
 
 import asyncio
+import socket
+import struct
 
 import numpy as np
 
@@ -30,11 +32,21 @@ class SameHostOps:
                          "of a server whose first tier is a shared DRAM arena")
 
     async def _op_shm_attach(self, rid: int, args: dict, header: P.Header) -> None:
+        # A staging region is mapped read-write: the server reads puts from it and writes
+        # gets into it. Only the process that created it may attach it, so only on the
+        # Unix socket, whose peer the kernel names (SO_PEERCRED: the file's owner and the
+        # pid in its name), and never with tenants (who share a uid, and no arena).
+        if self.server.tenants.enabled:
+            raise _Fatal(P.Status.UNAVAILABLE, "SHM_ATTACH is not offered with server.tenants")
+        if self.sock.family != socket.AF_UNIX:
+            raise _Fatal(P.Status.UNAVAILABLE, "SHM_ATTACH is only offered on the server's Unix socket")
         self._need_local()
         if self.staging is not None:
             raise InvalidArgumentError("a staging region is already attached to this connection")
+        pid, uid, _ = struct.unpack("3i", self.sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                               struct.calcsize("3i")))
         self.staging = Staging.attach(args.get("path"), args.get("nbytes"),
-                                      self.server.config.server.max_inflight_bytes)
+                                      self.server.config.server.max_inflight_bytes, peer_pid=pid, peer_uid=uid)
         await self._reply(P.Op.SHM_ATTACH, rid)
 
     async def _op_shm_get(self, rid: int, args: tuple, header: P.Header) -> None:

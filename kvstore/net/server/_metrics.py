@@ -55,6 +55,7 @@ _TENANT_TIER_GAUGES = {
 _TENANT_TIER_COUNTERS = {
     "evictions": ("kvstore_tenant_evictions", "this tenant's blocks evicted from this tier"),
     "quota_full": ("kvstore_tenant_quota_full", "this tenant's blocks refused by this tier for its quota"),
+    "walk_capped": ("kvstore_tenant_walk_capped", "this tenant's quota evictions stopped at the walk's step cap"),
 }
 _TENANT_COUNTERS = {
     "hits": ("kvstore_tenant_hits", "blocks served to this tenant's GETs"),

@@ -70,7 +70,8 @@ class NixlService:
         the first tier is borrowable host memory)."""
         from kvstore.net.nixl import nixl_available
 
-        if self.server.config.server.transport not in ("auto", "nixl") or self._start_error:
+        if self.server.config.server.transport not in ("auto", "nixl") or self._start_error \
+                or self.server.tenants.enabled:
             return False
         return bool(self.server._borrowable and nixl_available()[0])
 
@@ -105,7 +106,16 @@ class NixlService:
 
     def hello(self, conn: Any, metadata: bytes) -> bytes:
         """Bind ``conn`` to the client agent in ``metadata`` (or refresh it: a client
-        that registered new buffers says so again). Returns the server's metadata."""
+        that registered new buffers says so again). Returns the server's metadata.
+
+        Refused with ``server.tenants``, before any peer metadata is loaded: the reply
+        is the server agent's full metadata, the registered arena included, with which
+        a client could READ and WRITE every tenant's hot-tier bytes. (NIXL's
+        ``get_partial_agent_metadata`` can send the connection info without memory
+        descriptors: the way to offer NIXL to tenants again, since the server starts
+        every transfer.)"""
+        if self.server.tenants.enabled:
+            raise TransportError("NIXL is not offered with server.tenants; use TCP")
         ep = self._ensure_endpoint()
         name = ep.add_peer(metadata)
         tenant = getattr(getattr(conn, "tenant", None), "name", None)

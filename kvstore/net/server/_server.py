@@ -47,7 +47,8 @@ def build_store(config: StoreConfig) -> Any:
     from tiers.dram import DramTier
 
     first = config.tiers[0]
-    if config.server.transport in ("auto", "shm") and isinstance(first, DramTierConfig) and not first.shm_path:
+    if config.server.transport in ("auto", "shm") and isinstance(first, DramTierConfig) and not first.shm_path \
+            and not config.server.tenants:   # tenants: the arena stays private to the server
         remove_stale_arenas()
         path = f"{SHM_DIR}/{ARENA_PREFIX}{os.getpid()}-{secrets.token_hex(4)}"
         tiers = [DramTier(first.capacity, name=first.name, shm_path=path, pin=first.pin)]
@@ -70,6 +71,10 @@ class Server:
         self.config = config
         cfg = config.server
         self.tenants = Tenants(cfg)
+        if self.tenants.enabled and cfg.transport in ("shm", "nixl"):
+            raise ConfigError(f"server.transport: {cfg.transport!r} is not offered with server.tenants (the "
+                              f"{'shared arena' if cfg.transport == 'shm' else 'NIXL metadata of the arena'} "
+                              "would let every tenant read and write every other's blocks); use 'auto' or 'tcp'")
         if self.tenants.open and not cfg.allow_unauthenticated and not is_loopback(cfg.host):
             raise ConfigError(f"server.host {cfg.host!r} serves beyond this machine, and no server.token is set "
                               "(nor server.tenants): anyone who reaches the port could read and write the cache; "
@@ -87,7 +92,11 @@ class Server:
         first = self.store.tiers[0]
         # Zero-copy sends and shared memory need the first tier to be host memory.
         self._borrowable = first.capabilities.device == "cpu" and first.capabilities.zero_copy_view
-        self.arena = Arena.of(first) if cfg.transport in ("auto", "shm") and self._borrowable else None
+        # With tenants the arena is never offered (HELLO names none, SHM_* ops are refused):
+        # a process that maps it reads and writes every tenant's hot-tier bytes. Tenants'
+        # same-host clients take the copy path (TCP or the Unix socket).
+        self.arena = Arena.of(first) if cfg.transport in ("auto", "shm") and self._borrowable \
+            and not self.tenants.enabled else None
         self.metrics = ServerMetrics(self.store, self.tenants.stats if self.tenants.enabled else None)
         self.nixl = NixlService(self)
         self.sender = Sender(cfg.send_threads, cfg.idle_timeout_s)

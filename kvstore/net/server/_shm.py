@@ -76,10 +76,17 @@ class Staging:
         self.array = np.frombuffer(mm, dtype=np.uint8, count=nbytes)
 
     @classmethod
-    def attach(cls, path: Any, nbytes: Any, max_bytes: int) -> "Staging":
+    def attach(cls, path: Any, nbytes: Any, max_bytes: int, *, peer_pid: int, peer_uid: int) -> "Staging":
+        """Map the region at ``path``, which must be the one the connection's peer
+        created (``peer_pid``, ``peer_uid``: its SO_PEERCRED): named
+        ``kvstore-client-<peer_pid>-*`` and owned by ``peer_uid``. Another client's
+        region, even one this server can open, is refused."""
         if not isinstance(path, str) or os.path.dirname(path) != STAGING_DIR \
                 or not os.path.basename(path).startswith(STAGING_PREFIX):
             raise InvalidArgumentError(f"staging path must be {STAGING_DIR}/{STAGING_PREFIX}*, got {path!r}")
+        if os.path.basename(path)[len(STAGING_PREFIX):].split("-", 1)[0] != str(peer_pid):
+            raise InvalidArgumentError(f"staging region {path} was not created by this connection's "
+                                       f"process (pid {peer_pid})")
         if not isinstance(nbytes, int) or not 0 < nbytes <= max_bytes:
             raise InvalidArgumentError(f"staging size must be in (0, {max_bytes}], got {nbytes!r}")
         try:
@@ -88,6 +95,9 @@ class Staging:
             raise InvalidArgumentError(f"cannot open staging region {path}: {exc.strerror}") from None
         try:
             st = os.fstat(fd)
+            if st.st_uid != peer_uid:
+                raise InvalidArgumentError(f"staging region {path} is not owned by this connection's "
+                                           f"user (uid {peer_uid})")
             if not stat.S_ISREG(st.st_mode) or st.st_size != nbytes:
                 raise InvalidArgumentError(f"staging region {path} is not a {nbytes}-byte file")
             mm = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
