@@ -190,7 +190,8 @@ class TierMovement:
             return
         with self._lock:
             for j, good in zip(plan.chosen, ok or [False] * len(plan.chosen)):
-                if not good:
+                # a key another writer indexed here meanwhile keeps its place in the policy
+                if not good and not self._where.get(keys[j], 0) >> i & 1:
                     self._levels[i].policy.on_remove(keys[j])
                     plan.inserted.discard(keys[j])
 

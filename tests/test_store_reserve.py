@@ -224,3 +224,19 @@ def test_a_reserved_block_taken_as_a_victim_is_evictable_after_commit():
         assert store.tiers[0].contains([key]) == [False]
         dst = np.zeros(4096, np.uint8)
         assert store.load([key], [dst]).result() == [True] and (dst == 7).all()
+
+
+def test_aborting_a_reservation_leaves_a_block_saved_meanwhile_evictable():
+    # Found by tests/test_store_stateful.py: under a prefix-aware first tier, a save of a
+    # reserved key stored it in that tier; aborting the reservation then took the saved
+    # block out of the policy: held, never evicted again.
+    key = Namespace(model="m", dtype="u8", chunk_tokens=1).chunk_keys(np.arange(1))[0]
+    cfg = {"tiers": [{"name": "top", "kind": "dram", "capacity": 2 * 4096, "eviction": "lineage"},
+                     {"name": "below", "kind": "dram", "capacity": 32 * 4096}], "io_threads": 1}
+    with Store.from_config(cfg) as store:
+        res = store.reserve([key], [4096])
+        assert store.save([key], [np.zeros(4096, np.uint8)]).result() == [True]
+        assert store.tiers[0].contains([key]) == [True]
+        res.abort()
+        assert key in store._levels[0].policy
+        assert store.stats()["tiers"][0]["blocks"] == len(list(store.tiers[0].keys())) == 1

@@ -405,7 +405,9 @@ class TieredStoreMachine(RuleBasedStateMachine):
         # _Staged): until the reservation ends they count in the first tier's "blocks"
         # (a save of the same key meanwhile may take it out again: the commit puts it back)
         policy = self.store._levels[0].policy
-        staged = sum(k in policy for k in self.res[0]._plan.inserted) if self.res and self.res[0]._plan else 0
+        top_keys = set(self.store.tiers[0].keys())
+        staged = (sum(k in policy and k not in top_keys for k in self.res[0]._plan.inserted)
+                  if self.res and self.res[0]._plan else 0)
         for n, (t, entry) in enumerate(zip(self.store.tiers, s["tiers"])):
             for c in ("hits", "misses", "writes", "bytes_written", "bytes_read", "evictions", "spills",
                       "promotions", "rejected", "throttled", "full", "errors", "corruptions"):
