@@ -105,9 +105,12 @@ class TierMovement:
         if ok is not None and not all(ok):
             # Fragmentation or a racing writer: make room for the rest once more.
             retry = [j for j, good in zip(chosen, ok) if not good]
+            # never this batch's blocks just written (a prefix-aware policy has them
+            # already, not yet indexed): evicting one would delete it under the index
+            protect = (plan.parents or set()) | {keys[j].digest for j in chosen}
             with self._lock:
                 victims = self._choose_victims(i, sum(sizes[j] for j in retry), force=True,
-                                               protect=plan.parents)
+                                               protect=protect)
             if victims:
                 self._evict(i, victims)
                 again = self._write(lvl, retry, keys, srcs, checksums)
@@ -188,7 +191,8 @@ class TierMovement:
             return
         with self._lock:
             for j, good in zip(plan.chosen, ok or [False] * len(plan.chosen)):
-                if not good:
+                # a key another writer indexed here meanwhile keeps its place in the policy
+                if not good and not self._where.get(keys[j], 0) >> i & 1:
                     self._levels[i].policy.on_remove(keys[j])
                     plan.inserted.discard(keys[j])
 
@@ -212,7 +216,9 @@ class TierMovement:
                     self._sizes[key] = sizes[j]
                     if self._tenants is not None:
                         self._tenants.add(key, i, sizes[j])
-                    if key not in plan.inserted:
+                    # a staged key another put chose as a victim meanwhile (it freed
+                    # nothing: never written) is no longer in the policy: insert it again
+                    if key not in plan.inserted or key not in lvl.policy:
                         lvl.policy.on_insert(key, sizes[j], parent_of(key) if lvl.policy.uses_parent else None)
                     lvl.counters["writes"] += 1
                     lvl.counters["bytes_written"] += sizes[j]

@@ -63,7 +63,13 @@ class Reservation:
             ok = self._tier_res.commit([checksums[self._fresh[c]] for c in plan.chosen])
         else:
             ok = self._tier_res.commit()
+        raced = self._drop_raced(fkeys, ok)
         store._unstage(0, fkeys, plan, ok)
+        if raced:   # held already: stored, not a block the first tier had no room for
+            for c in raced:
+                plan.result[plan.chosen[c]] = True
+            keep = [c for c in range(len(ok)) if c not in raced]
+            plan.chosen, ok = [plan.chosen[c] for c in keep], [ok[c] for c in keep]
         store._index_put(0, fkeys, self._sizes, plan, ok)
         for j, good in zip(self._fresh, plan.result):
             stored[j] = good
@@ -73,6 +79,22 @@ class Reservation:
                 store._background(store._write_below, written)
         self.stored = stored
         return stored
+
+    def _drop_raced(self, fkeys: list[BlockKey], ok: list[bool]) -> set[int]:
+        """Same key, same content: a key the Store came to hold while the reservation
+        was open (a save of it, stored in a lower tier because the reservation held this
+        tier's room) keeps the bytes it was saved with. Its just-committed first-tier
+        copy is deleted unpublished (``ok`` set False); returns those indices of
+        ``plan.chosen``."""
+        store, chosen = self._store, self._plan.chosen
+        with store._lock:
+            raced = {c for c, good in enumerate(ok)
+                     if good and store._where.get(fkeys[chosen[c]], 0) and not store._where[fkeys[chosen[c]]] & 1}
+            if raced:   # never indexed in the first tier, so no reader can hold it
+                store._levels[0].tier.delete([fkeys[chosen[c]] for c in raced])
+        for c in raced:
+            ok[c] = False
+        return raced
 
     def abort(self) -> None:
         """Free the room; nothing is stored."""

@@ -176,3 +176,67 @@ def test_a_failing_write_through_after_commit_is_logged_and_counted(caplog):
         assert store.stats()["background_errors"] == 1 and "lower tier gone" in caplog.text
         ok, dsts = load_all(store, keys)                        # and serve them
         assert ok == [True, True] and all(np.array_equal(d, s) for d, s in zip(dsts, srcs))
+
+
+def test_a_save_while_the_reservation_is_open_keeps_its_bytes():
+    # Found by tests/test_store_stateful.py: the reservation holds the first tier's only
+    # slot, so a save of the same key lands in the tier below; committing the
+    # reservation then published a second, different copy in the first tier, and loads
+    # returned it. Same key, same content: the block saved first stays what loads return.
+    key = Namespace(model="m", dtype="u8", chunk_tokens=1).chunk_keys(np.arange(1))[0]
+    cfg = {"tiers": [{"name": "top", "kind": "dram", "capacity": 4096},
+                     {"name": "below", "kind": "dram", "capacity": 4 * 4096}], "io_threads": 1}
+    with Store.from_config(cfg) as store:
+        res = store.reserve([key], [4096], evict=False)
+        res.views[0][:] = 1
+        assert store.save([key], [np.zeros(4096, np.uint8)]).result() == [True]
+        assert res.commit() == [True]
+        for tier in store.tiers:                      # each copy held is the saved one
+            if tier.contains([key])[0]:
+                dst = np.full(4096, 0xEE, np.uint8)
+                assert tier.read_into([key], [dst]) == [True] and not dst.any()
+        dst = np.full(4096, 0xEE, np.uint8)
+        assert store.load([key], [dst]).result() == [True] and not dst.any()
+        assert store.tiers[0].used_bytes == 4096 * len(list(store.tiers[0].keys()))
+
+
+def test_a_reserved_block_taken_as_a_victim_is_evictable_after_commit():
+    # Found by tests/test_store_stateful.py: a prefix-aware first tier places a reserved
+    # block in its policy before the commit; another save could pick it as a victim
+    # (freeing nothing: not written yet), and the commit then indexed it without putting
+    # it back in the policy: held in the first tier, never evicted again, not counted.
+    ns = Namespace(model="m", dtype="u8", chunk_tokens=1)
+    key = ns.chunk_keys(np.arange(1))[0]
+    cfg = {"tiers": [{"name": "top", "kind": "dram", "capacity": 2 * 4096, "eviction": "lineage"},
+                     {"name": "below", "kind": "dram", "capacity": 32 * 4096}], "io_threads": 1}
+    with Store.from_config(cfg) as store:
+        res = store.reserve([key], [4096])
+        res.views[0][:] = 7
+        for i in range(3):
+            other = Namespace(model=f"o{i}", dtype="u8", chunk_tokens=1).chunk_keys(np.arange(1))
+            assert store.save(other, [np.full(4096, i, np.uint8)]).result() == [True]
+        assert res.commit() == [True]
+        top = store.stats()["tiers"][0]
+        assert top["blocks"] == len(list(store.tiers[0].keys()))
+        for i in range(8):     # the committed block takes its turn as a victim like any other
+            more = Namespace(model=f"x{i}", dtype="u8", chunk_tokens=1).chunk_keys(np.arange(1))
+            store.save(more, [np.full(4096, i, np.uint8)]).result()
+        assert store.tiers[0].contains([key]) == [False]
+        dst = np.zeros(4096, np.uint8)
+        assert store.load([key], [dst]).result() == [True] and (dst == 7).all()
+
+
+def test_aborting_a_reservation_leaves_a_block_saved_meanwhile_evictable():
+    # Found by tests/test_store_stateful.py: under a prefix-aware first tier, a save of a
+    # reserved key stored it in that tier; aborting the reservation then took the saved
+    # block out of the policy: held, never evicted again.
+    key = Namespace(model="m", dtype="u8", chunk_tokens=1).chunk_keys(np.arange(1))[0]
+    cfg = {"tiers": [{"name": "top", "kind": "dram", "capacity": 2 * 4096, "eviction": "lineage"},
+                     {"name": "below", "kind": "dram", "capacity": 32 * 4096}], "io_threads": 1}
+    with Store.from_config(cfg) as store:
+        res = store.reserve([key], [4096])
+        assert store.save([key], [np.zeros(4096, np.uint8)]).result() == [True]
+        assert store.tiers[0].contains([key]) == [True]
+        res.abort()
+        assert key in store._levels[0].policy
+        assert store.stats()["tiers"][0]["blocks"] == len(list(store.tiers[0].keys())) == 1
