@@ -220,7 +220,7 @@ def _nvme_tier_row(dev, block, n, rounds, workdir, blocks_src, blocks_dst, raw_p
     device (target >= 0.8x raw), else they verify on the host."""
     label = f"GDS read via NVMe tier ({'device' if device_verify else 'host'}-verified)"
     where = os.path.join(workdir, f"nvme-{int(device_verify)}")
-    from kvstore._build import build_tier
+    from kvstore.store.build import build_tier
     from kvstore.config import load_config
     from kvstore.errors import ConfigError
 

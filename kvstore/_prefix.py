@@ -1,7 +1,7 @@
 """The cached prefix of a key sequence in each tier of a Store, read from its index:
 what a router asks before placing a request (the admin port's ``POST /v1/lookup``).
 
-A companion of :class:`kvstore.store.Store` (as ``_reserve`` is): it reads the Store's
+A companion of :class:`kvstore.store.Store` (as ``store.reservation`` is): it reads the Store's
 index (``_where``, ``_levels``) under its lock. Read-only: no lease, no counters, no
 policy touch, no tier I/O, so a router's probes neither keep blocks alive nor skew the
 hit statistics. The answer can be stale by the time it is used (blocks may be evicted

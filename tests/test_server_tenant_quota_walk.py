@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-import kvstore._tenants as ledger
+import kvstore.store.tenants as ledger
 from kvstore.client import Client
 from kvstore.keys import Namespace
 from tests._servers import ThreadServer, config_dict

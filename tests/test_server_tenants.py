@@ -453,7 +453,7 @@ def test_tenants_alone_authenticate_a_server_beyond_loopback():
         s.stop()
 
 
-# -- the Store's accounting (kvstore._tenants), under every eviction policy ----------------
+# -- the Store's accounting (kvstore.store.tenants), under every eviction policy ----------------
 
 def _store_with_tenants(tiers: list, tenants: list = QUOTA_TENANTS):
     from kvstore.net.server._tenants import Tenants

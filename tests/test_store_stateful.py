@@ -401,7 +401,7 @@ class TieredStoreMachine(RuleBasedStateMachine):
         assert s["blocks"] == len(self.store._where)
         assert s["leases"] == len(self.leases)
         assert s["pins"] == len(self.pins)
-        # a prefix-aware policy places reserved blocks ahead of their commit (kvstore._movement
+        # a prefix-aware policy places reserved blocks ahead of their commit (kvstore.store.mover
         # _Staged): until the reservation ends they count in the first tier's "blocks"
         # (a save of the same key meanwhile may take it out again: the commit puts it back)
         policy = self.store._levels[0].policy

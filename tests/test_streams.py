@@ -7,7 +7,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 
-import kvstore.store as store_mod
+import kvstore.store.facade as store_mod
 from kvstore.buffers import streams as _streams
 from kvstore.keys import Namespace
 from kvstore.store import Store

@@ -326,7 +326,7 @@ class DramTier(ArenaTier):
 
 class SlotReservation:
     """Arena slots reserved by :meth:`DramTier.reserve`: the tier's part of a Store
-    reservation (:class:`kvstore._reserve.Reservation`) or of a NIXL write into the
+    reservation (:class:`kvstore.store.reservation.Reservation`) or of a NIXL write into the
     arena. ``views[i]`` is a writable arena view for ``keys[i]`` or ``None`` (already
     stored, or no room). Not thread-safe: one owner fills the views, then ends the
     reservation once."""

@@ -18,26 +18,26 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager, nullcontext
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
-from kvstore._build import build_admission, build_eviction, build_tier
 from kvstore._events import open_events
-from kvstore._hints import HintIndex, StoreHints
-from kvstore._movement import Level, TierMovement, parent_of
-from kvstore._reserve import Reservation, reserve
 from kvstore._stats import sum_stat_sources
-from kvstore.buffers.streams import capture, submit
-from kvstore._tenants import TenantLedger
 from kvstore.block import checksum
 from kvstore.buffers import host_view, nbytes_of
+from kvstore.buffers.streams import capture, submit
 from kvstore.config import StoreConfig, load_config
 from kvstore.errors import BufferSizeError, InvalidArgumentError, StoreClosedError
 from kvstore.hint import Hint, check_hint
 from kvstore.keys import BlockKey
+from kvstore.store.build import build_admission, build_eviction, build_tier
+from kvstore.store.hints import HintIndex, StoreHints
+from kvstore.store.mover import Level, TierMovement, parent_of
+from kvstore.store.reservation import Reservation, reserve
+from kvstore.store.tenants import TenantLedger
 from kvstore.trace import TraceRecorder
 from policies.placement import Placement, WriteMode
 from policies.retention import RetentionClasses
 from tiers.base import Tier
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("kvstore.store")
 class Store(TierMovement, StoreHints):
     """A hierarchy of tiers, fastest first. Build it with :meth:`from_config`.
 
@@ -140,7 +140,7 @@ class Store(TierMovement, StoreHints):
     def reserve(self, keys: Sequence[BlockKey], sizes: Sequence[int], *, evict: bool = True) -> Reservation:
         """Save by filling the first tier's memory in place: room for each block is
         taken now (admission and eviction as in :meth:`save`), the caller writes
-        ``reservation.views[i]`` and then commits (see :class:`kvstore._reserve.Reservation`).
+        ``reservation.views[i]`` and then commits (see :class:`kvstore.store.reservation.Reservation`).
         Saves a copy when the caller can produce the bytes straight into the slots (a
         gather of KV pages). Where the first tier cannot lend memory, or has no room,
         ``views[i]`` is ``None``: use :meth:`save` for those. ``evict=False`` takes only
@@ -459,7 +459,7 @@ class Store(TierMovement, StoreHints):
 
     def set_tenants(self, ledger: TenantLedger | None) -> None:
         """Account bytes per tenant and enforce each tenant's quota per tier (the cache
-        server's ``server.tenants``; see :mod:`kvstore._tenants`). Blocks already held
+        server's ``server.tenants``; see :mod:`kvstore.store.tenants`). Blocks already held
         (recovered from a persistent tier) are counted now. ``None``: stop."""
         with self._lock:
             if ledger is not None:

@@ -72,7 +72,7 @@ class _PutPlan:
     inserted: set[BlockKey] = field(default_factory=set)  # already placed in the policy
     victims: list[tuple[BlockKey, int]] = field(default_factory=list)
     parents: set[bytes | None] | None = None
-    charged: dict = field(default_factory=dict)  # per-tenant bytes in flight (kvstore._tenants)
+    charged: dict = field(default_factory=dict)  # per-tenant bytes in flight (kvstore.store.tenants)
 
 
 class TierMovement:

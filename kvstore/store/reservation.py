@@ -17,7 +17,7 @@ from kvstore.keys import BlockKey
 from policies.placement import WriteMode
 
 if TYPE_CHECKING:
-    from kvstore._movement import _PutPlan
+    from kvstore.store.mover import _PutPlan
     from kvstore.store import Store
 
 
@@ -153,7 +153,7 @@ def reserve(store: "Store", keys: Sequence[BlockKey], sizes: Sequence[int], evic
             store._unstage(0, fkeys, plan, [False] * len(plan.chosen))
             plan.chosen = []
     if not plan.chosen:
-        store._settle(0, plan)   # nothing in flight for a tenant (kvstore._tenants)
+        store._settle(0, plan)   # nothing in flight for a tenant (kvstore.store.tenants)
     return Reservation(store, keys, present, fresh, fsizes, plan, tier_res)
 
 

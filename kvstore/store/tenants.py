@@ -1,7 +1,7 @@
 """Per-tenant bytes and quotas in the Store's tiers, for the cache server's
 ``server.tenants`` (``docs/server.md``, Tenants).
 
-A companion of :class:`kvstore.store.Store` (as ``_reserve`` and ``_prefix`` are): the
+A companion of :class:`kvstore.store.Store` (as ``reservation`` and ``kvstore._prefix`` are): the
 server attaches one with :meth:`Store.set_tenants`; a Store without one (every embedded
 Store) runs none of this. Not thread-safe: every method runs under the Store's lock.
 

@@ -10,7 +10,7 @@ Four named databases in ``<dir>/index``:
 - ``meta``: format version and the size of every data file (``file:<n>``), so a data
   file truncated behind our back is noticed and restored to its size.
 - ``hints``: key digest -> the Store's retention hint for the block (a few opaque
-  bytes, see ``kvstore._hints``). Advice, not data: written in batches with the access
+  bytes, see ``kvstore.store.hints``). Advice, not data: written in batches with the access
   times, deleted with the block. An index without it (an older one) gains it on open.
 
 LMDB serialises writers itself; readers never block. Thread-safe.

@@ -42,7 +42,7 @@ def build_store(config: StoreConfig) -> Any:
     """The Store to serve. With shared memory enabled (``transport`` auto or shm) and a
     first DRAM tier without ``shm_path``, that arena is placed under ``/dev/shm`` so
     local clients can map it."""
-    from kvstore._build import build_tier
+    from kvstore.store.build import build_tier
     from kvstore.store import Store
     from tiers.dram import DramTier
 

@@ -21,7 +21,7 @@ tenant's ``salt``, then HMAC-SHA256 per 32-byte digest::
 applied to a key's digest, its parent's and its namespace's, so a mapped key's parent is
 its mapped parent (prefix-aware eviction sees the same chains) and a CLEAR of namespaces
 finds the tenant's own. ``tag`` names the owner for the Store's per-tenant accounting
-(:mod:`kvstore._tenants`). Two tenants' spaces meet only where HMAC-SHA256 under two
+(:mod:`kvstore.store.tenants`). Two tenants' spaces meet only where HMAC-SHA256 under two
 keys collides, so isolation does not rest on the salts being secret.
 
 Without ``server.tenants`` there is one tenant, ``default``, whose keys are not mapped:
@@ -34,7 +34,7 @@ import hashlib
 import hmac
 from typing import Any, Mapping, Sequence
 
-from kvstore._tenants import TAG_BYTES, TenantLedger
+from kvstore.store.tenants import TAG_BYTES, TenantLedger
 from kvstore.config import ServerConfig
 from kvstore.errors import ConfigError, ProtocolError
 from kvstore.keys import BlockKey, _trusted

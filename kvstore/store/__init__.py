@@ -1,0 +1,12 @@
+"""The Store: a content-addressed, tiered store for KV-cache blocks (see DESIGN.md, Layout).
+
+One package, one object: :class:`Store` (``facade``) over the movement of blocks between
+tiers (``mover``: admit, evict, spill, promote), reservations (``reservation``), hints
+(``hints``), per-tenant accounting (``tenants``) and the construction of tiers and policies
+from a config (``build``).
+"""
+
+from kvstore.store.facade import Store
+from kvstore.store.reservation import Reservation
+
+__all__ = ["Reservation", "Store"]
