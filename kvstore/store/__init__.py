@@ -1,6 +1,7 @@
 """The Store: a content-addressed, tiered store for KV-cache blocks (see DESIGN.md, Layout).
 
-One package, one object: :class:`Store` (``facade``) over the movement of blocks between
+One package, one object: :class:`Store` (``facade``) over its index (``index``: where,
+sizes, leases, pins and the lock that guards them), the movement of blocks between
 tiers (``mover``: admit, evict, spill, promote), reservations (``reservation``), hints
 (``hints``), per-tenant accounting (``tenants``) and the construction of tiers and policies
 from a config (``build``).

@@ -1,11 +1,13 @@
 """The Store: the one object connectors and the server talk to.
 
-It owns the index (which tier holds which key), byte accounting, leases and pins, runs
-each tier's eviction and admission policy, and moves blocks between tiers: a full tier
-spills its victims into the next one (write-back), hits in a lower tier are promoted.
+It owns the index (:class:`kvstore.store.index.Index`: which tier holds which key, byte
+accounting, leases and pins), runs each tier's eviction and admission policy, and moves
+blocks between tiers (``mover``): a full tier spills its victims into the next one
+(write-back), hits in a lower tier are promoted.
 
 Thread-safety: every public method may be called from any thread. Metadata changes run
-under one lock; copies and tier I/O run outside it. ``save``/``load``/``prefetch`` run on
+under one lock, the index's (``Index.lock``, ``self._lock``: see its lock rule); copies
+and tier I/O run outside it. ``save``/``load``/``prefetch`` run on
 a worker pool and return futures; call ``.result()`` for a synchronous answer.
 """
 
@@ -29,6 +31,7 @@ from kvstore.hint import Hint, check_hint
 from kvstore.keys import BlockKey
 from kvstore.store.build import build_admission, build_eviction, build_tier
 from kvstore.store.hints import HintIndex, StoreHints
+from kvstore.store.index import Index
 from kvstore.store.mover import Level, TierMovement, parent_of
 from kvstore.store.reservation import Reservation, reserve
 from kvstore.store.tenants import TenantLedger
@@ -68,11 +71,11 @@ class Store(TierMovement, StoreHints):
         self._levels = [Level(t, RetentionClasses(build_eviction(c), self._hints, clock),
                               build_admission(c.admission), c.kind)
                         for t, c in zip(built, config.tiers)]
-        self._where: dict[BlockKey, int] = {}     # key -> bitmask of levels holding it
-        self._sizes: dict[BlockKey, int] = {}
-        self._leases: dict[BlockKey, list] = {}   # key -> [holders, expiry on self._clock]
-        self._pins: dict[BlockKey, int] = {}
-        self._hit_counts: dict[BlockKey, int] = {}  # selective write-through only
+        # where/sizes/leases/pins and their lock (kvstore.store.index: its lock rule); the
+        # names below are the index's own dicts and lock, not copies
+        self._index = index = Index()
+        self._where, self._sizes, self._leases = index.where, index.sizes, index.leases
+        self._pins, self._hit_counts, self._lock = index.pins, index.hit_counts, index.lock
         self._tenants: TenantLedger | None = None   # the cache server's tenants (set_tenants)
         self._stat_sources: list[tuple[str, Any]] = []  # (name, callable) from attach_stats
         self._ops = dict.fromkeys(("saves", "loads", "lookups", "lookup_hits", "prefetches", "background_errors",
@@ -85,7 +88,6 @@ class Store(TierMovement, StoreHints):
             for t in built:
                 t.close()
             raise
-        self._lock = threading.Lock()
         self._local = threading.local()
         self._closed = False
         self._pool = ThreadPoolExecutor(config.io_threads, thread_name_prefix="kvstore-io")
@@ -148,7 +150,21 @@ class Store(TierMovement, StoreHints):
         self._check_open()
         if self._trace is not None:
             self._trace.save(keys, int(sizes[0]) if len(sizes) else None)
-        return reserve(self, keys, sizes, evict)
+        keys, sizes = list(keys), [int(n) for n in sizes]
+        self._check_pairs(keys, sizes)
+        for n in sizes:
+            if n <= 0:
+                raise InvalidArgumentError(f"block size must be positive, got {n}")
+        with self._lock:
+            self._ops["saves"] += len(keys)
+            present = self._index.touch_held(keys, [lvl.policy for lvl in self._levels])
+        return reserve(self, keys, sizes, present, evict, self._reserved_published)
+
+    def _reserved_published(self, written: list[BlockKey]) -> None:
+        """A reservation's commit stored ``written`` in the first tier: write-through
+        copies them below."""
+        if self.placement.write is WriteMode.THROUGH and len(self._levels) > 1 and written:
+            self._background(self._write_below, written)
 
     def load(self, keys: Sequence[BlockKey], dsts: Sequence[Any]) -> "Future[list[bool]]":
         """Copy blocks into caller-owned buffers. Fail-closed: ``True`` only where the
@@ -174,32 +190,15 @@ class Store(TierMovement, StoreHints):
         persist = None
         if self._shared:
             with self._lock:
-                n = 0
-                for key in keys:
-                    if not where.get(key):
-                        break
-                    n += 1
+                n = self._index.held_prefix(keys)
             if n < len(keys):
                 self._discover(list(keys[n:]))
         with self._lock:
             self._ops["lookups"] += 1
-            n = 0
-            for key in keys:
-                if not where.get(key):
-                    break
-                n += 1
+            n = self._index.held_prefix(keys)
             self._ops["lookup_hits"] += n
             if lease_s and n:
-                expiry = self._clock() + lease_s
-                leases = self._leases
-                for key in keys[:n]:
-                    entry = leases.get(key)
-                    if entry is None:
-                        leases[key] = [1, expiry]
-                    else:                       # another holder: counted, the later expiry kept
-                        entry[0] += 1
-                        if entry[1] < expiry:
-                            entry[1] = expiry
+                self._index.lease(keys[:n], self._clock() + lease_s)
             if n and self._hints:
                 self._hint_hits(keys[:n])
             if hint is not None and n:
@@ -262,11 +261,7 @@ class Store(TierMovement, StoreHints):
 
     def _drop_lease(self, key: BlockKey) -> None:
         """One holder of ``key``'s lease is done with it. Caller holds the lock."""
-        entry = self._leases.get(key)
-        if entry is not None:
-            entry[0] -= 1
-            if entry[0] <= 0:
-                del self._leases[key]
+        self._index.drop_lease(key)
 
     @contextmanager
     def borrow(self, keys: Sequence[BlockKey], *, offsets: bool = False,
@@ -374,17 +369,11 @@ class Store(TierMovement, StoreHints):
     def pin(self, keys: Sequence[BlockKey]) -> None:
         """Protect keys from eviction until a matching :meth:`unpin` (counted)."""
         with self._lock:
-            for key in keys:
-                self._pins[key] = self._pins.get(key, 0) + 1
+            self._index.pin(keys)
 
     def unpin(self, keys: Sequence[BlockKey]) -> None:
         with self._lock:
-            for key in keys:
-                count = self._pins.get(key, 0) - 1
-                if count > 0:
-                    self._pins[key] = count
-                else:
-                    self._pins.pop(key, None)
+            self._index.unpin(keys)
 
     def delete(self, keys: Sequence[BlockKey]) -> int:
         """Remove keys from every tier; returns how many were cached."""
@@ -509,15 +498,8 @@ class Store(TierMovement, StoreHints):
         # rewritten, so a save can never change what a later load returns.
         with self._lock:
             self._ops["saves"] += len(keys)
-            fresh = []
-            for j, key in enumerate(keys):
-                mask = self._where.get(key, 0)
-                if not mask:
-                    fresh.append(j)
-                    continue
-                for i, lvl in enumerate(self._levels):
-                    if mask >> i & 1:
-                        lvl.policy.on_access(key)
+            held = self._index.touch_held(keys, [lvl.policy for lvl in self._levels])
+            fresh = [j for j, h in enumerate(held) if not h]
         if len(fresh) < len(keys):
             stored = [True] * len(keys)
             if fresh:

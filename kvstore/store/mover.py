@@ -1,11 +1,14 @@
 """How the Store moves blocks between its tiers: admission and capacity on the way in,
 victim choice and spill on the way out, copies between tiers, and the mapping of tier
 failures into counted misses. A mixin of :class:`kvstore.store.Store`, which owns the
-state these methods use (``_levels``, ``_where``, ``_sizes``, ``_leases``, ``_pins``,
-``_hint_index``, ``_lock``, ``_local``, ``_clock``); kept apart so each module holds one job.
+state these methods use: ``_index`` (:class:`kvstore.store.index.Index`: where, sizes,
+leases, pins and the lock; ``_where``, ``_sizes`` and ``_lock`` name its dict and lock),
+``_levels``, ``_hint_index``, ``_tenants``, ``_events``, ``_local``, ``_clock``; kept
+apart so each module holds one job.
 
-Locking: methods documented "caller holds the lock" run under ``Store._lock``; the others
-take it briefly and never hold it across tier I/O.
+Locking (the index's lock rule): methods documented "caller holds the lock" run under
+``Index.lock`` (``Store._lock``); the others take it briefly and never hold it across
+tier I/O.
 """
 
 from __future__ import annotations
@@ -273,10 +276,7 @@ class TierMovement:
 
     def _evictable(self, key: BlockKey, now: float, protect: set[bytes | None] | None) -> bool:
         """Not leased, not pinned, not a protected parent. Caller holds the lock."""
-        lease = self._leases.get(key)
-        if self._pins.get(key) or (lease is not None and lease[1] > now):
-            return False
-        return not (protect and key.digest in protect)
+        return self._index.evictable(key, now, protect)
 
     def _take_victim(self, i: int, key: BlockKey, victims: list[tuple[BlockKey, int]]) -> int:
         """Take ``key`` out of level ``i``'s index as a victim (appended to ``victims``;
@@ -284,12 +284,7 @@ class TierMovement:
         lvl = self._levels[i]
         size = self._sizes.get(key, 0)
         lvl.policy.on_remove(key)
-        mask = self._where.get(key, 0) & ~(1 << i)
-        victims.append((key, mask))
-        if mask:
-            self._where[key] = mask
-        else:
-            self._where.pop(key, None)
+        victims.append((key, self._index.remove_level(key, i)))
         lvl.pending_free += size
         lvl.counters["evictions"] += 1
         if self._tenants is not None:
@@ -380,26 +375,20 @@ class TierMovement:
 
     def _drop(self, key: BlockKey, i: int) -> None:
         """Forget that level ``i`` holds ``key``. Caller holds the lock."""
-        mask = self._where.get(key, 0)
-        if not mask >> i & 1:
+        index = self._index
+        if not index.holds(key, i):
             return
         self._levels[i].policy.on_remove(key)
-        mask &= ~(1 << i)
         if self._tenants is not None:
-            self._tenants.remove(key, i, self._sizes.get(key, 0))
+            self._tenants.remove(key, i, index.sizes.get(key, 0))
         if self._events is not None:
             self._events.removed(i, (key,))
-        if mask:
-            self._where[key] = mask
-        else:
-            self._where.pop(key, None)
+        if not index.remove_level(key, i):
             self._forget(key)
 
     def _forget(self, key: BlockKey) -> None:
         """Drop per-key metadata once no tier holds the key. Caller holds the lock."""
-        self._sizes.pop(key, None)
-        self._leases.pop(key, None)
-        self._hit_counts.pop(key, None)
+        self._index.forget(key)
         self._hint_index.forget(key)
 
 

@@ -4,21 +4,25 @@ A connector that gathers KV pages into a buffer and then saves that buffer copie
 byte twice. A reservation hands it the destination instead: room in the first tier's
 arena, taken with the same admission and eviction as :meth:`Store.save`, which the
 caller fills (one gather straight into the slots) and then publishes.
+
+Boundaries: a reservation works through the mover (:class:`kvstore.store.mover.TierMovement`:
+plan, evict, unstage, index, settle) and the index it shares
+(:class:`kvstore.store.index.Index`, under its lock); the facade checks the arguments,
+counts the save, finds the blocks held already and hands in what runs on commit
+(``published``: write-through). This module imports neither the facade nor the package.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy as np
 
 from kvstore.errors import InvalidArgumentError
 from kvstore.keys import BlockKey
-from policies.placement import WriteMode
 
 if TYPE_CHECKING:
-    from kvstore.store.mover import _PutPlan
-    from kvstore.store import Store
+    from kvstore.store.mover import TierMovement, _PutPlan
 
 
 class Reservation:
@@ -33,9 +37,11 @@ class Reservation:
     commits and an exception aborts. Not thread-safe: one owner fills and ends it.
     """
 
-    def __init__(self, store: "Store", keys: list[BlockKey], present: list[bool],
-                 fresh: list[int], sizes: list[int], plan: "_PutPlan | None", tier_res: Any) -> None:
+    def __init__(self, store: "TierMovement", keys: list[BlockKey], present: list[bool],
+                 fresh: list[int], sizes: list[int], plan: "_PutPlan | None", tier_res: Any,
+                 published: Callable[[list[BlockKey]], None] | None = None) -> None:
         self._store, self._keys, self.present = store, keys, present
+        self._published = published
         self._fresh, self._sizes, self._plan, self._tier_res = fresh, sizes, plan, tier_res
         self.views: list[np.ndarray | None] = [None] * len(keys)
         if tier_res is not None:
@@ -73,10 +79,8 @@ class Reservation:
         store._index_put(0, fkeys, self._sizes, plan, ok)
         for j, good in zip(self._fresh, plan.result):
             stored[j] = good
-        if store.placement.write is WriteMode.THROUGH and len(store._levels) > 1:
-            written = [k for k, good in zip(fkeys, plan.result) if good]
-            if written:
-                store._background(store._write_below, written)
+        if self._published is not None:
+            self._published([k for k, good in zip(fkeys, plan.result) if good])
         self.stored = stored
         return stored
 
@@ -87,9 +91,10 @@ class Reservation:
         copy is deleted unpublished (``ok`` set False); returns those indices of
         ``plan.chosen``."""
         store, chosen = self._store, self._plan.chosen
-        with store._lock:
+        index = store._index
+        with index.lock:
             raced = {c for c, good in enumerate(ok)
-                     if good and store._where.get(fkeys[chosen[c]], 0) and not store._where[fkeys[chosen[c]]] & 1}
+                     if good and index.mask(fkeys[chosen[c]]) and not index.holds(fkeys[chosen[c]], 0)}
             if raced:   # never indexed in the first tier, so no reader can hold it
                 store._levels[0].tier.delete([fkeys[chosen[c]] for c in raced])
         for c in raced:
@@ -122,26 +127,15 @@ class Reservation:
         self.abort() if exc_type is not None else self.commit()
 
 
-def reserve(store: "Store", keys: Sequence[BlockKey], sizes: Sequence[int], evict: bool) -> Reservation:
-    """See :meth:`Store.reserve`."""
-    keys, sizes = list(keys), [int(n) for n in sizes]
-    store._check_pairs(keys, sizes)
-    for n in sizes:
-        if n <= 0:
-            raise InvalidArgumentError(f"block size must be positive, got {n}")
+def reserve(store: "TierMovement", keys: list[BlockKey], sizes: list[int], present: list[bool], evict: bool,
+            published: Callable[[list[BlockKey]], None] | None = None) -> Reservation:
+    """See :meth:`Store.reserve`: room in the first level for the keys not ``present``
+    (held already: the facade checked the arguments and touched those); ``published``
+    gets the keys a commit stored."""
     lvl = store._levels[0]
-    with store._lock:
-        store._ops["saves"] += len(keys)
-        present = []
-        for key in keys:
-            mask = store._where.get(key, 0)
-            present.append(bool(mask))
-            for i, other in enumerate(store._levels):
-                if mask >> i & 1:
-                    other.policy.on_access(key)
     fresh = [j for j, p in enumerate(present) if not p]
     if not fresh or not hasattr(lvl.tier, "reserve"):
-        return Reservation(store, keys, present, fresh, [], None, None)
+        return Reservation(store, keys, present, fresh, [], None, None, published)
     fkeys, fsizes = [keys[j] for j in fresh], [sizes[j] for j in fresh]
     plan = store._plan_put(0, fkeys, fsizes, evict=evict)
     store._evict(0, plan.victims)
@@ -154,7 +148,7 @@ def reserve(store: "Store", keys: Sequence[BlockKey], sizes: Sequence[int], evic
             plan.chosen = []
     if not plan.chosen:
         store._settle(0, plan)   # nothing in flight for a tenant (kvstore.store.tenants)
-    return Reservation(store, keys, present, fresh, fsizes, plan, tier_res)
+    return Reservation(store, keys, present, fresh, fsizes, plan, tier_res, published)
 
 
 __all__ = ["Reservation", "reserve"]

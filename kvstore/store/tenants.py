@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any, Mapping, Sequence
 from kvstore.keys import BlockKey
 
 if TYPE_CHECKING:
-    from kvstore.store import Store
+    from kvstore.store.mover import TierMovement
 
 TAG_BYTES = 8   # a tenant's keys all begin with its tag (see kvstore.net.server._tenants)
 WALK_STEPS = 1024   # keys one quota eviction walk may pull from a level's policy
@@ -96,7 +96,7 @@ class TenantLedger:
 
     # -- admission under quota ---------------------------------------------------------------
 
-    def plan(self, store: "Store", i: int, keys: Sequence[BlockKey], sizes: Sequence[int], chosen: list[int],
+    def plan(self, store: "TierMovement", i: int, keys: Sequence[BlockKey], sizes: Sequence[int], chosen: list[int],
              protect: set[bytes | None] | None, evict: bool,
              victims: list[tuple[BlockKey, int]]) -> tuple[list[int], dict[BlockKey, tuple[str, int]]]:
         """The blocks ``chosen`` (indices into ``keys``) for level ``i`` that fit their
@@ -137,7 +137,7 @@ class TenantLedger:
     def _over(self, name: str, i: int, incoming: int) -> int:
         return self._used[name][i] + self._pending[name][i] + incoming - self._quota[name][i]
 
-    def _evict_own(self, store: "Store", i: int, name: str, incoming: int, protect: set[bytes | None] | None,
+    def _evict_own(self, store: "TierMovement", i: int, name: str, incoming: int, protect: set[bytes | None] | None,
                    victims: list[tuple[BlockKey, int]]) -> None:
         """Take ``name``'s own blocks out of level ``i`` in its policy's order until its
         bytes there plus ``incoming`` fit its quota, none is left to take, or

@@ -1,0 +1,133 @@
+"""The Store's index: where each block is, its size, and what keeps it (leases, pins).
+
+One :class:`Index` per Store, shared by the facade (``facade``), the mover (``mover``)
+and the reservation (``reservation``) instead of each reaching into the others' state.
+
+Lock rule: ``Index.lock`` guards every field here (and the tiers' eviction policies and
+counters, which change together with the index). It is held briefly and never across
+tier I/O. Every method of :class:`Index` runs under it: the caller holds ``lock``
+(``with index.lock: ...``); none takes it itself, so a caller can group several calls
+into one atomic step.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Iterable, Sequence
+
+from kvstore.keys import BlockKey
+
+
+class Index:
+    """Per-key state of the Store's blocks, and the lock that guards it (see the module
+    docstring: every method runs with ``lock`` held by the caller).
+
+    ``where``: key -> bitmask of the levels holding it (bit ``i``: level ``i``); a key
+    no level holds is absent. ``sizes``: key -> block bytes, while any level holds it.
+    ``leases``: key -> ``[holders, expiry on the Store's clock]``. ``pins``: key ->
+    pin count. ``hit_counts``: key -> hits (selective write-through only)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.where: dict[BlockKey, int] = {}
+        self.sizes: dict[BlockKey, int] = {}
+        self.leases: dict[BlockKey, list] = {}
+        self.pins: dict[BlockKey, int] = {}
+        self.hit_counts: dict[BlockKey, int] = {}
+
+    def mask(self, key: BlockKey) -> int:
+        """The levels holding ``key`` (0: none). Caller holds the lock."""
+        return self.where.get(key, 0)
+
+    def holds(self, key: BlockKey, i: int) -> bool:
+        """Whether level ``i`` holds ``key``. Caller holds the lock."""
+        return bool(self.where.get(key, 0) >> i & 1)
+
+    def touch_held(self, keys: Iterable[BlockKey], policies: Sequence) -> list[bool]:
+        """Same key, same content: per key, whether any level holds it already; each
+        held key is touched (``on_access``) in the eviction policy of every level that
+        holds it (``policies[i]``: level ``i``'s). Caller holds the lock."""
+        held = []
+        for key in keys:
+            mask = self.where.get(key, 0)
+            held.append(bool(mask))
+            if mask:
+                for i, policy in enumerate(policies):
+                    if mask >> i & 1:
+                        policy.on_access(key)
+        return held
+
+    def held_prefix(self, keys: Sequence[BlockKey]) -> int:
+        """Length of the prefix of ``keys`` that some level holds. Caller holds the lock."""
+        where, n = self.where, 0
+        for key in keys:
+            if not where.get(key):
+                break
+            n += 1
+        return n
+
+    def lease(self, keys: Iterable[BlockKey], expiry: float) -> None:
+        """One more holder of a lease on each key until ``expiry`` (another holder's
+        lease is counted, the later expiry kept). Caller holds the lock."""
+        leases = self.leases
+        for key in keys:
+            entry = leases.get(key)
+            if entry is None:
+                leases[key] = [1, expiry]
+            else:
+                entry[0] += 1
+                if entry[1] < expiry:
+                    entry[1] = expiry
+
+    def drop_lease(self, key: BlockKey) -> None:
+        """One holder of ``key``'s lease is done with it. Caller holds the lock."""
+        entry = self.leases.get(key)
+        if entry is not None:
+            entry[0] -= 1
+            if entry[0] <= 0:
+                del self.leases[key]
+
+    def pin(self, keys: Iterable[BlockKey]) -> None:
+        """One more pin on each key (counted). Caller holds the lock."""
+        pins = self.pins
+        for key in keys:
+            pins[key] = pins.get(key, 0) + 1
+
+    def unpin(self, keys: Iterable[BlockKey]) -> None:
+        """One pin less on each key. Caller holds the lock."""
+        pins = self.pins
+        for key in keys:
+            count = pins.get(key, 0) - 1
+            if count > 0:
+                pins[key] = count
+            else:
+                pins.pop(key, None)
+
+    def evictable(self, key: BlockKey, now: float, protect: set[bytes | None] | None) -> bool:
+        """Not leased (unexpired at ``now``), not pinned, not a protected parent (its
+        digest in ``protect``). Caller holds the lock."""
+        lease = self.leases.get(key)
+        if self.pins.get(key) or (lease is not None and lease[1] > now):
+            return False
+        return not (protect and key.digest in protect)
+
+    def remove_level(self, key: BlockKey, i: int) -> int:
+        """Level ``i`` no longer holds ``key``; returns the levels that still do (the
+        key leaves ``where`` when none does; its other state stays: see
+        :meth:`forget`). Caller holds the lock."""
+        mask = self.where.get(key, 0) & ~(1 << i)
+        if mask:
+            self.where[key] = mask
+        else:
+            self.where.pop(key, None)
+        return mask
+
+    def forget(self, key: BlockKey) -> None:
+        """Drop ``key``'s size, lease and hit count (once no level holds it). Caller
+        holds the lock."""
+        self.sizes.pop(key, None)
+        self.leases.pop(key, None)
+        self.hit_counts.pop(key, None)
+
+
+__all__ = ["Index"]
