@@ -4,6 +4,7 @@ empty-token check."""
 from __future__ import annotations
 
 import re
+from types import SimpleNamespace
 from typing import Annotated, Any, Mapping
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict
@@ -59,4 +60,12 @@ def _no_empty_token(data: Any, remedy: str = "give a token, or remove the key to
     return data
 
 
-__all__ = ["Size", "parse_size"]
+
+def field_defaults(model: type[BaseModel]) -> SimpleNamespace:
+    """The defaults of ``model``'s fields (those that have one), by name. Code that takes a
+    setting outside the config (a tier's keyword arguments) reads its default here, so the
+    model stays the one definition."""
+    return SimpleNamespace(**{n: f.default for n, f in model.model_fields.items() if not f.is_required()})
+
+
+__all__ = ["Size", "field_defaults", "parse_size"]

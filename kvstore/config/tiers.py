@@ -4,11 +4,11 @@ and defaults."""
 from __future__ import annotations
 
 import os
-from typing import Annotated, Literal, Union
+from typing import Annotated, Any, Literal, Union
 
 from pydantic import BeforeValidator, Field, SecretStr, field_validator, model_validator
 
-from kvstore.config.base import Size, _Frozen, _no_empty_token
+from kvstore.config.base import Size, _Frozen, _no_empty_token, field_defaults
 from kvstore.config.tls import ClientTlsConfig, _tls_flag
 from kvstore.errors import ConfigError
 from policies import EVICTION_NAMES
@@ -28,6 +28,16 @@ class _TierBase(_Frozen):
     capacity: Size = Field(gt=0)
     eviction: EvictionName = "lru"
     admission: AdmissionConfig = AdmissionConfig()
+
+    @classmethod
+    def defaults(cls) -> Any:
+        """This kind's defaults by name (a tier's keyword arguments default to them)."""
+        return field_defaults(cls)
+
+    def settings(self) -> dict[str, Any]:
+        """This kind's own settings (not name, capacity, eviction, admission, kind) as the
+        tier constructor's keyword arguments: ``Tier.from_config`` passes them on."""
+        return {f: getattr(self, f) for f in type(self).model_fields if f != "kind" and f not in _TierBase.model_fields}
 
 
 class DramTierConfig(_TierBase):
@@ -65,6 +75,11 @@ class NvmeTierConfig(_TierBase):
     @property
     def paths(self) -> list[str]:
         return [self.path] if isinstance(self.path, str) else list(self.path)
+
+    def settings(self) -> dict[str, Any]:
+        settings = super().settings()
+        del settings["path"]
+        return {"paths": self.paths, **settings}
 
 
 class S3TierConfig(_TierBase):
