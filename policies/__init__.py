@@ -2,28 +2,26 @@
 
 from __future__ import annotations
 
+import importlib
 from typing import Callable
 
 from policies.base import AdmissionPolicy, Decision, EvictionPolicy
 
 
+# The one registry of eviction names (config validation reads it: kvstore.config.tiers):
+# config name -> (module, class), imported only when built.
+_EVICTION_CLASSES: dict[str, tuple[str, str]] = {
+    "lru": ("policies.lru", "LruPolicy"), "fifo": ("policies.fifo", "FifoPolicy"),
+    "lfu": ("policies.lfu", "LfuPolicy"), "s3fifo": ("policies.s3fifo", "S3FifoPolicy"),
+    "sieve": ("policies.sieve", "SievePolicy"), "arc": ("policies.arc", "ArcPolicy"),
+    "lineage": ("policies.lineage", "LineagePolicy"),
+}
+
+EVICTION_NAMES = tuple(_EVICTION_CLASSES)
+
+
 def _eviction_classes() -> dict[str, Callable[[], EvictionPolicy]]:
-    from policies.arc import ArcPolicy
-    from policies.fifo import FifoPolicy
-    from policies.lfu import LfuPolicy
-    from policies.lineage import LineagePolicy
-    from policies.lru import LruPolicy
-    from policies.s3fifo import S3FifoPolicy
-    from policies.sieve import SievePolicy
-
-    classes: dict[str, Callable[[], EvictionPolicy]] = {
-        "lru": LruPolicy, "fifo": FifoPolicy, "lfu": LfuPolicy, "s3fifo": S3FifoPolicy,
-        "sieve": SievePolicy, "arc": ArcPolicy, "lineage": LineagePolicy,
-    }
-    return classes
-
-
-EVICTION_NAMES = ("lru", "fifo", "lfu", "s3fifo", "sieve", "arc", "lineage")
+    return {name: getattr(importlib.import_module(module), cls) for name, (module, cls) in _EVICTION_CLASSES.items()}
 
 
 def make_eviction(name: str) -> EvictionPolicy:

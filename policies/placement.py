@@ -14,9 +14,13 @@ class WriteMode(str, enum.Enum):
 
 @dataclass(frozen=True)
 class Placement:
-    write: WriteMode = WriteMode.BACK
-    promote_on_hit: bool = True   # a hit in a lower tier copies the block up to the first tier
-    prefetch_depth: int = 0       # blocks past a lookup's prefix to start promoting
+    """The ``placement:`` settings (``kvstore.config.PlacementConfig`` holds their one
+    definition and defaults)."""
+
+    write: WriteMode
+    promote_on_hit: bool          # a hit in a lower tier copies the block up to the first tier
+    prefetch_depth: int           # blocks past a lookup's prefix to start promoting
+    selective_threshold: int      # selective: a block hit this often in the first tier is written through
 
     def writes_through(self) -> bool:
         return self.write is not WriteMode.BACK

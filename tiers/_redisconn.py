@@ -21,6 +21,7 @@ from redis.cluster import ClusterNode, RedisCluster
 from redis.exceptions import AuthenticationError, NoPermissionError, RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from kvstore.config.tiers import RedisTierConfig
 from kvstore.errors import ConfigError
 from tiers import _redisio as rio
 
@@ -28,24 +29,26 @@ log = logging.getLogger(__name__)
 FAULTS = (OSError, RedisError, rio.ProtocolViolation)   # a node or connection failed
 _SCHEMES = {"redis": False, "valkey": False, "rediss": True, "valkeys": True}
 
+_D = RedisTierConfig.defaults()   # the settings' defaults: the config model's (one definition)
+
 
 @dataclass(frozen=True)
 class RedisSettings:
     """What the tier connects with (see ``RedisTierConfig``); ``where`` names it in errors."""
 
     name: str
-    url: str | None = None
+    url: str | None = _D.url
     nodes: tuple[str, ...] = ()
-    cluster: str | bool = "auto"
-    username: str | None = None
+    cluster: str | bool = _D.cluster
+    username: str | None = _D.username
     password: str | None = None
     tls: bool = False
     tls_ca: str | None = None
     tls_cert: str | None = None
     tls_key: str | None = None
-    concurrency: int = 8
-    timeout_s: float = 2.0
-    max_attempts: int = 3
+    concurrency: int = _D.concurrency
+    timeout_s: float = _D.timeout_s
+    max_attempts: int = _D.max_attempts
 
     @property
     def where(self) -> str:

@@ -84,6 +84,12 @@ class Tier(ABC):
     _capacity: int
     _used: int
 
+    @classmethod
+    def from_config(cls, cfg: Any) -> "Tier":
+        """The tier a validated ``tiers:`` entry (``kvstore.config``'s model of this kind)
+        describes: its kind's settings are this constructor's keyword arguments."""
+        return cls(capacity_bytes=cfg.capacity, name=cfg.name, **cfg.settings())
+
     @property
     def capacity_bytes(self) -> int:
         """Configured capacity in payload bytes; ``used_bytes`` never exceeds it."""

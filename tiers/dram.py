@@ -31,12 +31,14 @@ import numpy as np
 from kvstore.buffers.host import copy_batch_hashed, hash_ranges
 from kvstore.buffers.pinning import HostPin, _torch_cudart
 from kvstore.buffers import nbytes_of
+from kvstore.config.tiers import DramTierConfig
 from kvstore.errors import ConfigError, InvalidArgumentError
 from kvstore.keys import BlockKey
 from tiers._arena import ArenaTier, SlotIndex
 from tiers.base import TierCapabilities, check_batch, check_sizes
 
 log = logging.getLogger(__name__)
+_D = DramTierConfig.defaults()   # keyword defaults: the config model's (one definition)
 PAGE = mmap.PAGESIZE
 SLOT_ALIGN = 4096  # slots stay O_DIRECT-aligned so NVMe I/O can use them in place
 # Large batches copy on two threads (memmove releases the GIL): one thread's memcpy does
@@ -133,8 +135,8 @@ class DramTier(ArenaTier):
     protected by per-slot reader counts so a slot is never reused mid-copy.
     """
 
-    def __init__(self, capacity_bytes: int, *, name: str = "dram", shm_path: str | None = None,
-                 pin: bool | None = None) -> None:
+    def __init__(self, capacity_bytes: int, *, name: str = "dram", shm_path: str | None = _D.shm_path,
+                 pin: bool | None = _D.pin) -> None:
         if capacity_bytes <= 0:
             raise InvalidArgumentError(f"DRAM tier capacity must be positive, got {capacity_bytes}")
         self.name = name

@@ -18,10 +18,13 @@ from typing import Any, Iterator, Sequence
 
 from kvstore.buffers.device import DeviceCopier, copier_for, resolve_device
 from kvstore.buffers import nbytes_of
+from kvstore.config.tiers import GpuTierConfig
 from kvstore.errors import InvalidArgumentError, TierUnavailableError
 from kvstore.keys import BlockKey
 from tiers._arena import ArenaTier, SlotIndex
 from tiers.base import TierCapabilities, check_batch, check_sizes
+
+_D = GpuTierConfig.defaults()   # keyword defaults: the config model's (one definition)
 
 SLOT_ALIGN = 256  # CUDA's allocation granularity for coalesced access and DMA
 
@@ -35,7 +38,7 @@ class GpuTier(ArenaTier):
     waiting on its own CUDA event rather than synchronising the device.
     """
 
-    def __init__(self, capacity_bytes: int, *, name: str = "gpu", device: str = "cuda:0",
+    def __init__(self, capacity_bytes: int, *, name: str = "gpu", device: str = _D.device,
                  copier: DeviceCopier | None = None) -> None:
         if capacity_bytes <= 0:
             raise InvalidArgumentError(f"GPU tier capacity must be positive, got {capacity_bytes}")

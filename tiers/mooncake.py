@@ -33,6 +33,7 @@ import numpy as np
 
 from kvstore.block import HEADER_BYTES, VERSION, encode_header, parse_block_header, verify_payload
 from kvstore.buffers import copy_bytes, host_view, is_device, nbytes_of
+from kvstore.config.tiers import MooncakeTierConfig
 from kvstore.errors import (BufferSizeError, ConfigError, CorruptBlockError, InvalidArgumentError,
                             TierUnavailableError)
 from kvstore.keys import BlockKey
@@ -40,6 +41,7 @@ from tiers._health import Health
 from tiers.base import Tier, TierCapabilities
 
 log = logging.getLogger(__name__)
+_D = MooncakeTierConfig.defaults()   # keyword defaults: the config model's (one definition)
 
 _ALIGN = 4096
 # Mooncake's error codes (mooncake-store/include/types.h) that this tier tells apart.
@@ -62,9 +64,9 @@ class MooncakeTier(Tier):
     """Blocks in a Mooncake Store pool. Thread-safe; batches take turns on the staging buffer."""
 
     def __init__(self, capacity_bytes: int, *, master: str, metadata_server: str, name: str = "mooncake",
-                 protocol: str = "tcp", device: str = "", local_hostname: str | None = None,
-                 global_segment_size: int = 0, local_buffer_size: int = 64 << 20,
-                 staging_bytes: int = 64 << 20, prefix: str = "kvstore") -> None:
+                 protocol: str = _D.protocol, device: str = _D.device, local_hostname: str | None = _D.local_hostname,
+                 global_segment_size: int = _D.global_segment_size, local_buffer_size: int = _D.local_buffer_size,
+                 staging_bytes: int = _D.staging_bytes, prefix: str = _D.prefix) -> None:
         try:
             from mooncake.store import MooncakeDistributedStore
         except ImportError as exc:

@@ -40,6 +40,7 @@ import numpy as np
 
 from kvstore.block import EXT_HEADER_BYTES, encode_ext_header
 from kvstore.buffers import copy_bytes, host_view, is_device, nbytes_of
+from kvstore.config.tiers import RedisTierConfig
 from kvstore.errors import (BufferSizeError, ConfigError, CorruptBlockError, InvalidArgumentError, TierIOError,
                             TierUnavailableError)
 from kvstore.keys import BlockKey
@@ -50,6 +51,7 @@ from tiers._health import Health
 from tiers.base import RecoveredBlock, Tier, TierCapabilities
 
 log = logging.getLogger(__name__)
+_D = RedisTierConfig.defaults()   # keyword defaults: the config model's (one definition)
 # Reply errors that mean "this node cannot serve the key right now", not a broken request.
 _UNAVAILABLE = {"MOVED", "ASK", "CLUSTERDOWN", "TRYAGAIN", "LOADING", "MASTERDOWN", "READONLY", "BUSY"}
 
@@ -69,12 +71,22 @@ class RedisTier(Tier):
     handshake raise :class:`ConfigError` naming the setting.
     """
 
-    def __init__(self, capacity_bytes: int, *, name: str = "redis", url: str | None = None,
-                 nodes: Sequence[str] = (), cluster: str | bool = "auto", username: str | None = None,
+    @classmethod
+    def from_config(cls, cfg: RedisTierConfig) -> "RedisTier":
+        """The tier ``cfg`` describes: the password resolved, ``tls`` split into its files."""
+        tls = cfg.tls if not isinstance(cfg.tls, bool) else None
+        return cls(cfg.capacity, name=cfg.name, url=cfg.url, nodes=cfg.nodes or (), cluster=cfg.cluster,
+                   username=cfg.username, password=cfg.resolved_password(), tls=bool(cfg.tls),
+                   tls_ca=tls and tls.ca, tls_cert=tls and tls.cert, tls_key=tls and tls.key,
+                   prefix=cfg.prefix, concurrency=cfg.concurrency, timeout_s=cfg.timeout_s,
+                   max_attempts=cfg.max_attempts, ttl_s=cfg.ttl_s)
+
+    def __init__(self, capacity_bytes: int, *, name: str = "redis", url: str | None = _D.url,
+                 nodes: Sequence[str] = (), cluster: str | bool = _D.cluster, username: str | None = _D.username,
                  password: str | None = None, tls: bool = False, tls_ca: str | None = None,
-                 tls_cert: str | None = None, tls_key: str | None = None, prefix: str = "kvstore",
-                 concurrency: int = 8, timeout_s: float = 2.0, max_attempts: int = 3,
-                 ttl_s: float | None = None) -> None:
+                 tls_cert: str | None = None, tls_key: str | None = None, prefix: str = _D.prefix,
+                 concurrency: int = _D.concurrency, timeout_s: float = _D.timeout_s,
+                 max_attempts: int = _D.max_attempts, ttl_s: float | None = _D.ttl_s) -> None:
         if capacity_bytes <= 0:
             raise InvalidArgumentError(f"redis tier capacity must be positive, got {capacity_bytes}")
         if not prefix or ":" in prefix.strip(":") or any(c in prefix for c in "*?[]"):

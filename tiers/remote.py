@@ -17,16 +17,19 @@ import threading
 from typing import Any, Iterator, Sequence
 
 from kvstore.buffers import nbytes_of
+from kvstore.config.tiers import RemoteTierConfig
 from kvstore.errors import BufferSizeError, KVStoreError, TierIOError, TierUnavailableError
 from kvstore.keys import BlockKey
 from tiers.base import Tier, TierCapabilities
+
+_D = RemoteTierConfig.defaults()   # keyword defaults: the config model's (one definition)
 
 
 class RemoteTier(Tier):
     """Blocks on a kvstore server at ``address`` (``host:port`` or a socket path)."""
 
-    def __init__(self, address: str, capacity_bytes: int, *, name: str = "remote", token: str | None = None,
-                 timeout_s: float = 10.0, client: Any = None, tls: Any = None) -> None:
+    def __init__(self, address: str, capacity_bytes: int, *, name: str = "remote", token: str | None = _D.token,
+                 timeout_s: float = _D.timeout_s, client: Any = None, tls: Any = _D.tls) -> None:
         from kvstore.net.client import Client
 
         self.name = name

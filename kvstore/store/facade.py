@@ -54,8 +54,7 @@ class Store(TierMovement, StoreHints):
         self.config = config
         self._clock = clock
         p = config.placement
-        self.placement = Placement(WriteMode(p.write), p.promote_on_hit, p.prefetch_depth)
-        self._selective_threshold = p.selective_threshold
+        self.placement = Placement(WriteMode(p.write), p.promote_on_hit, p.prefetch_depth, p.selective_threshold)
         self._trace = TraceRecorder(config.trace) if config.trace is not None else None
         built: list[Tier] = []
         try:
@@ -622,7 +621,7 @@ class Store(TierMovement, StoreHints):
             if done[j] and source[j] == 0 and not self._hint_index.is_discard(key):
                 count = self._hit_counts.get(key, 0) + 1
                 self._hit_counts[key] = count
-                if count == self._selective_threshold:
+                if count == self.placement.selective_threshold:
                     hot.append(j)
         return [(i, hot) for i in range(1, len(self._levels))] if hot else []
 

@@ -33,6 +33,7 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 
 from kvstore.block import FLAG_SEGMENTED
+from kvstore.config.tiers import NvmeTierConfig
 from kvstore.buffers import host_view, is_device, nbytes_of
 from kvstore.errors import CorruptBlockError, InvalidArgumentError, StoreClosedError, TierError
 from kvstore.keys import BlockKey
@@ -46,6 +47,7 @@ from tiers.nvme.open import Entry, open_shard, paused_gc
 from tiers.nvme.readahead import ReadAhead
 
 log = logging.getLogger(__name__)
+_D = NvmeTierConfig.defaults()   # keyword defaults: the config model's (one definition)
 
 
 class NvmeTier(Tier):
@@ -66,9 +68,9 @@ class NvmeTier(Tier):
     """
 
     def __init__(self, paths: str | Sequence[str], capacity_bytes: int, *, name: str = "nvme",
-                 direct_io: bool = True, file_bytes: int = 1 << 30, io_threads: int = 8,
-                 index_sync: bool = True, access_flush_s: float = 5.0,
-                 readahead_bytes: int = 32 << 20, device_verify: bool = False) -> None:
+                 direct_io: bool = _D.direct_io, file_bytes: int = _D.file_bytes, io_threads: int = _D.io_threads,
+                 index_sync: bool = _D.index_sync, access_flush_s: float = _D.access_flush_s,
+                 readahead_bytes: int = _D.readahead_bytes, device_verify: bool = _D.device_verify) -> None:
         paths = [paths] if isinstance(paths, (str, os.PathLike)) else list(paths)
         if not paths:
             raise InvalidArgumentError("NVMe tier needs at least one directory")

@@ -11,6 +11,7 @@ import http.client
 from dataclasses import dataclass
 from typing import Any
 
+from kvstore.config.tiers import S3TierConfig
 from kvstore.errors import ConfigError
 
 # S3 error codes that mean "the service is overloaded or failing right now": back off.
@@ -20,21 +21,25 @@ _THROTTLE_CODES = frozenset({"SlowDown", "ServiceUnavailable", "InternalError", 
 _MISSING_CODES = frozenset({"NoSuchKey", "NotFound", "404"})
 
 
+_D = S3TierConfig.defaults()
+
+
 @dataclass(frozen=True)
 class S3Settings:
-    """Connection settings of one S3 tier (the subset of ``S3TierConfig`` boto3 needs)."""
+    """Connection settings of one S3 tier: the subset of ``S3TierConfig`` boto3 needs,
+    with that model's defaults (it is their one definition)."""
 
     name: str
     bucket: str
-    endpoint_url: str | None = None
-    region: str | None = None
-    addressing_style: str = "auto"
-    profile: str | None = None
-    concurrency: int = 8
-    connect_timeout_s: float = 2.0
-    read_timeout_s: float = 10.0
-    max_attempts: int = 3
-    sign_payload: bool = False
+    endpoint_url: str | None = _D.endpoint_url
+    region: str | None = _D.region
+    addressing_style: str = _D.addressing_style
+    profile: str | None = _D.profile
+    concurrency: int = _D.concurrency
+    connect_timeout_s: float = _D.connect_timeout_s
+    read_timeout_s: float = _D.read_timeout_s
+    max_attempts: int = _D.max_attempts
+    sign_payload: bool = _D.sign_payload
 
     @property
     def where(self) -> str:

@@ -36,6 +36,7 @@ from kvstore.block import EXT_HEADER_BYTES, HEADER_BYTES
 from kvstore.buffers import copy_bytes, host_view, is_device, nbytes_of
 from kvstore.errors import (BufferSizeError, CorruptBlockError, InvalidArgumentError, TierIOError,
                             TierUnavailableError)
+from kvstore.config.tiers import S3TierConfig
 from kvstore.keys import BlockKey
 from tiers.s3 import io as s3io
 from tiers.s3.client import (S3Settings, check_bucket, is_bad_range, is_missing, is_unavailable, make_client,
@@ -46,6 +47,7 @@ from tiers.s3.stage import Staging
 from tiers.base import RecoveredBlock, Tier, TierCapabilities, check_batch, check_sizes
 
 log = logging.getLogger(__name__)
+_D = S3TierConfig.defaults()   # keyword defaults: the config model's (one definition)
 _PROBE_TIMEOUT_S = 1.0
 
 
@@ -75,11 +77,14 @@ class S3Tier(Tier):
     ``create_bucket``), and raises :class:`ConfigError` naming the setting otherwise.
     """
 
-    def __init__(self, capacity_bytes: int, *, bucket: str, name: str = "s3", endpoint_url: str | None = None,
-                 prefix: str = "kvstore", region: str | None = None, addressing_style: str = "auto",
-                 profile: str | None = None, concurrency: int = 8, connect_timeout_s: float = 2.0,
-                 read_timeout_s: float = 10.0, max_attempts: int = 3, multipart_threshold: int = 16 << 20,
-                 part_size: int = 8 << 20, create_bucket: bool = False, sign_payload: bool = False) -> None:
+    def __init__(self, capacity_bytes: int, *, bucket: str, name: str = "s3",
+                 endpoint_url: str | None = _D.endpoint_url, prefix: str = _D.prefix,
+                 region: str | None = _D.region, addressing_style: str = _D.addressing_style,
+                 profile: str | None = _D.profile, concurrency: int = _D.concurrency,
+                 connect_timeout_s: float = _D.connect_timeout_s, read_timeout_s: float = _D.read_timeout_s,
+                 max_attempts: int = _D.max_attempts, multipart_threshold: int = _D.multipart_threshold,
+                 part_size: int = _D.part_size, create_bucket: bool = _D.create_bucket,
+                 sign_payload: bool = _D.sign_payload) -> None:
         if capacity_bytes <= 0:
             raise InvalidArgumentError(f"S3 tier capacity must be positive, got {capacity_bytes}")
         if part_size < EXT_HEADER_BYTES:

@@ -1,0 +1,71 @@
+"""Shared pieces of the config models: the frozen base, sizes (``"64GiB"``) and the
+empty-token check."""
+
+from __future__ import annotations
+
+import re
+from types import SimpleNamespace
+from typing import Annotated, Any, Mapping
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict
+
+_UNITS = {
+    "": 1, "b": 1,
+    "k": 1 << 10, "kib": 1 << 10, "kb": 10**3,
+    "m": 1 << 20, "mib": 1 << 20, "mb": 10**6,
+    "g": 1 << 30, "gib": 1 << 30, "gb": 10**9,
+    "t": 1 << 40, "tib": 1 << 40, "tb": 10**12,
+}
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_size(value: Any) -> int:
+    """Bytes from ``4096``, ``"64GiB"``, ``"1.5 GB"``, ``"512M"``; binary for K/M/G/T
+    and KiB/MiB/GiB/TiB, decimal for KB/MB/GB/TB."""
+    if isinstance(value, bool):
+        raise ValueError(f"not a size: {value!r}")
+    if isinstance(value, int):
+        if value < 0:
+            raise ValueError(f"size must not be negative, got {value}")
+        return value
+    if isinstance(value, float) and value.is_integer() and value >= 0:
+        return int(value)
+    if isinstance(value, str):
+        m = _SIZE_RE.match(value)
+        if not m:
+            if value.strip().startswith("-"):
+                raise ValueError(f"size must not be negative, got {value!r}")
+            raise ValueError(f"not a size: {value!r} (use e.g. 4096, '512MiB', '64GiB')")
+        number, unit = m.groups()
+        if unit.lower() not in _UNITS:
+            raise ValueError(f"unknown size unit {unit!r} in {value!r}; use B, KiB, MiB, GiB, TiB, KB, MB, GB or TB")
+        return int(float(number) * _UNITS[unit.lower()])
+    raise ValueError(f"not a size: {value!r}")
+
+
+Size = Annotated[int, BeforeValidator(parse_size)]
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+def _no_empty_token(data: Any, remedy: str = "give a token, or remove the key to run without one") -> Any:
+    """A ``token`` key given as empty, ``null`` or ``~`` (in the file or a ``KVSTORE_…``
+    variable) is a mistake, not a request to turn authentication off."""
+    if isinstance(data, Mapping) and "token" in data:
+        token = data["token"]
+        if token is None or (isinstance(token, str) and not token.strip()):
+            raise ValueError(f"token is set but empty (empty, null or ~); {remedy}")
+    return data
+
+
+
+def field_defaults(model: type[BaseModel]) -> SimpleNamespace:
+    """The defaults of ``model``'s fields (those that have one), by name. Code that takes a
+    setting outside the config (a tier's keyword arguments) reads its default here, so the
+    model stays the one definition."""
+    return SimpleNamespace(**{n: f.default for n, f in model.model_fields.items() if not f.is_required()})
+
+
+__all__ = ["Size", "field_defaults", "parse_size"]
