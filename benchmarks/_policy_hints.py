@@ -9,9 +9,19 @@ hinted; then requests that do not continue are hinted too until ``precision`` of
 hints are right. ``precision 0.3`` is a bad client: most of what it asks to keep is
 never used again; so is one that hints every request (the last column).
 
+A hint covers the request's blocks up to its last full block (``scope="full-blocks"``,
+the default): the trace's last block of a request is partial, and the next turn
+re-hashes it with the new tokens, so a continuation never reads it again, and an engine
+hashes and saves only full blocks, so its hint never covers a partial one.
+``scope="request"`` hints every block of the request, the last partial one too (what
+this benchmark did before; kept to compare).
+
 Every run replays the trace through a real :class:`~kvstore.store.Store` (one DRAM tier
-of LRU, the Store's hint ordering on top), its clock following the trace's timestamps so
-hints expire as they would have. LRU without hints and Belady's optimum are beside it.
+of LRU, the Store's hint ordering and its feedback on top: ``policies/retention.py``),
+its clock following the trace's timestamps so hints expire as they would have. LRU
+without hints and Belady's optimum are beside it. Each hinted cell also records the
+tier's ``hint_trust`` at the end of the replay (``protect_s``: ``None`` = hints protect
+in full; a number = hints protect only until that old).
 """
 
 from __future__ import annotations
@@ -30,6 +40,7 @@ from kvstore._replay import PAYLOAD_BYTES, Trace, belady, replay_store, to_keys
 # enough that the requests which do not continue can make up 70% of the hints.
 ACCURACIES = ((1.0, 1.0), (0.8, 0.8), (0.6, 0.6), (0.3, 0.5), (0.0, 1.0))
 FRACTIONS = (0.01, 0.05, 0.25)
+SCOPES = ("full-blocks", "request")
 
 
 def load_timed_trace(path: Path, max_requests: int | None) -> tuple[list[list[int]], list[float]]:
@@ -75,14 +86,31 @@ def simulate(truth: Sequence[bool], precision: float, recall: float, seed: int) 
     return hinted, (len(right) / given if given else 1.0), (len(right) / len(positives) if positives else 1.0)
 
 
+def hint_scope(trace: Trace, scope: str) -> list[int] | None:
+    """How many leading blocks of each request its hint covers (``None``: all)."""
+    if scope not in SCOPES:
+        raise ValueError(f"unknown hint scope {scope!r}; choose one of {', '.join(SCOPES)}")
+    if scope == "request":
+        return None
+    return [len(keys) - 1 if len(keys) >= 2 else len(keys) for keys in trace]
+
+
+WRONG = (0.3, 0.5)   # the wrong-hint client, replayed at every seed in ``wrong_seeds`` too
+
+
 def run_hints(requests: list[list[int]], times: list[float], retain_s: float, seed: int,
-              fractions: Sequence[float] = FRACTIONS) -> dict:
+              fractions: Sequence[float] = FRACTIONS, scope: str = "full-blocks",
+              wrong_seeds: Sequence[int] = ()) -> dict:
+    """Every client of :data:`ACCURACIES` at ``seed``, beside LRU and Belady, per cache
+    size; the wrong-hint client again at each of ``wrong_seeds`` (how much its figure
+    moves with the draw of which requests it hints: the noise around LRU)."""
     trace = to_keys(requests)
     distinct = len({key for keys in trace for key in keys})
     truth = continues(trace)
     hint = Hint(retain_s=retain_s)
+    blocks = hint_scope(trace, scope)
     results = {"requests": len(trace), "distinct_blocks": distinct, "retain_s": retain_s,
-               "continuing_share": sum(truth) / len(truth), "rows": []}
+               "hint_scope": scope, "seed": seed, "continuing_share": sum(truth) / len(truth), "rows": []}
     for fraction in fractions:
         capacity = max(1, int(distinct * fraction))
         config = {"tiers": [{"name": "replay", "kind": "dram", "capacity": capacity * PAYLOAD_BYTES,
@@ -91,10 +119,22 @@ def run_hints(requests: list[list[int]], times: list[float], retain_s: float, se
                "lru": replay_store(config, trace).hit_rate, "belady": belady(trace, capacity), "hinted": []}
         for precision, recall in ACCURACIES:
             hinted, got_precision, got_recall = simulate(truth, precision, recall, seed)
-            rate = replay_store(config, trace, hints=[hint if h else None for h in hinted], times_s=times).hit_rate
+            got = replay_store(config, trace, hints=[hint if h else None for h in hinted], times_s=times,
+                               hint_blocks=blocks)
+            rate = got.hit_rate
             row["hinted"].append({"precision": precision, "recall": recall, "achieved_precision": got_precision,
-                                  "achieved_recall": got_recall, "prefix_hit_rate": rate})
+                                  "achieved_recall": got_recall, "prefix_hit_rate": rate,
+                                  "hint_trust": got.tier_hint_trust[0]})
             print(f"  {fraction:>4.0%} P={precision} R={recall}: {rate:6.2%} (LRU {row['lru']:6.2%})",
+                  file=sys.stderr, flush=True)
+        row["wrong_hints_by_seed"] = [{"seed": seed, "prefix_hit_rate": next(
+            h["prefix_hit_rate"] for h in row["hinted"] if (h["precision"], h["recall"]) == WRONG)}]
+        for other in wrong_seeds:
+            hinted, _, _ = simulate(truth, *WRONG, other)
+            got = replay_store(config, trace, hints=[hint if h else None for h in hinted], times_s=times,
+                               hint_blocks=blocks)
+            row["wrong_hints_by_seed"].append({"seed": other, "prefix_hit_rate": got.hit_rate})
+            print(f"  {fraction:>4.0%} P={WRONG[0]} R={WRONG[1]} seed {other}: {got.hit_rate:6.2%}",
                   file=sys.stderr, flush=True)
         results["rows"].append(row)
     return results
@@ -104,10 +144,18 @@ def hints_table(results: dict) -> str:
     head = f"{'cache':>6}{'LRU':>9}{'Belady':>9}" + "".join(
         f"{f'P{h[0]:g}/R{h[1]:g}' if h[0] else 'hint all':>18}" for h in ACCURACIES)
     lines = [f"{results['requests']} requests, {results['distinct_blocks']} distinct blocks, "
-             f"{results['continuing_share']:.0%} continue; hint retain_s={results['retain_s']:g}; "
+             f"{results['continuing_share']:.0%} continue; hint retain_s={results['retain_s']:g}, "
+             f"scope {results.get('hint_scope', 'request')}, client seed {results.get('seed', 1)}; "
              "each cell: hit rate (x LRU)", head, "-" * len(head)]
     for row in results["rows"]:
         cells = "".join(f"{h['prefix_hit_rate']:>9.2%} ({h['prefix_hit_rate'] / row['lru']:4.2f}x)"
                         if row["lru"] else f"{h['prefix_hit_rate']:>18.2%}" for h in row["hinted"])
         lines.append(f"{row['capacity_fraction']:>6.0%}{row['lru']:>9.2%}{row['belady']:>9.2%}{cells}")
+    seeds = [row.get("wrong_hints_by_seed", []) for row in results["rows"]]
+    if any(len(s) > 1 for s in seeds):
+        lines.append(f"wrong hints (P{WRONG[0]:g}/R{WRONG[1]:g}) by client seed "
+                     f"{', '.join(str(e['seed']) for e in seeds[0])}, x LRU: " + "; ".join(
+                         f"{row['capacity_fraction']:.0%} " + " ".join(
+                             f"{e['prefix_hit_rate'] / row['lru']:.3f}" for e in s) if row["lru"] else ""
+                         for row, s in zip(results["rows"], seeds)))
     return "\n".join(lines)

@@ -22,9 +22,11 @@ Belady's offline optimum for prefix hits runs in the same replay
 by reference count and recency can get (see :func:`count_ttl_bound`).
 
 ``--hints`` replays instead LRU with simulated client retention hints ("this
-conversation continues") at precision/recall 1.0, 0.8, 0.6 and a wrong-hint client at
-precision 0.3, at 1%, 5% and 25% of the distinct blocks, beside LRU and Belady
-(``benchmarks/_policy_hints.py``; writes ``policy_replay_hints.json``).
+conversation continues") at precision/recall 1.0, 0.8, 0.6, a wrong-hint client at
+precision 0.3 and one that hints everything, at 1%, 5% and 25% of the distinct blocks,
+beside LRU and Belady (``benchmarks/_policy_hints.py``; ``--seed`` seeds the simulated
+client, ``--hint-scope`` picks the blocks a hint covers; writes
+``policy_replay_hints.json``).
 
 ``--synthetic`` adds a seeded synthetic workload (Zipf-popular shared system prompts,
 multi-turn conversations that extend their own previous prompt, one-off requests) to
@@ -315,6 +317,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                              "(benchmarks/_policy_hints.py), through a real Store")
     parser.add_argument("--hint-retain-s", type=float, default=600.0,
                         help="the retain_s a hinting client sends (default 600)")
+    parser.add_argument("--wrong-seeds", default="2,3",
+                        help="with --hints: client seeds at which the wrong-hint client is replayed again "
+                             "(comma-separated; default 2,3)")
+    parser.add_argument("--hint-scope", choices=("full-blocks", "request"), default="full-blocks",
+                        help="the blocks a hint covers: up to the request's last full block (default), "
+                             "or every block of the request")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="directory for JSON and PNG")
     args = parser.parse_args(argv)
     command = " ".join(["python", "-m", "benchmarks.policy_replay", *(argv or sys.argv[1:])])
@@ -323,7 +331,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         requests, times = load_timed_trace(args.trace, args.requests)
         fractions = [float(f) for f in (args.capacities or "0.01,0.05,0.25").split(",") if f]
-        results = run_hints(requests, times, args.hint_retain_s, args.seed, fractions)
+        results = run_hints(requests, times, args.hint_retain_s, args.seed, fractions, args.hint_scope,
+                            [int(x) for x in args.wrong_seeds.split(",") if x])
         results["command"] = command
         print(hints_table(results))
         args.out.mkdir(parents=True, exist_ok=True)

@@ -54,6 +54,7 @@ class ReplayResult:
     tier_names: list[str] = field(default_factory=list)
     tier_hits: list[int] = field(default_factory=list)
     tier_blocks_written: list[int] = field(default_factory=list)
+    tier_hint_trust: list[dict] = field(default_factory=list)   # each tier's at the end
 
     @property
     def hit_rate(self) -> float:
@@ -65,14 +66,16 @@ class ReplayResult:
 
 def replay_store(config: Any, trace: Trace, saves: Sequence[bool] | None = None,
                  on_request: Callable[[], None] | None = None, *, hints: Sequence[Any] | None = None,
-                 times_s: Sequence[float] | None = None) -> ReplayResult:
+                 times_s: Sequence[float] | None = None,
+                 hint_blocks: Sequence[int] | None = None) -> ReplayResult:
     """Replay ``trace`` through a real :class:`~kvstore.store.Store` built from
     ``config`` (a dict or StoreConfig whose blocks are :data:`PAYLOAD_BYTES` each).
     ``saves[i]`` marks request ``i`` as a bare save (stored, not looked up, not counted).
     ``hints[i]`` (a :class:`kvstore.Hint` or ``None``) goes with request ``i``'s lookup
-    and save, as a client would send it; ``times_s[i]`` is its arrival time, which the
-    Store's clock (lease and hint expiry) follows. ``on_request`` is called after each
-    request (a progress bar)."""
+    and save, as a client would send it, for its first ``hint_blocks[i]`` blocks (default:
+    all of them; the rest are looked up and saved unhinted); ``times_s[i]`` is its
+    arrival time, which the Store's clock (lease and hint expiry) follows.
+    ``on_request`` is called after each request (a progress bar)."""
     import numpy as np
 
     from kvstore.config import load_config
@@ -86,25 +89,36 @@ def replay_store(config: Any, trace: Trace, saves: Sequence[bool] | None = None,
     with Store(load_config(config), clock=lambda: now[0]) as store:
         for index, keys in enumerate(trace):
             hint = hints[index] if hints is not None else None
+            scope = len(keys) if hint is None or hint_blocks is None else hint_blocks[index]
             if times_s is not None:
                 now[0] = times_s[index]
             if saves is not None and saves[index]:
-                store.save(keys, srcs[:len(keys)], hint=hint).result()
+                _save(store, keys, 0, scope, srcs, hint)
             else:
                 result.refs += len(keys)
-                hit = store.lookup(keys, hint=hint)
+                hit = store.lookup(keys, hint=hint if scope >= len(keys) else None)
+                if hint is not None and 0 < scope < len(keys) and hit:
+                    store.hint(keys[:min(hit, scope)], hint)
                 result.hits += hit
                 if hit:
                     store.load(keys[:hit], dsts[:hit]).result()
-                if hit < len(keys):
-                    store.save(keys[hit:], srcs[:len(keys) - hit], hint=hint).result()
+                _save(store, keys, hit, scope, srcs, hint)
             if on_request is not None:
                 on_request()
         tiers = store.stats()["tiers"]
+    result.tier_hint_trust = [t["hint_trust"] for t in tiers]
     result.tier_names = [t["name"] for t in tiers]
     result.tier_hits = [t["hits"] for t in tiers]
     result.tier_blocks_written = [t["bytes_written"] // PAYLOAD_BYTES for t in tiers]
     return result
+
+
+def _save(store: Any, keys: list[BlockKey], start: int, scope: int, srcs: list[Any], hint: Any) -> None:
+    """Save ``keys[start:]``: those before ``scope`` with ``hint``, the rest without."""
+    cut = max(start, min(scope, len(keys)))
+    for lo, hi, with_hint in ((start, cut, hint), (cut, len(keys), None)):
+        if hi > lo:
+            store.save(keys[lo:hi], srcs[:hi - lo], hint=with_hint).result()
 
 
 def belady(trace: Trace, capacity_blocks: int, saves: Sequence[bool] | None = None) -> float:

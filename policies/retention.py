@@ -4,8 +4,9 @@ client hints, so the policies themselves stay unaware of them.
 Victims come in three classes, each in the wrapped policy's own order:
 
 1. ``discard`` blocks (one-shot), oldest hint first;
-2. unhinted blocks, and blocks whose hint has expired (an expired hint is ignored: the
-   block sits wherever the policy's own history puts it);
+2. unhinted blocks, blocks whose hint has expired (an expired hint is ignored: the
+   block sits wherever the policy's own history puts it), and blocks whose hint is
+   older than the tier's trust in hints (``protect_s``, below);
 3. blocks held by a live hint, lowest priority class first.
 
 The wrapped policy sees every insert, access and removal, so its order is the same as
@@ -15,24 +16,160 @@ skip as far as the policy can tell (as for a leased block: S3-FIFO and SIEVE mov
 keys on). Cost: a victim walk steps over the live-hinted blocks ahead of the first
 unhinted one; class 3 walks the policy once more per priority class present.
 
+**Hints must earn their keep** (:class:`HintTrust`, one per tier). A client whose hints
+are wrong would otherwise fill the tier with blocks nobody reads again while the
+unhinted blocks it needs go first. So each tier watches the blocks at its eviction
+end: hinted blocks the walk passes over (kept by their hint) or evicts, and unhinted
+blocks it evicts. A watched block counts as *reused* if it is accessed, or saved again,
+within the next ``2W`` evictions (``W``: the blocks the tier holds). While hinted blocks
+at the eviction end are reused significantly more often than unhinted ones, hints
+protect in full; while significantly less often, the tier lowers ``protect_s``: a hint
+then protects its blocks only until it is ``protect_s`` old (since it was last given),
+after which they rank in the policy's own order, as if unhinted. Wrong hints thus end
+in plain policy order, right ones keep their protection, and ``protect_s`` comes back
+as soon as hinted blocks are reused more often again. Deterministic; its state is in
+each tier's ``stats()["tiers"][i]["hint_trust"]``.
+
 Hints are read, never written, from ``hints``: a mapping from key to a record with
-``expires`` (seconds on ``clock``), ``priority`` and ``discard``, kept by the Store.
-The Store calls :meth:`rehint` when a held key's hint changes. Not thread-safe: the
-Store calls it under its lock.
+``expires`` (seconds on ``clock``), ``given`` (when it was last given), ``priority`` and
+``discard``, kept by the Store. The Store calls :meth:`rehint` when a held key's hint
+changes. Not thread-safe: the Store calls it under its lock.
 """
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from typing import Any, Callable, Hashable, Iterator, Mapping
 
 from policies._order import iter_live
 from policies.base import EvictionPolicy
 
+# HintTrust's constants (see its docstring). W: the blocks the tier holds.
+_WINDOW = 2            # a watched block counts as reused if reused within 2W evictions
+_MEMORY = 4            # reuse rates: decayed counts over the last 4W blocks watched
+_MIN_MEMORY = 64       # ... at least 64
+_MIN_SAMPLES = 16      # per class (decayed) before protect_s moves at all
+_Z = 2.0               # protect_s moves only when the rates differ by two standard errors
+_STEP = 0.01           # ... by 1% per event
+_MAX_WATCH = 1 << 16   # a larger tier watches every k-th block, so at most ~64K are watched
+
+
+class HintTrust:
+    """One tier's evidence on whether live hints are right, and the age up to which it
+    lets a hint protect: ``protect_s`` (``inf``, the start: for as long as hints live).
+
+    The walk reports the blocks at the eviction end (:meth:`passed`, :meth:`distrusted`,
+    :meth:`evicted`), the layer their reuse (:meth:`reused`). A watched block
+    counts once as seen when first watched, and once as reused if reused within ``2W``
+    evictions of that (``W``: the blocks the tier holds; a tier of more than 32K blocks
+    watches every k-th candidate, so at most ~64K are watched). The reuse rate of each
+    class (hinted, unhinted) is decayed counts over the last ``4W`` blocks watched.
+
+    On each event, with at least 16 blocks of each class seen, the rates are compared
+    (a two-proportion test: they must differ by two standard errors, so that one long
+    prompt reused at once does not flip the tier):
+
+    - hinted reused more often: ``protect_s`` grows 1% (from below the hint ages at the
+      eviction end, where it protects nothing, straight back to half of them), and
+      returns to ``inf`` once it is four times the hint age at the eviction end;
+    - less often: it shrinks 1%, starting from the oldest hint age the walk protected.
+
+    Pure bookkeeping, O(1) amortised per event. Not thread-safe (the Store's lock).
+    """
+
+    def __init__(self) -> None:
+        self.protect_s = math.inf
+        self._watch: OrderedDict[Hashable, list] = OrderedDict()  # key -> [hinted, stamp, reused]
+        self._evictions = 0
+        self._memory = 1.0 - 1.0 / _MIN_MEMORY
+        self._sample = 1             # watch every k-th candidate
+        self._ticks = 0
+        self._seen = [0.0, 0.0]      # decayed blocks watched: [unhinted, hinted]
+        self._reused = [0.0, 0.0]    # ... and reused within their window
+        self.oldest = 0.0            # oldest hint age the current walk protected
+        self._tail_age = 0.0         # hint age of the last hinted block at the eviction end
+        self._floor = 0.0
+
+    def watch(self, key: Hashable, hinted: bool) -> None:
+        if key in self._watch:
+            return
+        self._ticks += 1
+        if self._ticks % self._sample:
+            return
+        self._watch[key] = [hinted, self._evictions, False]
+        seen, got, memory = self._seen, self._reused, self._memory
+        for c in (0, 1):
+            seen[c] *= memory
+            got[c] *= memory
+        seen[hinted] += 1
+        self._adjust()
+
+    def passed(self, key: Hashable, age: float) -> None:
+        """The walk passed over ``key``, kept by a hint ``age`` seconds old."""
+        self._tail_age = age
+        if key not in self._watch:
+            self.watch(key, True)
+
+    def distrusted(self, age: float) -> None:
+        """The walk offers a block whose hint (``age`` seconds old) it no longer trusts."""
+        self._tail_age = age
+        self._floor = age / 2
+
+    def reused(self, key: Hashable) -> None:
+        entry = self._watch.get(key)
+        if entry is not None and not entry[2]:
+            entry[2] = True
+            self._reused[entry[0]] += 1
+            self._adjust()
+
+    def forget(self, key: Hashable) -> None:
+        """``key`` left without being evicted (deleted): no evidence either way."""
+        self._watch.pop(key, None)
+
+    def evicted(self, key: Hashable, hinted: bool, window: int) -> None:
+        """The walk's victim ``key`` left the tier, which holds ``window`` blocks now."""
+        self._evictions += 1
+        self._sample = _WINDOW * window // _MAX_WATCH + 1
+        self._memory = 1.0 - 1.0 / max(_MEMORY * window // self._sample, _MIN_MEMORY)
+        self.watch(key, hinted)
+        watch, limit = self._watch, self._evictions - max(_WINDOW * window, 1)
+        while watch:
+            entry = watch[next(iter(watch))]
+            if entry[1] > limit:
+                break
+            watch.popitem(last=False)
+
+    def _adjust(self) -> None:
+        seen, got = self._seen, self._reused
+        if seen[0] < _MIN_SAMPLES or seen[1] < _MIN_SAMPLES:
+            return
+        hinted, unhinted = got[1] / seen[1], got[0] / seen[0]
+        pooled = (got[0] + got[1]) / (seen[0] + seen[1])
+        margin = _Z * math.sqrt(pooled * (1 - pooled) * (1 / seen[0] + 1 / seen[1]))
+        if hinted > unhinted + margin:
+            if math.isfinite(self.protect_s):
+                # from below the ages at the eviction end (where it protects nothing),
+                # straight back to half of them
+                grown = max(self.protect_s * (1 + _STEP), self._floor)
+                self.protect_s = math.inf if grown > 4 * self._tail_age else grown
+        elif hinted < unhinted - margin:
+            base = min(self.protect_s, self.oldest) if self.oldest > 0 else self.protect_s
+            if math.isfinite(base):
+                shrunk = base * (1 - _STEP)
+                self.protect_s = shrunk if shrunk >= 1e-3 else 0.0
+
+    def stats(self) -> dict[str, Any]:
+        seen, got = self._seen, self._reused
+        return {"protect_s": None if math.isinf(self.protect_s) else round(self.protect_s, 3),
+                "hinted_reuse": round(got[1] / seen[1], 4) if seen[1] else None,
+                "unhinted_reuse": round(got[0] / seen[0], 4) if seen[0] else None,
+                "watched": len(self._watch)}
+
 
 class RetentionClasses(EvictionPolicy):
     """``inner`` with the victim classes above. ``clock()`` is the time base of the
-    hints' ``expires`` (injectable, so tests never sleep)."""
+    hints' ``expires`` and ``given`` (injectable, so tests never sleep)."""
 
     def __init__(self, inner: EvictionPolicy, hints: Mapping[Hashable, Any],
                  clock: Callable[[], float]) -> None:
@@ -42,16 +179,27 @@ class RetentionClasses(EvictionPolicy):
         self._hints = hints
         self._clock = clock
         self._discard: OrderedDict[Hashable, None] = OrderedDict()
+        self.trust = HintTrust()
+        self._offered: tuple[Hashable, bool] | None = None   # the walk's last victim, hinted?
 
     def on_insert(self, key: Hashable, nbytes: int, parent: Hashable | None = None) -> None:
         self.inner.on_insert(key, nbytes, parent)
+        self.trust.reused(key)           # saved again after an eviction the tier watched
         self.rehint(key)
 
     def on_access(self, key: Hashable) -> None:
         self.inner.on_access(key)
+        self.trust.reused(key)
 
     def on_remove(self, key: Hashable) -> None:
-        self.inner.on_remove(key)
+        offered = self._offered
+        if offered is not None and offered[0] is key:
+            self.inner.on_remove(key)
+            self.trust.evicted(key, offered[1], len(self.inner))
+        else:
+            self.inner.on_remove(key)
+            self.trust.forget(key)
+        self._offered = None
         self._discard.pop(key, None)
 
     def rehint(self, key: Hashable) -> None:
@@ -67,25 +215,48 @@ class RetentionClasses(EvictionPolicy):
 
     def victims(self) -> Iterator[Hashable]:
         if not self._hints:          # no hints anywhere: the policy's own walk, untouched
-            return self.inner.victims()
+            return self.inner.victims()     # (and nothing to learn about hints)
         return self._classed()
 
     def _classed(self) -> Iterator[Hashable]:
         now = self._clock()
-        hints = self._hints
-        yield from iter_live(self._discard)
+        hints, trust = self._hints, self.trust
+        limit = trust.protect_s
+        for key in iter_live(self._discard):
+            self._offered = None
+            yield key
         kept: set[int] = set()
+        trust.oldest = oldest = 0.0
         for key in self.inner.victims():
             hint = hints.get(key)
             if hint is None or (not hint.discard and hint.expires <= now):
+                trust.oldest = oldest
+                self._offered = (key, False)
                 yield key
             elif not hint.discard:
-                kept.add(hint.priority)
+                age = now - hint.given
+                if age >= limit:          # older than the tier trusts hints: policy order
+                    trust.distrusted(age)
+                    trust.oldest = oldest
+                    self._offered = (key, True)
+                    yield key
+                else:
+                    kept.add(hint.priority)
+                    trust.passed(key, age)
+                    if age > oldest:
+                        oldest = age
+        trust.oldest = oldest
         for priority in sorted(kept):
             for key in self.inner.victims():
                 hint = hints.get(key)
-                if hint is not None and not hint.discard and hint.expires > now and hint.priority == priority:
+                if (hint is not None and not hint.discard and hint.expires > now and hint.priority == priority
+                        and now - hint.given < limit):
+                    self._offered = (key, True)
                     yield key
+
+    def hint_stats(self) -> dict[str, Any]:
+        """This tier's :class:`HintTrust` state (``stats()["tiers"][i]["hint_trust"]``)."""
+        return self.trust.stats()
 
     def __len__(self) -> int:
         return len(self.inner)
@@ -94,4 +265,4 @@ class RetentionClasses(EvictionPolicy):
         return key in self.inner
 
 
-__all__ = ["RetentionClasses"]
+__all__ = ["HintTrust", "RetentionClasses"]

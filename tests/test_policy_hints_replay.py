@@ -3,7 +3,7 @@ through a real Store keep a continuing conversation that LRU alone loses."""
 
 import pytest
 
-from benchmarks._policy_hints import continues, run_hints, simulate
+from benchmarks._policy_hints import continues, hint_scope, hints_table, run_hints, simulate
 from kvstore import Hint
 from kvstore._replay import PAYLOAD_BYTES, replay_store, to_keys
 
@@ -48,3 +48,29 @@ def test_run_hints_reports_every_accuracy_beside_lru_and_belady():
     assert [(h["precision"], h["recall"]) for h in row["hinted"]] == [(1.0, 1.0), (0.8, 0.8), (0.6, 0.6), (0.3, 0.5), (0.0, 1.0)]
     assert all(0 <= h["prefix_hit_rate"] <= row["belady"] + 1e-9 for h in row["hinted"])
     assert row["lru"] <= row["belady"]
+
+
+def test_hint_scope_stops_before_the_partial_last_block():
+    trace = to_keys(REQUESTS)
+    assert hint_scope(trace, "request") is None
+    assert hint_scope(trace, "full-blocks") == [2, 1, 1, 1, 3]
+    config = {"tiers": [{"name": "t", "kind": "dram", "capacity": 5 * PAYLOAD_BYTES, "eviction": "lru"}],
+              "io_threads": 1}
+    hint = Hint(retain_s=60)
+    scoped = replay_store(config, trace, hints=[hint, None, None, None, None], times_s=TIMES,
+                          hint_blocks=hint_scope(trace, "full-blocks"))
+    assert scoped.hits == 2          # the conversation's two full blocks, kept by the hint
+    with pytest.raises(ValueError, match="scope"):
+        hint_scope(trace, "blocks")
+
+
+def test_run_hints_replays_the_wrong_client_at_more_seeds_and_tables_it():
+    requests = REQUESTS * 20
+    results = run_hints(requests, [float(i) for i in range(len(requests))], retain_s=30, seed=1,
+                        fractions=[0.5], wrong_seeds=[2, 3])
+    (row,) = results["rows"]
+    assert [e["seed"] for e in row["wrong_hints_by_seed"]] == [1, 2, 3]
+    assert results["hint_scope"] == "full-blocks"
+    assert all("protect_s" in h["hint_trust"] for h in row["hinted"])
+    table = hints_table(results)
+    assert "by client seed 1, 2, 3" in table and "scope full-blocks" in table

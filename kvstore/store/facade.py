@@ -413,7 +413,7 @@ class Store(TierMovement, StoreHints):
             for lvl in self._levels:
                 entry = {"name": lvl.name, "kind": lvl.kind, "capacity_bytes": lvl.tier.capacity_bytes,
                          "used_bytes": lvl.tier.used_bytes, "blocks": len(lvl.policy),
-                         "eviction": lvl.policy.name, **lvl.counters}
+                         "eviction": lvl.policy.name, **lvl.counters, "hint_trust": lvl.policy.hint_stats()}
                 tiers.append(entry)
             out = {**self._ops, "blocks": len(self._where), "leases": len(self._leases),
                    "pins": len(self._pins), "hints": self._hint_index.stats(), "tiers": tiers}

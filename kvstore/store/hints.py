@@ -35,12 +35,14 @@ _WIRE = struct.Struct("<dIB")   # expires (float64, inf: never), priority (u32),
 
 
 class HintRecord:
-    """One key's hint in the index. ``hit``: the block was hit since the hint was given."""
+    """One key's hint in the index. ``hit``: the block was hit since the hint was given;
+    ``given``: when it was last given (the Store's clock; at recovery, the restore time)."""
 
-    __slots__ = ("expires", "priority", "discard", "hit")
+    __slots__ = ("expires", "priority", "discard", "hit", "given")
 
-    def __init__(self, expires: float, priority: int, discard: bool) -> None:
+    def __init__(self, expires: float, priority: int, discard: bool, given: float = 0.0) -> None:
         self.expires, self.priority, self.discard, self.hit = expires, priority, discard, False
+        self.given = given
 
 
 
@@ -67,11 +69,11 @@ class HintIndex:
             if hint.discard:
                 if live or (old is not None and old.discard):
                     continue
-                rec = HintRecord(math.inf, 0, True)
+                rec = HintRecord(math.inf, 0, True, now)
             elif live:
-                rec = HintRecord(max(old.expires, expires), max(old.priority, hint.priority), False)
+                rec = HintRecord(max(old.expires, expires), max(old.priority, hint.priority), False, now)
             else:
-                rec = HintRecord(expires, hint.priority, False)
+                rec = HintRecord(expires, hint.priority, False, now)
             self.records[key] = rec
             self._push(key, rec)
             changed.append(key)
@@ -98,7 +100,7 @@ class HintIndex:
             return False
         if math.isfinite(expires):
             expires = self.clock() + (expires - time.time())
-        rec = HintRecord(expires, priority, bool(discard))
+        rec = HintRecord(expires, priority, bool(discard), self.clock())
         if not rec.discard and rec.expires <= self.clock():
             return False
         self.records[key] = rec
