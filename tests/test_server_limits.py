@@ -273,6 +273,9 @@ def test_admin_connections_past_its_cap_are_closed_at_accept(monkeypatch):
     from kvstore.net.server import _admin
 
     monkeypatch.setattr(_admin, "MAX_CONNECTIONS", 4)
+    # idle connections are closed after HEAD_TIMEOUT_S; keep the four held ones open
+    # for as long as the test may wait, so only the cap can close the fifth
+    monkeypatch.setattr(_admin, "HEAD_TIMEOUT_S", 3 * WAIT_S)
     s = ThreadServer(config_dict("4MiB"))
     try:
         held = [socket.create_connection(("127.0.0.1", s.server.admin_port), timeout=WAIT_S) for _ in range(4)]
