@@ -64,7 +64,7 @@ def _check(ok: list[bool], dsts, srcs) -> None:
 def _remote(tmp: Path, keys, srcs, dsts, repeat: int) -> dict:
     from kvstore.client import Client
     from tests._servers import ProcessServer
-    from tiers.remote import RemoteTier
+    from kvstore.tiers.remote import RemoteTier
 
     batch = sum(s.nbytes for s in srcs)
     raw = {"tiers": [{"name": "hot", "kind": "dram", "capacity": 4 * batch, "pin": False}],
@@ -89,7 +89,7 @@ def _remote(tmp: Path, keys, srcs, dsts, repeat: int) -> dict:
 
 def _redis(tmp: Path, keys, srcs, dsts, repeat: int) -> dict:
     from tests._redis import RedisCluster
-    from tiers.redis import RedisTier
+    from kvstore.tiers.redis import RedisTier
 
     batch = sum(s.nbytes for s in srcs)
     cluster = RedisCluster(tmp / "redis")
@@ -112,7 +112,7 @@ def _redis(tmp: Path, keys, srcs, dsts, repeat: int) -> dict:
 
 def _mooncake(tmp: Path, keys, srcs, dsts, repeat: int) -> dict:
     from tests._mooncake import MooncakePool, missing
-    from tiers.mooncake import MooncakeTier
+    from kvstore.tiers.mooncake import MooncakeTier
 
     if missing():
         raise ImportError(missing())
@@ -139,7 +139,7 @@ def _mooncake(tmp: Path, keys, srcs, dsts, repeat: int) -> dict:
 
 def _s3(tmp: Path, keys, srcs, dsts, repeat: int) -> dict:
     from tests._swift import REGION, SwiftServer, aws_env
-    from tiers.s3 import S3Tier
+    from kvstore.tiers.s3 import S3Tier
 
     batch = sum(s.nbytes for s in srcs)
     saved = dict(os.environ)

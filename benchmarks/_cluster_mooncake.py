@@ -20,7 +20,7 @@ _runs = itertools.count()
 
 def mooncake_rows(block_bytes: int = 1 << 20, blocks: int = 64, repeat: int = 7) -> list[dict]:
     from tests._mooncake import MooncakePool
-    from tiers.mooncake import MooncakeTier
+    from kvstore.tiers.mooncake import MooncakeTier
 
     from mooncake.store import MooncakeDistributedStore
 

@@ -104,7 +104,7 @@ def redis_rows(block_bytes: int = 1 << 20, blocks: int = 64, repeat: int = 7, co
     from redis.cluster import ClusterNode, RedisCluster as RawCluster
 
     from tests._redis import RedisCluster, RedisServer
-    from tiers.redis import RedisTier
+    from kvstore.tiers.redis import RedisTier
 
     batch = block_bytes * blocks
     client_kw = dict(protocol=2, socket_timeout=10.0, socket_connect_timeout=10.0, max_connections=4 * concurrency)

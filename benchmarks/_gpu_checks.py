@@ -112,7 +112,7 @@ def stream_order(ctx: Context) -> list[dict]:
 def stale_pinning(ctx: Context) -> list[dict]:
     """Open a DRAM tier, copy through it from the device, close; three times at one size.
     Each open must pin again (the last registration was undone at close) and load exact."""
-    from tiers.dram import DramTier
+    from kvstore.tiers.dram import DramTier
 
     n, nbytes = 8, 1 << 20
     keys = _keys("pin", n)
@@ -141,7 +141,7 @@ def nvme_corrupt_payload(ctx: Context) -> list[dict]:
     """One payload byte flipped on disk, read into device memory through the NVMe tier:
     that block is a miss and counted, the others load exact. With and without the
     tier's on-device verification."""
-    from tiers.nvme import NvmeTier
+    from kvstore.tiers.nvme import NvmeTier
 
     n, nbytes, bad = 4, 1 << 20, 2
     want = _patterns(ctx.dev, n, nbytes, seed=21)

@@ -27,7 +27,7 @@ from __future__ import annotations
 import random
 from typing import Hashable, Iterator
 
-from policies.base import EvictionPolicy
+from kvstore.policies.base import EvictionPolicy
 
 AGES = 128
 SAMPLE = 32

@@ -15,7 +15,7 @@ import numpy as np
 
 from benchmarks._common import write_json
 from kvstore.config import parse_size
-from tiers.nvme.io import aligned_empty
+from kvstore.tiers.nvme.io import aligned_empty
 
 
 def size_options(doc: str, *, bytes_default: str, reps_default: int) -> argparse.ArgumentParser:

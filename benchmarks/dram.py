@@ -18,7 +18,7 @@ from benchmarks._common import median_time, print_table, write_json
 from kvstore.config import parse_size
 from kvstore.keys import Namespace
 from kvstore.store import Store
-from tiers.dram import DramTier
+from kvstore.tiers.dram import DramTier
 
 SIZES = {"256KiB": 256 << 10, "1MiB": 1 << 20, "4MiB": 4 << 20}
 BATCH = 64

@@ -147,7 +147,7 @@ def kvikio_io(ctx: Context) -> list[dict]:
     (``tiers.nvme.kvikio``) and against the NVMe tier when this build has one."""
     if not ctx.cuda:
         return [{"check": "kvikio read/write", "skipped": "no CUDA device (kvikio needs a GPU)"}]
-    from tiers.nvme.kvikio import KvikioFile, kvikio_available
+    from kvstore.tiers.nvme.kvikio import KvikioFile, kvikio_available
 
     dev, block, n, rounds, workdir = ctx.dev, ctx.block, ctx.n, ctx.rounds, ctx.workdir
     ok, reason = kvikio_available()

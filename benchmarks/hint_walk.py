@@ -17,7 +17,7 @@ import numpy as np
 
 from benchmarks._common import print_table, write_json
 from kvstore import Hint, Namespace, Store
-from policies import EVICTION_NAMES
+from kvstore.policies import EVICTION_NAMES
 
 BLOCKS, CAPACITY, BATCH, NBYTES = 8192, 1024, 16, 4096
 SHARES = (0.0, 0.25, 0.5)

@@ -34,7 +34,7 @@ fi
 # kvstore's own runtime dependencies, read from pyproject.toml: the benchmarks run kvstore
 # under this Python too (nvme_paired.py --lmcache-python, server.py's peers), from a clean
 # clone. torch stays the system's; LMCache's pins (numpy, prometheus_client) hold.
-if ! "$VENV/bin/python" -c "import kvstore.store, tiers.nvme" 2>/dev/null; then
+if ! "$VENV/bin/python" -c "import kvstore.store, kvstore.tiers.nvme" 2>/dev/null; then
     mapfile -t KV_DEPS < <("$VENV/bin/python" - <<'PY'
 import re
 import tomllib
@@ -49,7 +49,7 @@ PY
     $PIP -c "$VENV/kvstore-constraints.txt" "${KV_DEPS[@]}"
 fi
 "$VENV/bin/python" - <<'PY'
-for mod in ("mooncake.store", "redis", "hiredis", "lmcache", "kvstore.store", "tiers.nvme"):
+for mod in ("mooncake.store", "redis", "hiredis", "lmcache", "kvstore.store", "kvstore.tiers.nvme"):
     try:
         __import__(mod)
         print(f"ok       {mod}")

@@ -21,9 +21,9 @@ from typing import Callable, Sequence
 from benchmarks._lhd import LhdPolicy
 from benchmarks.policy_replay import DEFAULT_OUT, DEFAULT_TRACE, SECOND_TRACE, _evict_one, load_trace, synthetic_trace
 from kvstore._replay import Trace, belady, to_keys
-from policies.base import EvictionPolicy
-from policies.lineage import LineagePolicy
-from policies.lru import LruPolicy
+from kvstore.policies.base import EvictionPolicy
+from kvstore.policies.lineage import LineagePolicy
+from kvstore.policies.lru import LruPolicy
 
 POLICIES: dict[str, Callable[[], EvictionPolicy]] = {"lru": LruPolicy, "lhd": LhdPolicy, "lineage": LineagePolicy}
 FRACTIONS = (0.01, 0.05, 0.25)

@@ -51,10 +51,10 @@ import numpy as np  # noqa: E402
 
 from kvstore.config import parse_size  # noqa: E402
 from kvstore.keys import Namespace  # noqa: E402
-from tiers.nvme.fsck import fsck  # noqa: E402
-from tiers.nvme.index import BlockIndex, Record  # noqa: E402
-from tiers.nvme.io import aligned_empty, extent_bytes  # noqa: E402
-from tiers.nvme import NvmeTier  # noqa: E402
+from kvstore.tiers.nvme.fsck import fsck  # noqa: E402
+from kvstore.tiers.nvme.index import BlockIndex, Record  # noqa: E402
+from kvstore.tiers.nvme.io import aligned_empty, extent_bytes  # noqa: E402
+from kvstore.tiers.nvme import NvmeTier  # noqa: E402
 
 RESULTS = os.path.join(ROOT, "benchmarks", "results")
 

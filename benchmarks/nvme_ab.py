@@ -32,11 +32,11 @@ sys.path.insert(0, ROOT)
 
 import numpy as np  # noqa: E402
 
-import tiers.nvme.tier as nvme  # noqa: E402
+import kvstore.tiers.nvme.tier as nvme  # noqa: E402
 from benchmarks._common import print_table  # noqa: E402
 from benchmarks._nvme_setup import block_buffers, per_size, save_rows, size_options  # noqa: E402
 from kvstore.keys import Namespace  # noqa: E402
-from tiers.nvme.io import MAX_RUN_BYTES, extent_bytes  # noqa: E402
+from kvstore.tiers.nvme.io import MAX_RUN_BYTES, extent_bytes  # noqa: E402
 
 BATCH = 64
 READS = {"2 MiB read runs": nvme.READ_RUN_BYTES, "8 MiB read runs": MAX_RUN_BYTES}

@@ -33,9 +33,9 @@ import numpy as np  # noqa: E402
 from benchmarks._nvme_setup import save_rows, size_options  # noqa: E402
 from kvstore.config import parse_size  # noqa: E402
 from kvstore.keys import Namespace  # noqa: E402
-from tiers.nvme.io import aligned_empty, extent_bytes  # noqa: E402
-from tiers.dram import _map_arena  # noqa: E402
-from tiers.nvme import NvmeTier  # noqa: E402
+from kvstore.tiers.nvme.io import aligned_empty, extent_bytes  # noqa: E402
+from kvstore.tiers.dram import _map_arena  # noqa: E402
+from kvstore.tiers.nvme import NvmeTier  # noqa: E402
 
 BATCH = 64
 

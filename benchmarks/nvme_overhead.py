@@ -38,8 +38,8 @@ import numpy as np  # noqa: E402
 
 from benchmarks._nvme_setup import block_buffers, per_size, save_rows, size_options  # noqa: E402
 from kvstore.keys import Namespace  # noqa: E402
-from tiers.nvme.io import PAGE, aligned_empty, extent_bytes, read_block  # noqa: E402
-from tiers.nvme import NvmeTier  # noqa: E402
+from kvstore.tiers.nvme.io import PAGE, aligned_empty, extent_bytes, read_block  # noqa: E402
+from kvstore.tiers.nvme import NvmeTier  # noqa: E402
 
 BATCH = 64
 THREADS = 16

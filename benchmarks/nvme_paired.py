@@ -39,8 +39,8 @@ import numpy as np  # noqa: E402
 from benchmarks._common import print_table  # noqa: E402
 from benchmarks._nvme_setup import block_buffers, per_size, save_rows, size_options  # noqa: E402
 from kvstore.keys import Namespace  # noqa: E402
-from tiers.nvme.io import extent_bytes  # noqa: E402
-from tiers.nvme import NvmeTier  # noqa: E402
+from kvstore.tiers.nvme.io import extent_bytes  # noqa: E402
+from kvstore.tiers.nvme import NvmeTier  # noqa: E402
 
 BATCH = 64
 

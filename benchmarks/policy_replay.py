@@ -55,7 +55,7 @@ if sys.path[:1] != [str(REPO_ROOT)]:
     sys.path.insert(0, str(REPO_ROOT))  # this checkout first, not an installed copy
 
 from kvstore._replay import PAYLOAD_BYTES, belady, replay_store, to_keys  # noqa: E402
-from policies import EVICTION_NAMES, make_eviction  # noqa: E402
+from kvstore.policies import EVICTION_NAMES, make_eviction  # noqa: E402
 
 DEFAULT_TRACE = REPO_ROOT.parent / "shared" / "traces" / "conversation_trace.jsonl"
 DEFAULT_OUT = REPO_ROOT / "benchmarks" / "results"

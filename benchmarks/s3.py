@@ -39,8 +39,8 @@ sys.path.insert(0, str(ROOT))
 from benchmarks._common import RESULTS, write_json  # noqa: E402
 from kvstore.testing import make_keys  # noqa: E402
 from tests._swift import REGION, SwiftServer, aws_env  # noqa: E402
-from tiers.s3.client import S3Settings, make_client  # noqa: E402
-from tiers.s3 import S3Tier  # noqa: E402
+from kvstore.tiers.s3.client import S3Settings, make_client  # noqa: E402
+from kvstore.tiers.s3 import S3Tier  # noqa: E402
 
 BUCKET = "kvstore-bench"
 MiB = 1 << 20

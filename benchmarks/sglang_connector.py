@@ -39,7 +39,7 @@ RESULTS = os.path.join(ROOT, "benchmarks", "results")
 def _storage_config(layout: str, v1: bool, capacity: int, server: str | None):
     from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
 
-    extra = {"backend_name": "kvstore", "module_path": "connectors.sglang", "class_name": "KVStoreHiCacheStorage"}
+    extra = {"backend_name": "kvstore", "module_path": "kvstore.connectors.sglang", "class_name": "KVStoreHiCacheStorage"}
     if server:
         extra["server"] = server
     else:

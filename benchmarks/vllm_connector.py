@@ -43,7 +43,7 @@ CHUNK = 256
 def bench_lookup(model: str, reps: int) -> list[dict]:
     from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole
 
-    from connectors.vllm import KVStoreConnector
+    from kvstore.connectors.vllm import KVStoreConnector
 
     rows = []
     for n in (1024, 32768, 131072):
@@ -87,7 +87,7 @@ def _step_scheduler(model: str, n: int, extra: dict | None):
     sc = SchedulerConfig(max_num_seqs=max(n, 2), max_num_batched_tokens=65536, max_model_len=STEP_TOKENS + 64,
                          enable_chunked_prefill=True, is_encoder_decoder=False)
     kt = None if extra is None else KVTransferConfig(
-        kv_connector="KVStoreConnector", kv_connector_module_path="connectors.vllm", kv_role="kv_both",
+        kv_connector="KVStoreConnector", kv_connector_module_path="kvstore.connectors.vllm", kv_role="kv_both",
         kv_connector_extra_config=extra, kv_load_failure_policy="recompute")
     vc = VllmConfig(model_config=mc, cache_config=cc, scheduler_config=sc, device_config=DeviceConfig("cpu"),
                     kv_transfer_config=kt)
@@ -140,7 +140,7 @@ def bench_steps(model: str, n: int, reps: int, extra: dict | None) -> dict:
 
 
 def bench_worker(model: str, layout: str, reps: int, quick: bool) -> dict:
-    from connectors._vllm_meta import ChunkTransfer, KVStoreConnectorMetadata
+    from kvstore.connectors._vllm_meta import ChunkTransfer, KVStoreConnectorMetadata
 
     layers, heads, head_size = (4, 8, 128) if quick else (8, 8, 128)
     num_blocks, n_chunks = 192, 8

@@ -19,12 +19,12 @@ except ImportError:
         raise ImportError("connectors.trtllm needs TensorRT-LLM (PyTorch backend) with the KV cache "
                           "connector API; see docs/trtllm.md") from exc
 
-from connectors._store_handle import open_store, release_store
-from connectors._trtllm_plan import KeyScheme
+from kvstore.connectors._store_handle import open_store, release_store
+from kvstore.connectors._trtllm_plan import KeyScheme
 from kvstore.api import StoreAPI
 from kvstore.errors import ConfigError, RemoteError, StoreClosedError, TierError
 
-log = logging.getLogger("connectors.trtllm")
+log = logging.getLogger("kvstore.connectors.trtllm")
 STORE_FAILURES = (TierError, RemoteError, StoreClosedError, OSError)
 LEASE_S = 60.0
 STAGING_BYTES = 256 << 20   # host staging per connector object (scheduler, each worker)

@@ -8,13 +8,13 @@ import logging
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, List, Sequence, Tuple
 
-from connectors._metrics import ConnectorMetrics
-from connectors._trtllm_base import (STAGING_BYTES, STORE_FAILURES, KvCacheConnectorWorker, acquire_store,
+from kvstore.connectors._metrics import ConnectorMetrics
+from kvstore.connectors._trtllm_base import (STAGING_BYTES, STORE_FAILURES, KvCacheConnectorWorker, acquire_store,
                                      check_store_reach, on_stream, record_event, release_store, scheme_of)
-from connectors._trtllm_plan import LOCAL, HostStaging, LoadGroup, PoolLayout, Transfer
+from kvstore.connectors._trtllm_plan import LOCAL, HostStaging, LoadGroup, PoolLayout, Transfer
 from kvstore.errors import BufferSizeError, ConfigError, KVStoreError
 
-log = logging.getLogger("connectors.trtllm")
+log = logging.getLogger("kvstore.connectors.trtllm")
 
 
 class KVStoreConnectorWorker(KvCacheConnectorWorker):

@@ -21,12 +21,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from connectors._staging import groups, spans
-from connectors._vllm_meta import ChunkTransfer, KVStoreConnectorMetadata, KVStoreWorkerMetadata
+from kvstore.connectors._staging import groups, spans
+from kvstore.connectors._vllm_meta import ChunkTransfer, KVStoreConnectorMetadata, KVStoreWorkerMetadata
 from kvstore.errors import KVStoreError
 
 if TYPE_CHECKING:
-    from connectors._vllm_worker import WorkerSide
+    from kvstore.connectors._vllm_worker import WorkerSide
 
 log = logging.getLogger(__name__)
 

@@ -24,12 +24,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from connectors._staging import give_when_done, groups, spans, wait_quietly
-from connectors._vllm_meta import ChunkTransfer, KVStoreConnectorMetadata
+from kvstore.connectors._staging import give_when_done, groups, spans, wait_quietly
+from kvstore.connectors._vllm_meta import ChunkTransfer, KVStoreConnectorMetadata
 from kvstore.errors import KVStoreError
 
 if TYPE_CHECKING:
-    from connectors._vllm_worker import WorkerSide
+    from kvstore.connectors._vllm_worker import WorkerSide
 
 log = logging.getLogger(__name__)
 

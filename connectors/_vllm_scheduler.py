@@ -20,10 +20,10 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
-from connectors._hints import request_hint, with_hint_actions
-from connectors._metrics import ConnectorMetrics
-from connectors._vllm_config import KVShape, VllmConnectorConfig, request_salt, token_array
-from connectors._vllm_meta import ChunkTransfer, KVStoreConnectorMetadata, KVStoreWorkerMetadata
+from kvstore.connectors._hints import request_hint, with_hint_actions
+from kvstore.connectors._metrics import ConnectorMetrics
+from kvstore.connectors._vllm_config import KVShape, VllmConnectorConfig, request_salt, token_array
+from kvstore.connectors._vllm_meta import ChunkTransfer, KVStoreConnectorMetadata, KVStoreWorkerMetadata
 from kvstore.api import StoreAPI
 from kvstore.errors import KVStoreError
 from kvstore.hint import Hint

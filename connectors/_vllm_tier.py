@@ -1,7 +1,7 @@
 """kvstore as a secondary tier under vLLM's own CPU offloading tier
 (``OffloadingConnector`` + ``TieringOffloadingSpec``)::
 
-    "secondary_tiers": [{"type": "KVStoreTier", "module_path": "connectors.vllm",
+    "secondary_tiers": [{"type": "KVStoreTier", "module_path": "kvstore.connectors.vllm",
                          "store": {...StoreConfig...}}]        # or "server": "host:port"
 
 vLLM's tiering manager calls this from the scheduler process, under its own lock, and
@@ -39,9 +39,9 @@ from vllm.v1.kv_offload.base import (LookupResult, Medium, OffloadKey, ReqContex
                                      ScheduleEndContext)
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 
-from connectors._hints import request_hint, with_hint_actions
-from connectors._metrics import ConnectorMetrics
-from connectors._store_handle import open_store, release_store
+from kvstore.connectors._hints import request_hint, with_hint_actions
+from kvstore.connectors._metrics import ConnectorMetrics
+from kvstore.connectors._store_handle import open_store, release_store
 from kvstore.api import StoreAPI
 from kvstore.errors import ConfigError
 from kvstore.keys import BlockKey, Namespace

@@ -23,12 +23,12 @@ from typing import Any
 
 import torch
 
-from connectors._metrics import ConnectorMetrics
-from connectors._staging import StagingPool
-from connectors._vllm_config import KVShape, VllmConnectorConfig
-from connectors._vllm_loads import LoadPath
-from connectors._vllm_meta import ChunkTransfer, KVStoreConnectorMetadata, KVStoreWorkerMetadata
-from connectors._vllm_saves import SavePath
+from kvstore.connectors._metrics import ConnectorMetrics
+from kvstore.connectors._staging import StagingPool
+from kvstore.connectors._vllm_config import KVShape, VllmConnectorConfig
+from kvstore.connectors._vllm_loads import LoadPath
+from kvstore.connectors._vllm_meta import ChunkTransfer, KVStoreConnectorMetadata, KVStoreWorkerMetadata
+from kvstore.connectors._vllm_saves import SavePath
 from kvstore.api import StoreAPI
 from kvstore.errors import ConfigError
 from kvstore.paged import PagedLayers

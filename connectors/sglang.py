@@ -4,7 +4,7 @@ Load it through SGLang's ``dynamic`` storage backend (see docs/sglang.md)::
 
     --enable-hierarchical-cache --hicache-storage-backend dynamic
     --hicache-storage-backend-extra-config '{"backend_name": "kvstore",
-        "module_path": "connectors.sglang", "class_name": "KVStoreHiCacheStorage",
+        "module_path": "kvstore.connectors.sglang", "class_name": "KVStoreHiCacheStorage",
         "interface_v1": 1, "server": "127.0.0.1:7480"}'
 
 Options in ``extra_config`` (besides SGLang's own ``backend_name``/``module_path``/
@@ -44,10 +44,10 @@ except ImportError as exc:  # pragma: no cover - exercised only without sglang
     raise ImportError("connectors.sglang needs sglang==0.5.23 (install: scripts/deps/50-sglang.sh, "
                       "see docs/sglang.md)") from exc
 
-from connectors._hints import request_hint
-from connectors._metrics import ConnectorMetrics
-from connectors._store_handle import open_store, release_store
-from connectors._sglang_pages import LeaseBook, PageKeys, PoolSegments, Staging, make_namespace, pool_signature
+from kvstore.connectors._hints import request_hint
+from kvstore.connectors._metrics import ConnectorMetrics
+from kvstore.connectors._store_handle import open_store, release_store
+from kvstore.connectors._sglang_pages import LeaseBook, PageKeys, PoolSegments, Staging, make_namespace, pool_signature
 from kvstore.api import StoreAPI
 from kvstore.buffers import copy_bytes, nbytes_of
 from kvstore.config import parse_size

@@ -37,12 +37,12 @@ import logging
 import math
 from typing import Any, List, Tuple
 
-from connectors._metrics import ConnectorMetrics
-from connectors._trtllm_base import (LEASE_S, STAGING_BYTES, STORE_FAILURES, KvCacheConnectorScheduler, acquire_store,
+from kvstore.connectors._metrics import ConnectorMetrics
+from kvstore.connectors._trtllm_base import (LEASE_S, STAGING_BYTES, STORE_FAILURES, KvCacheConnectorScheduler, acquire_store,
                                      check_store_reach, leading, release_store, scheme_of)
-from connectors._trtllm_plan import (LOCAL, ConnectorMeta, HostStaging, LoadGroup, PendingMatch, PoolLayout,
+from kvstore.connectors._trtllm_plan import (LOCAL, ConnectorMeta, HostStaging, LoadGroup, PendingMatch, PoolLayout,
                                      RequestState, Transfer)
-from connectors._trtllm_worker import KVStoreConnectorWorker
+from kvstore.connectors._trtllm_worker import KVStoreConnectorWorker
 from kvstore.errors import BufferSizeError
 from kvstore.hint import Hint
 

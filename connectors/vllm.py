@@ -4,7 +4,7 @@ offloading.
 ``KVStoreConnector`` is loaded by vLLM from its module path::
 
     --kv-transfer-config '{"kv_connector": "KVStoreConnector",
-                           "kv_connector_module_path": "connectors.vllm",
+                           "kv_connector_module_path": "kvstore.connectors.vllm",
                            "kv_role": "kv_both",
                            "kv_connector_extra_config": {"server": "127.0.0.1:7480"}}'
 
@@ -26,13 +26,13 @@ from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
 
-from connectors._metrics import ConnectorMetrics
-from connectors._store_handle import open_store, release_store
-from connectors._vllm_config import KVShape, VllmConnectorConfig
-from connectors._vllm_meta import KVStoreConnectorMetadata, KVStoreWorkerMetadata
-from connectors._vllm_scheduler import SchedulerSide
-from connectors._vllm_tier import KVStoreTier
-from connectors._vllm_worker import WorkerSide
+from kvstore.connectors._metrics import ConnectorMetrics
+from kvstore.connectors._store_handle import open_store, release_store
+from kvstore.connectors._vllm_config import KVShape, VllmConnectorConfig
+from kvstore.connectors._vllm_meta import KVStoreConnectorMetadata, KVStoreWorkerMetadata
+from kvstore.connectors._vllm_scheduler import SchedulerSide
+from kvstore.connectors._vllm_tier import KVStoreTier
+from kvstore.connectors._vllm_worker import WorkerSide
 from kvstore.errors import ConfigError
 
 if TYPE_CHECKING:

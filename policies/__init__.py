@@ -5,16 +5,16 @@ from __future__ import annotations
 import importlib
 from typing import Callable
 
-from policies.base import AdmissionPolicy, Decision, EvictionPolicy
+from kvstore.policies.base import AdmissionPolicy, Decision, EvictionPolicy
 
 
 # The one registry of eviction names (config validation reads it: kvstore.config.tiers):
 # config name -> (module, class), imported only when built.
 _EVICTION_CLASSES: dict[str, tuple[str, str]] = {
-    "lru": ("policies.lru", "LruPolicy"), "fifo": ("policies.fifo", "FifoPolicy"),
-    "lfu": ("policies.lfu", "LfuPolicy"), "s3fifo": ("policies.s3fifo", "S3FifoPolicy"),
-    "sieve": ("policies.sieve", "SievePolicy"), "arc": ("policies.arc", "ArcPolicy"),
-    "lineage": ("policies.lineage", "LineagePolicy"),
+    "lru": ("kvstore.policies.lru", "LruPolicy"), "fifo": ("kvstore.policies.fifo", "FifoPolicy"),
+    "lfu": ("kvstore.policies.lfu", "LfuPolicy"), "s3fifo": ("kvstore.policies.s3fifo", "S3FifoPolicy"),
+    "sieve": ("kvstore.policies.sieve", "SievePolicy"), "arc": ("kvstore.policies.arc", "ArcPolicy"),
+    "lineage": ("kvstore.policies.lineage", "LineagePolicy"),
 }
 
 EVICTION_NAMES = tuple(_EVICTION_CLASSES)

@@ -7,7 +7,7 @@ import time
 from collections import OrderedDict
 from typing import Callable, Hashable
 
-from policies.base import AdmissionPolicy, Decision
+from kvstore.policies.base import AdmissionPolicy, Decision
 
 
 class AlwaysAdmit(AdmissionPolicy):

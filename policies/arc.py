@@ -28,7 +28,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Hashable, Iterator
 
-from policies.base import EvictionPolicy
+from kvstore.policies.base import EvictionPolicy
 
 
 class ArcPolicy(EvictionPolicy):

@@ -17,8 +17,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Hashable, Iterator
 
-from policies._order import iter_live
-from policies.base import EvictionPolicy
+from kvstore.policies._order import iter_live
+from kvstore.policies.base import EvictionPolicy
 
 
 class _Bucket:

@@ -57,7 +57,7 @@ import heapq
 from collections import OrderedDict
 from typing import Hashable, Iterator
 
-from policies.base import EvictionPolicy
+from kvstore.policies.base import EvictionPolicy
 
 _Entry = tuple[float, int, Hashable]  # (priority, stamp, key); stamp breaks ties FIFO
 

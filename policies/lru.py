@@ -10,8 +10,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Hashable, Iterator
 
-from policies._order import iter_live
-from policies.base import EvictionPolicy
+from kvstore.policies._order import iter_live
+from kvstore.policies.base import EvictionPolicy
 
 
 class LruPolicy(EvictionPolicy):

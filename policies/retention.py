@@ -42,8 +42,8 @@ import math
 from collections import OrderedDict
 from typing import Any, Callable, Hashable, Iterator, Mapping
 
-from policies._order import iter_live
-from policies.base import EvictionPolicy
+from kvstore.policies._order import iter_live
+from kvstore.policies.base import EvictionPolicy
 
 # HintTrust's constants (see its docstring). W: the blocks the tier holds.
 _WINDOW = 2            # a watched block counts as reused if reused within 2W evictions

@@ -29,7 +29,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Hashable, Iterator
 
-from policies.base import EvictionPolicy
+from kvstore.policies.base import EvictionPolicy
 
 SMALL_FRACTION = 0.1  # the paper's 10%, chosen there across many traces
 MAX_FREQ = 3          # two bits per key

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Hashable, Iterator
 
-from policies.base import EvictionPolicy
+from kvstore.policies.base import EvictionPolicy
 
 
 class SievePolicy(EvictionPolicy):

@@ -27,7 +27,7 @@ from kvstore.errors import KVStoreError
 from kvstore.keys import BlockKey
 from kvstore.testing import make_keys, payload
 from kvstore.net.nixl.endpoint import Descs, NixlEndpoint, descs_of, receive_blocks, send_blocks
-from tiers.dram import DramTier
+from kvstore.tiers.dram import DramTier
 
 
 def block_payload(salt: str, i: int, nbytes: int) -> np.ndarray:

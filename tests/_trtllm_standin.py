@@ -242,5 +242,5 @@ def install(path: str = CURRENT) -> None:
 def uninstall() -> None:
     for name in [n for n in sys.modules if n == "tensorrt_llm" or n.startswith("tensorrt_llm.")]:
         del sys.modules[name]
-    for name in ("connectors.trtllm", "connectors._trtllm_worker", "connectors._trtllm_base"):
+    for name in ("kvstore.connectors.trtllm", "kvstore.connectors._trtllm_worker", "kvstore.connectors._trtllm_base"):
         sys.modules.pop(name, None)     # they subclass the installed API's base classes

@@ -3,7 +3,7 @@
 
 import urllib.request
 
-from connectors._metrics import ConnectorMetrics
+from kvstore.connectors._metrics import ConnectorMetrics
 from kvstore.client import Client
 from kvstore.store import Store
 from tests._servers import ThreadServer, config_dict

@@ -24,11 +24,11 @@ torch = pytest.importorskip("torch")
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig, HiCacheStorageExtraInfo  # noqa: E402
 from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory  # noqa: E402
 
-from connectors.sglang import KVStoreHiCacheStorage  # noqa: E402
+from kvstore.connectors.sglang import KVStoreHiCacheStorage  # noqa: E402
 from tests._sglang_env import make_mha_host_pool  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DYNAMIC = {"backend_name": "kvstore", "module_path": "connectors.sglang", "class_name": "KVStoreHiCacheStorage"}
+DYNAMIC = {"backend_name": "kvstore", "module_path": "kvstore.connectors.sglang", "class_name": "KVStoreHiCacheStorage"}
 SMALL_STORE = {"tiers": [{"name": "hot", "kind": "dram", "capacity": "16MiB"}]}
 
 
@@ -388,7 +388,7 @@ def test_clear_and_close(make_backend):
 def test_segment_views_match_the_pools_own_metadata(host_pool_factory, layout):
     """The bulk offset computation gives exactly the segments SGLang's
     get_page_buffer_meta reports, for scattered pages; so does the per-page fallback."""
-    from connectors._sglang_pages import PoolSegments
+    from kvstore.connectors._sglang_pages import PoolSegments
 
     pool = host_pool_factory(layout, layers=3)
     P = pool.page_size

@@ -35,7 +35,7 @@ def test_documented_launch_flags_build_our_backend():
     from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
     from sglang.srt.server_args import ServerArgs
 
-    from connectors.sglang import KVStoreHiCacheStorage
+    from kvstore.connectors.sglang import KVStoreHiCacheStorage
     from tests._sglang_env import import_host_pool
 
     parser = argparse.ArgumentParser()

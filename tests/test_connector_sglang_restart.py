@@ -16,7 +16,7 @@ if IN_CI:
     import sglang  # noqa: F401
 else:
     pytest.importorskip("sglang", reason="sglang==0.5.23 not installed (scripts/deps/50-sglang.sh)")
-_missing = [m for m in ("tiers.nvme", "kvstore.client", "kvstore.server") if importlib.util.find_spec(m) is None]
+_missing = [m for m in ("kvstore.tiers.nvme", "kvstore.client", "kvstore.server") if importlib.util.find_spec(m) is None]
 if _missing:
     pytest.skip(f"restart test needs {', '.join(_missing)} (the NVMe tier and cache server)", allow_module_level=True)
 

@@ -8,7 +8,7 @@ import importlib.util
 import numpy as np
 import pytest
 
-from connectors._store_handle import open_store, release_store
+from kvstore.connectors._store_handle import open_store, release_store
 from kvstore.api import StoreAPI
 from kvstore.errors import ConfigError, StoreClosedError
 from kvstore.store import Store

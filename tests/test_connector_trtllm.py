@@ -30,7 +30,7 @@ BS, LAYERS, WIDTH = 4, 2, 16   # tokens per block, layers, tokens_per_block*head
 @pytest.fixture
 def trt():
     standin.install(standin.CURRENT)
-    import connectors.trtllm as trt
+    import kvstore.connectors.trtllm as trt
 
     yield trt
     standin.uninstall()
@@ -41,7 +41,7 @@ def llm_args(tp: int = 1, server_url: str | None = None, kv_dtype: str = "float1
         model="org/tiny", tensor_parallel_size=tp,
         kv_cache_config=standin.KvCacheConfig(tokens_per_block=BS, dtype=kv_dtype),
         kv_connector_config=standin.KvCacheConnectorConfig(
-            connector_module="connectors.trtllm", connector_scheduler_class="KVStoreConnectorScheduler",
+            connector_module="kvstore.connectors.trtllm", connector_scheduler_class="KVStoreConnectorScheduler",
             connector_worker_class="KVStoreConnectorWorker", server_url=server_url))
 
 @pytest.fixture
@@ -224,7 +224,7 @@ def test_classes_subclass_the_current_api(trt):
 def test_legacy_module_path_is_supported():
     standin.install(standin.LEGACY)
     try:
-        import connectors.trtllm as trt
+        import kvstore.connectors.trtllm as trt
 
         base = __import__(standin.LEGACY, fromlist=["x"])
         assert issubclass(trt.KVStoreConnectorWorker, base.KvCacheConnectorWorker)
@@ -343,7 +343,7 @@ def test_a_rank_that_cannot_load_fails_before_the_forward_not_inside_it(engine, 
     w = eng.workers[0]
     content = [k.digest for k in eng.scheduler.scheme.content_keys(PROMPT, None)]
     eng.scheduler.store.delete(rank_keys(eng, PROMPT)[1:2])
-    from connectors._trtllm_plan import ConnectorMeta, LoadGroup, Transfer
+    from kvstore.connectors._trtllm_plan import ConnectorMeta, LoadGroup, Transfer
 
     meta = ConnectorMeta(loads=[LoadGroup(2, [Transfer(2, 20 + i, content[i]) for i in range(4)], 4 * BS)])
     w.bind_connector_meta(meta)
@@ -407,7 +407,7 @@ def test_a_requery_releases_the_lease_it_replaces(engine):
     assert store.stats()["leases"] == 0           # nothing of the first answer (blocks 2, 3) still held
     eng.scheduler.request_finished(b, [])
     assert store.stats()["leases"] == 0
-    from connectors._trtllm_plan import LOCAL
+    from kvstore.connectors._trtllm_plan import LOCAL
 
     assert not LOCAL._tickets                     # the staged blocks of both answers went back
 
@@ -450,7 +450,7 @@ def test_saves_never_synchronize_the_forward_stream(engine):
 def test_loads_and_saves_are_copied_on_the_engines_stream(engine, monkeypatch):
     """The stream TensorRT-LLM hands start_load_kv / wait_for_save is the one the
     block copies are issued on (a CUDA stream there; a stand-in here)."""
-    from connectors import _trtllm_worker as worker_mod
+    from kvstore.connectors import _trtllm_worker as worker_mod
 
     entered, recorded = [], []
     real_on, real_record = worker_mod.on_stream, worker_mod.record_event
@@ -517,7 +517,7 @@ def test_tensor_parallel_needs_a_server(trt):
 
 
 def test_keys_depend_on_rank_salt_and_layout(trt):
-    from connectors._trtllm_plan import KeyScheme, PoolLayout
+    from kvstore.connectors._trtllm_plan import KeyScheme, PoolLayout
 
     scheme = KeyScheme(model="org/tiny", dtype="float16", tokens_per_block=BS, world_size=2)
     mha = PoolLayout("torch.float16", (LAYERS, 2, WIDTH), LAYERS * 2 * WIDTH * 2)

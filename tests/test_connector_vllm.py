@@ -169,7 +169,7 @@ def test_failed_chunk_is_recomputed_by_vllm(engines):
 def test_bad_extra_config_names_the_problem(tmp_path):
     from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole
 
-    from connectors.vllm import KVStoreConnector
+    from kvstore.connectors.vllm import KVStoreConnector
     from kvstore.errors import ConfigError
 
     model = vs.model_dir(tmp_path)
@@ -191,7 +191,7 @@ def test_server_mode_without_a_client_module_is_a_clear_error(tmp_path):
 
     from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole
 
-    from connectors.vllm import KVStoreConnector
+    from kvstore.connectors.vllm import KVStoreConnector
     from kvstore.errors import ConfigError
 
     if importlib.util.find_spec("kvstore.client") is not None:

@@ -19,7 +19,7 @@ from tests import vllm_support as vs
 
 vs.require_vllm()
 
-from connectors._vllm_meta import ChunkTransfer, KVStoreConnectorMetadata  # noqa: E402
+from kvstore.connectors._vllm_meta import ChunkTransfer, KVStoreConnectorMetadata  # noqa: E402
 
 CHUNK = 32                              # two vLLM blocks
 PROMPT = list(range(10, 212))           # 202 tokens: 6 full chunks
@@ -316,10 +316,10 @@ def test_mla_across_two_ranks_stores_one_copy_read_by_both(tmp_path):
     from vllm.v1.core.kv_cache_planning import get_kv_cache_config_from_groups
     from vllm.v1.kv_cache_interface import KVCacheGroupSpec, MLAAttentionSpec
 
-    from connectors._metrics import ConnectorMetrics
-    from connectors._store_handle import open_store, release_store
-    from connectors._vllm_config import KVShape, VllmConnectorConfig
-    from connectors._vllm_worker import WorkerSide
+    from kvstore.connectors._metrics import ConnectorMetrics
+    from kvstore.connectors._store_handle import open_store, release_store
+    from kvstore.connectors._vllm_config import KVShape, VllmConnectorConfig
+    from kvstore.connectors._vllm_worker import WorkerSide
 
     extra = {"store": vs.store_config(name=f"t{uuid.uuid4().hex[:8]}"), "chunk_tokens": CHUNK}
     vc = vs.vllm_config(vs.model_dir(tmp_path), extra)
@@ -362,7 +362,7 @@ def test_mla_across_two_ranks_stores_one_copy_read_by_both(tmp_path):
 def test_two_kv_dtypes_never_share_keys(tmp_path):
     import numpy as np
 
-    from connectors._vllm_config import KVShape
+    from kvstore.connectors._vllm_config import KVShape
 
     model = vs.model_dir(tmp_path)
     tokens = np.arange(100, 100 + CHUNK, dtype=np.uint32)
@@ -429,7 +429,7 @@ def tp2(tmp_path, monkeypatch):
     """Factory of (scheduler, [worker rank 0, worker rank 1], [caches], truth) over one
     cache server, as vLLM runs TP=2: one scheduler, a worker per rank, outputs merged
     by vLLM's own KVOutputAggregator."""
-    import connectors.vllm as vllm_mod
+    import kvstore.connectors.vllm as vllm_mod
     from tests._servers import ThreadServer, config_dict
 
     server = ThreadServer(config_dict("64MiB"))

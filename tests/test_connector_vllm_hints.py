@@ -118,7 +118,7 @@ def test_tier_saves_carry_the_hint_of_their_request(engine):
 def test_hint_from_a_request_context(params, hint):
     from vllm.v1.kv_offload.base import ReqContext
 
-    from connectors._hints import request_hint, with_hint_actions
+    from kvstore.connectors._hints import request_hint, with_hint_actions
 
     ctx = ReqContext("r", kv_transfer_params=params)
     assert request_hint(with_hint_actions(ctx.kv_transfer_params, ctx.kv_hints), request_id=ctx.req_id) == hint

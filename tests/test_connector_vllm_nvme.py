@@ -10,10 +10,10 @@ import torch
 from tests import vllm_support as vs
 
 vs.require_vllm()
-pytest.importorskip("tiers.nvme", reason="the NVMe tier is not in this build")
+pytest.importorskip("kvstore.tiers.nvme", reason="the NVMe tier is not in this build")
 
 from tests.test_connector_vllm import CHUNK, PROMPT, run_to_completion  # noqa: E402
-from tiers.nvme.io import PAGE  # noqa: E402
+from kvstore.tiers.nvme.io import PAGE  # noqa: E402
 
 
 def test_corrupted_chunk_on_disk_is_reported_not_loaded(tmp_path):

@@ -35,7 +35,7 @@ def engine(tmp_path):
     made = []
 
     def make(*, server=None, canonical=False):
-        tier_cfg = {"type": "KVStoreTier", "module_path": "connectors.vllm"}
+        tier_cfg = {"type": "KVStoreTier", "module_path": "kvstore.connectors.vllm"}
         tier_cfg.update({"server": server, "token": TOKEN} if server else {"store": store})
         extra = {"spec_name": "TieringOffloadingSpec", "cpu_bytes_to_use": 1 << 20, "block_size": CHUNK_TOKENS,
                  "secondary_tiers": [tier_cfg]}

@@ -12,7 +12,7 @@ from tests import vllm_support as vs
 
 vs.require_vllm()
 
-from connectors._vllm_meta import ChunkTransfer, KVStoreConnectorMetadata  # noqa: E402
+from kvstore.connectors._vllm_meta import ChunkTransfer, KVStoreConnectorMetadata  # noqa: E402
 
 CHUNK = 32
 LAYOUTS = ["LBHNC", "LBNHC", "LHBNC", "BLHNC", "BHLNC"]

@@ -17,9 +17,9 @@ from kvstore import Store
 from kvstore.block import EXT_HEADER_BYTES, checksum, parse_block_header
 from kvstore.config import load_config
 from kvstore.testing import make_keys, payload
-from tiers.s3.stage import Staging
-from tiers.dram import DramTier
-from tiers.nvme import NvmeTier
+from kvstore.tiers.s3.stage import Staging
+from kvstore.tiers.dram import DramTier
+from kvstore.tiers.nvme import NvmeTier
 
 BLOCK = 64 * 1024
 

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from kvstore import Hint, Namespace, Store
-from policies import EVICTION_NAMES
-from policies.retention import HintTrust
+from kvstore.policies import EVICTION_NAMES
+from kvstore.policies.retention import HintTrust
 
 BLOCK = 4096
 NS = Namespace(model="trust", dtype="u8", chunk_tokens=1)

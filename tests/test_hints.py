@@ -6,7 +6,7 @@ import pytest
 
 from kvstore import Hint, Namespace, Store
 from kvstore.errors import InvalidArgumentError
-from policies import EVICTION_NAMES
+from kvstore.policies import EVICTION_NAMES
 
 BLOCK = 4096
 NS = Namespace(model="hints", dtype="u8", chunk_tokens=1)

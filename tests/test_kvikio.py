@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kvstore.errors import InvalidArgumentError, TierUnavailableError
-from tiers.nvme.kvikio import KvikioFile, kvikio_available
+from kvstore.tiers.nvme.kvikio import KvikioFile, kvikio_available
 
 
 def test_availability_has_a_reason():
@@ -77,7 +77,7 @@ def _current(compat, preferred=None, calls=None):
     (_Mode("OFF"), True, "gds"),
 ])
 def test_gds_mode_reports_what_kvikio_will_do(monkeypatch, compat, preferred, want):
-    from tiers.nvme import kvikio as _kvikio
+    from kvstore.tiers.nvme import kvikio as _kvikio
 
     _fake_kvikio(monkeypatch, _current(compat, preferred))
     assert _kvikio.gds_mode() == want
@@ -86,7 +86,7 @@ def test_gds_mode_reports_what_kvikio_will_do(monkeypatch, compat, preferred, wa
 def test_gds_mode_under_auto_never_claims_gds_when_kvikio_cannot_say(monkeypatch):
     import types
 
-    from tiers.nvme import kvikio as _kvikio
+    from kvstore.tiers.nvme import kvikio as _kvikio
 
     legacy = types.ModuleType("kvikio.defaults")       # 24.x: compat_mode() only
     legacy.compat_mode = lambda: _Mode("AUTO")
@@ -99,7 +99,7 @@ def test_gds_mode_under_auto_never_claims_gds_when_kvikio_cannot_say(monkeypatch
 def test_kvikio_gets_eight_io_threads_unless_the_user_chose(monkeypatch):
     import types
 
-    from tiers.nvme import kvikio as _kvikio
+    from kvstore.tiers.nvme import kvikio as _kvikio
 
     monkeypatch.delenv("KVIKIO_NTHREADS", raising=False)
     calls = []

@@ -9,10 +9,10 @@ import pytest
 
 from kvstore.cli import main as cli_main
 from kvstore.testing import make_keys, payload
-from tiers.nvme.fsck import fsck
-from tiers.nvme.index import Record
-from tiers.nvme.io import PAGE, extent_bytes
-from tiers.nvme import NvmeTier
+from kvstore.tiers.nvme.fsck import fsck
+from kvstore.tiers.nvme.index import Record
+from kvstore.tiers.nvme.io import PAGE, extent_bytes
+from kvstore.tiers.nvme import NvmeTier
 
 BLOCK = 64 * 1024
 N = 8
@@ -223,7 +223,7 @@ def test_fsck_rejects_a_non_tier_directory(tmp_path, capsys):
 def test_bulk_index_load_agrees_with_the_row_scan(tmp_path):
     """Restart decodes the index in bulk; it must judge every record as the row-by-row
     scan (and fsck) does: damaged, resized, wrong-key and stray-access entries included."""
-    from tiers.nvme.index import BlockIndex
+    from kvstore.tiers.nvme.index import BlockIndex
 
     path = str(tmp_path / "idx")
     os.makedirs(path)
@@ -279,7 +279,7 @@ def test_overlapping_records_keep_only_the_first(filled):
 def load_batch(t, keys):
     """One read_into for all keys into page-aligned buffers: adjacent blocks are read in
     runs (one preadv for several blocks), each still verified on its own."""
-    from tiers.nvme.io import aligned_empty
+    from kvstore.tiers.nvme.io import aligned_empty
 
     dsts = [aligned_empty(BLOCK) for _ in keys]
     ok = t.read_into(keys, dsts)

@@ -12,9 +12,9 @@ import time
 import numpy as np
 
 from kvstore.testing import make_keys, payload
-from tiers.nvme.fsck import fsck
-from tiers.nvme.io import extent_bytes
-from tiers.nvme import NvmeTier
+from kvstore.tiers.nvme.fsck import fsck
+from kvstore.tiers.nvme.io import extent_bytes
+from kvstore.tiers.nvme import NvmeTier
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SIZES = (64 * 1024, 16 * 1024 + 123, 128 * 1024)
@@ -27,7 +27,7 @@ CHILD = f"""
 import random, sys
 sys.path.insert(0, {ROOT!r})
 from kvstore.testing import make_keys, payload
-from tiers.nvme import NvmeTier
+from kvstore.tiers.nvme import NvmeTier
 SIZES = {SIZES!r}
 keys = make_keys({NKEYS}, salt="crash")
 tier = NvmeTier(sys.argv[1], {CAPACITY}, file_bytes={FILE_BYTES}, io_threads=4, access_flush_s=0.05)

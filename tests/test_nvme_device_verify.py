@@ -13,10 +13,10 @@ import torch
 from kvstore import Store
 from kvstore.block import FLAG_SEGMENTED, HEADER_BYTES, parse_block_header
 from kvstore.testing import make_keys, payload
-from tiers.nvme.fsck import fsck
-from tiers.nvme.gpu import verify_where
-from tiers.nvme.io import PAGE
-from tiers.nvme import NvmeTier
+from kvstore.tiers.nvme.fsck import fsck
+from kvstore.tiers.nvme.gpu import verify_where
+from kvstore.tiers.nvme.io import PAGE
+from kvstore.tiers.nvme import NvmeTier
 
 SEG = 64 << 10
 # several segments and page multiples (one pwritev per run), one segment, odd sizes (own path)

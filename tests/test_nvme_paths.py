@@ -8,7 +8,7 @@ import pytest
 
 from kvstore.config import load_config
 from kvstore.errors import ConfigError
-from tiers.nvme import NvmeTier
+from kvstore.tiers.nvme import NvmeTier
 
 
 def _tier(path, capacity=16 << 20):

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from kvstore.testing import make_keys, payload
-from tiers.nvme.io import PAGE
-from tiers.nvme import NvmeTier
+from kvstore.tiers.nvme.io import PAGE
+from kvstore.tiers.nvme import NvmeTier
 
 BLOCK = 64 * 1024
 BATCH = 8

@@ -8,7 +8,7 @@ import pytest
 from kvstore.config import DEFAULT_CONFIG, load_config
 from kvstore.store import Store
 from kvstore.testing import make_keys, payload
-from tiers.nvme.io import PAGE
+from kvstore.tiers.nvme.io import PAGE
 
 BLOCK = 64 * 1024
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 
 from kvstore.testing import NBYTES, PolicyConformance, drain, evict, fill
-from policies import EVICTION_NAMES, make_eviction
-from policies.admission import AllOf, AlwaysAdmit, ByteBudgetAdmission, MinHitsAdmission
-from policies.base import Decision, EvictionPolicy
+from kvstore.policies import EVICTION_NAMES, make_eviction
+from kvstore.policies.admission import AllOf, AlwaysAdmit, ByteBudgetAdmission, MinHitsAdmission
+from kvstore.policies.base import Decision, EvictionPolicy
 
 # ---------------------------------------------------------------- conformance
 

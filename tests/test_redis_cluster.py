@@ -26,7 +26,7 @@ def cluster(tmp_path_factory):
 
 
 def make_tier(cluster, capacity=CAPACITY, prefix=None, **kwargs):
-    from tiers.redis import RedisTier
+    from kvstore.tiers.redis import RedisTier
 
     return RedisTier(capacity, name="cluster-test", nodes=cluster.nodes_list[:1], prefix=prefix or
                      f"c{uuid.uuid4().hex[:10]}", concurrency=4, timeout_s=1.0, **kwargs)

@@ -200,7 +200,7 @@ def test_recover_with_object_servers_down_is_an_outage_not_a_partial_index(swift
     raises TierUnavailableError instead of returning blocks without sizes or parents,
     and succeeds once the object servers are back."""
     from kvstore.errors import TierUnavailableError
-    from tiers.s3 import S3Tier
+    from kvstore.tiers.s3 import S3Tier
 
     prefix = f"rec5xx-{uuid.uuid4().hex[:8]}"
     kwargs = dict(name="s3", bucket=bucket, endpoint_url=swift.endpoint_url, region=REGION,

@@ -6,7 +6,7 @@ from kvstore.keys import BlockKey
 from kvstore.testing import make_keys
 
 boto3 = pytest.importorskip("boto3")
-from tiers.s3.io import object_name, parse_name  # noqa: E402
+from kvstore.tiers.s3.io import object_name, parse_name  # noqa: E402
 
 
 @pytest.mark.parametrize("prefix", ["kvstore", "a/b", ""])
@@ -32,7 +32,7 @@ def test_a_reply_without_content_length_is_an_io_failure_not_corruption():
     from types import SimpleNamespace
 
     from kvstore.errors import CorruptBlockError
-    from tiers.s3.io import _length, _size_of
+    from kvstore.tiers.s3.io import _length, _size_of
 
     assert _length(SimpleNamespace(headers={"Content-Length": "1234"})) == 1234
     assert _size_of(SimpleNamespace(headers={"Content-Length": "128", "Content-Range": "bytes 0-127/4096"})) == 4096

@@ -179,7 +179,7 @@ def test_idle_connections_are_closed_and_the_client_reconnects():
 
 
 def test_connectors_open_a_client_to_the_server(server):
-    from connectors._store_handle import open_store, release_store
+    from kvstore.connectors._store_handle import open_store, release_store
 
     store = open_store({"server": server.address}, owner="test")
     try:

@@ -17,7 +17,7 @@ from kvstore.server import Server
 from kvstore.testing import make_keys, payload
 from tests._servers import ThreadServer, config_dict
 from tests._users import other_user
-from tiers.dram import DramTier
+from kvstore.tiers.dram import DramTier
 
 KEYS = Namespace("m", "f16", 16).chunk_keys(np.arange(32, dtype=np.uint32))
 

@@ -98,7 +98,7 @@ def test_kill_mid_transfer_never_returns_partial_data(spawn, transport):
 
 
 def test_restart_serves_blocks_from_persistent_tier(spawn, tmp_path):
-    pytest.importorskip("tiers.nvme", reason="the NVMe tier is not in this build")
+    pytest.importorskip("kvstore.tiers.nvme", reason="the NVMe tier is not in this build")
     data = tmp_path / "nvme"
     data.mkdir()
     tiers = [{"name": "hot", "kind": "dram", "capacity": "16MiB", "pin": False},

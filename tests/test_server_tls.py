@@ -471,7 +471,7 @@ class _Flipper:
 
 
 def test_a_connector_reaches_a_tls_server_through_open_store(mtls_server, pki):
-    from connectors._store_handle import open_store, release_store
+    from kvstore.connectors._store_handle import open_store, release_store
 
     store = open_store({"server": mtls_server.address, "tls": pki.client_tls(cert=True)}, owner="vllm")
     try:

@@ -8,8 +8,8 @@ import numpy as np
 from kvstore.config import load_config
 from kvstore.store import Store
 from kvstore.testing import make_keys, payload
-from tiers.base import TierCapabilities
-from tiers.dram import DramTier
+from kvstore.tiers.base import TierCapabilities
+from kvstore.tiers.dram import DramTier
 
 BLOCK = 64 * 1024
 

@@ -9,7 +9,7 @@ from hypothesis import settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from kvstore import Hint, Namespace, Store
-from policies import EVICTION_NAMES
+from kvstore.policies import EVICTION_NAMES
 
 BLOCK = 4096
 KEYS = Namespace(model="model", dtype="u8", chunk_tokens=1).chunk_keys(np.arange(24))

@@ -140,7 +140,7 @@ def test_the_kvikio_read_waits_for_the_caller_before_any_io(monkeypatch):
     read waits for the caller's event on the host before it touches the file or the buffer."""
     import torch
 
-    from tiers.nvme import gpu as _nvme_gpu
+    from kvstore.tiers.nvme import gpu as _nvme_gpu
 
     log = []
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from kvstore.testing import CAPACITY, TierConformance, make_keys, payload
-from tiers.dram import DramTier
+from kvstore.tiers.dram import DramTier
 
 
 @pytest.fixture

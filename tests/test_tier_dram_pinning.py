@@ -8,9 +8,9 @@ import os
 import numpy as np
 import pytest
 
-import tiers.dram as dram
+import kvstore.tiers.dram as dram
 from kvstore.keys import Namespace
-from tiers.dram import DramTier
+from kvstore.tiers.dram import DramTier
 
 
 class FakeCudart:

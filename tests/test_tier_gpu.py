@@ -8,7 +8,7 @@ import torch
 from kvstore.errors import InvalidArgumentError, TierUnavailableError
 from kvstore.store import Store
 from kvstore.testing import CAPACITY, TierConformance, make_keys, payload
-from tiers.gpu import GpuTier
+from kvstore.tiers.gpu import GpuTier
 
 DEVICES = ["cpu"] + (["cuda:0"] if torch.cuda.is_available() else [])
 

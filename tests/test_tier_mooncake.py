@@ -28,7 +28,7 @@ def _mooncake_installed():
     if _MISSING is not None:
         pytest.fail(_MISSING + " — CI runs the mooncake tier's conformance", pytrace=False)
 
-from tiers.mooncake import MooncakeTier, _object_name  # noqa: E402
+from kvstore.tiers.mooncake import MooncakeTier, _object_name  # noqa: E402
 
 _prefixes = itertools.count()
 

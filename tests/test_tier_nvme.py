@@ -9,8 +9,8 @@ import pytest
 
 from kvstore.errors import InvalidArgumentError, TierIOError, TierUnavailableError
 from kvstore.testing import CAPACITY, TierConformance, make_keys, payload
-from tiers.nvme.io import READ_RUN_BYTES, aligned_empty, extent_bytes, plan_runs
-from tiers.nvme import NvmeTier
+from kvstore.tiers.nvme.io import READ_RUN_BYTES, aligned_empty, extent_bytes, plan_runs
+from kvstore.tiers.nvme import NvmeTier
 
 FILE_BYTES = 512 * 1024
 

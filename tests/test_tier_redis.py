@@ -32,7 +32,7 @@ def raw(server):
 
 
 def make_tier(server, capacity=CAPACITY, prefix=None, **kwargs):
-    from tiers.redis import RedisTier
+    from kvstore.tiers.redis import RedisTier
 
     return RedisTier(capacity, name="redis-test", url=server.url, prefix=prefix or f"t{uuid.uuid4().hex[:12]}",
                      concurrency=4, **kwargs)
@@ -182,7 +182,7 @@ def test_redis_maxmemory_eviction_is_a_clean_miss(tmp_path):
     need_redis()
     server = RedisServer(tmp_path / "lru", extra=("--maxmemory", "3mb", "--maxmemory-policy", "allkeys-lru"))
     try:
-        from tiers.redis import RedisTier
+        from kvstore.tiers.redis import RedisTier
 
         t = RedisTier(64 << 20, url=server.url, prefix="lru")
         keys = make_keys(40, salt="lru")
@@ -202,7 +202,7 @@ def test_redis_maxmemory_eviction_is_a_clean_miss(tmp_path):
 
 
 def test_acl_wrong_credentials_name_the_setting(server, raw):
-    from tiers.redis import RedisTier
+    from kvstore.tiers.redis import RedisTier
 
     user = f"u{uuid.uuid4().hex[:6]}"
     raw.acl_setuser(user, enabled=True, passwords=["+right-pw"], keys=["acl:*"], commands=["+@all"])
@@ -236,7 +236,7 @@ def test_password_from_env_through_config(server, raw, monkeypatch):
 
 
 def test_bad_config_is_named(server):
-    from tiers.redis import RedisTier
+    from kvstore.tiers.redis import RedisTier
 
     with pytest.raises(ConfigError, match=r"tiers\.r\.url: cannot use"):
         RedisTier(CAPACITY, name="r", url="redis://127.0.0.1:1", timeout_s=0.5)

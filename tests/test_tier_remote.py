@@ -11,7 +11,7 @@ from kvstore.errors import TierUnavailableError
 from kvstore.store import Store
 from kvstore.testing import CAPACITY, TierConformance, free_port, make_keys, payload
 from tests._servers import ThreadServer, config_dict
-from tiers.remote import RemoteTier
+from kvstore.tiers.remote import RemoteTier
 
 
 @pytest.fixture(scope="module")

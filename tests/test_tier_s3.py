@@ -31,7 +31,7 @@ def raw(swift):
 
 
 def make_tier(swift, capacity=CAPACITY, prefix=None, **kwargs):
-    from tiers.s3 import S3Tier
+    from kvstore.tiers.s3 import S3Tier
 
     return S3Tier(capacity, name="s3-test", bucket=BUCKET, endpoint_url=swift.endpoint_url, region=REGION,
                   addressing_style="path", prefix=prefix or f"t-{uuid.uuid4().hex[:12]}", concurrency=4,
@@ -50,7 +50,7 @@ class TestS3Conformance(TierConformance):
 
 
 def _object(raw, tier, key):
-    from tiers.s3.io import object_name
+    from kvstore.tiers.s3.io import object_name
 
     return object_name(tier.prefix, key)
 
@@ -428,7 +428,7 @@ def test_direct_object_requests_fail_like_the_client(tier, raw):
     object, same S3 error codes and statuses, retries counted against max_attempts."""
     import botocore.exceptions
 
-    from tiers.s3.client import error_code, is_missing, status_of
+    from kvstore.tiers.s3.client import error_code, is_missing, status_of
 
     requests = tier._requests
     name = f"{tier.prefix}/direct"
@@ -458,7 +458,7 @@ def test_direct_object_requests_retry_transport_failures(swift, raw):
     transport error the client would raise."""
     import botocore.exceptions
 
-    from tiers.s3.http import ObjectRequests
+    from kvstore.tiers.s3.http import ObjectRequests
 
     t = make_tier(swift, max_attempts=2)
     try:
@@ -481,7 +481,7 @@ def test_bucket_in_another_region_is_a_config_error(swift):
     redirect there): a reply naming another region than the one requests are signed
     for is refused at start-up, naming the setting. Other endpoints may name a zone
     group there and accept any signing region, so only AWS itself is checked."""
-    from tiers.s3.client import S3Settings, _check_region, make_client
+    from kvstore.tiers.s3.client import S3Settings, _check_region, make_client
 
     client = make_client(S3Settings(name="shared", bucket=BUCKET, endpoint_url=swift.endpoint_url, region=REGION))
     s = S3Settings(name="shared", bucket=BUCKET, region=REGION)  # AWS itself: no endpoint_url

@@ -46,7 +46,7 @@ def store_config(capacity: str = "64MiB", name: str = "hot") -> dict[str, Any]:
 
 
 def vllm_config(model: str, extra: dict[str, Any] | None, *, layout: str = "LBHNC",
-                connector: str = "KVStoreConnector", module: str | None = "connectors.vllm",
+                connector: str = "KVStoreConnector", module: str | None = "kvstore.connectors.vllm",
                 prefix_caching: bool = True, policy: str = "recompute", max_model_len: int = 4096):
     from vllm.config import (CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig,
                              VllmConfig)

@@ -14,8 +14,8 @@ import threading
 from typing import Iterator, Sequence, Union
 
 from kvstore.keys import BlockKey
-from tiers._extents import ExtentAllocator
-from tiers.base import Tier
+from kvstore.tiers._extents import ExtentAllocator
+from kvstore.tiers.base import Tier
 
 
 Reserved = Union[bool, None, tuple[int, int]]  # stored already / no room / (offset, nbytes)

@@ -23,7 +23,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from kvstore.config.tiers import RedisTierConfig
 from kvstore.errors import ConfigError
-from tiers import _redisio as rio
+from kvstore.tiers import _redisio as rio
 
 log = logging.getLogger(__name__)
 FAULTS = (OSError, RedisError, rio.ProtocolViolation)   # a node or connection failed

@@ -9,7 +9,7 @@ from typing import Any
 from kvstore.block import EXT_HEADER_BYTES, EXT_VERSION, header_size, parse_block_header, parse_extension
 from kvstore.errors import CorruptBlockError
 from kvstore.keys import DIGEST_BYTES, BlockKey
-from tiers import _redisio as rio
+from kvstore.tiers import _redisio as rio
 
 NO_NAMESPACE = "_"   # name segment for keys without a namespace digest
 _HEX = 2 * DIGEST_BYTES

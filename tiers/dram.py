@@ -34,8 +34,8 @@ from kvstore.buffers import nbytes_of
 from kvstore.config.tiers import DramTierConfig
 from kvstore.errors import ConfigError, InvalidArgumentError
 from kvstore.keys import BlockKey
-from tiers._arena import ArenaTier, SlotIndex
-from tiers.base import TierCapabilities, check_batch, check_sizes
+from kvstore.tiers._arena import ArenaTier, SlotIndex
+from kvstore.tiers.base import TierCapabilities, check_batch, check_sizes
 
 log = logging.getLogger(__name__)
 _D = DramTierConfig.defaults()   # keyword defaults: the config model's (one definition)

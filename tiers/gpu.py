@@ -21,8 +21,8 @@ from kvstore.buffers import nbytes_of
 from kvstore.config.tiers import GpuTierConfig
 from kvstore.errors import InvalidArgumentError, TierUnavailableError
 from kvstore.keys import BlockKey
-from tiers._arena import ArenaTier, SlotIndex
-from tiers.base import TierCapabilities, check_batch, check_sizes
+from kvstore.tiers._arena import ArenaTier, SlotIndex
+from kvstore.tiers.base import TierCapabilities, check_batch, check_sizes
 
 _D = GpuTierConfig.defaults()   # keyword defaults: the config model's (one definition)
 

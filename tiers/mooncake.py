@@ -37,8 +37,8 @@ from kvstore.config.tiers import MooncakeTierConfig
 from kvstore.errors import (BufferSizeError, ConfigError, CorruptBlockError, InvalidArgumentError,
                             TierUnavailableError)
 from kvstore.keys import BlockKey
-from tiers._health import Health
-from tiers.base import Tier, TierCapabilities
+from kvstore.tiers._health import Health
+from kvstore.tiers.base import Tier, TierCapabilities
 
 log = logging.getLogger(__name__)
 _D = MooncakeTierConfig.defaults()   # keyword defaults: the config model's (one definition)

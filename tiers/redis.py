@@ -44,11 +44,11 @@ from kvstore.config.tiers import RedisTierConfig
 from kvstore.errors import (BufferSizeError, ConfigError, CorruptBlockError, InvalidArgumentError, TierIOError,
                             TierUnavailableError)
 from kvstore.keys import BlockKey
-from tiers import _redisio as rio
-from tiers._redisconn import FAULTS, Endpoints, Fault, RedisSettings, startup_error
-from tiers._redisrecover import NO_NAMESPACE, check_header, header_requests, parse_name, read_header_replies
-from tiers._health import Health
-from tiers.base import RecoveredBlock, Tier, TierCapabilities
+from kvstore.tiers import _redisio as rio
+from kvstore.tiers._redisconn import FAULTS, Endpoints, Fault, RedisSettings, startup_error
+from kvstore.tiers._redisrecover import NO_NAMESPACE, check_header, header_requests, parse_name, read_header_replies
+from kvstore.tiers._health import Health
+from kvstore.tiers.base import RecoveredBlock, Tier, TierCapabilities
 
 log = logging.getLogger(__name__)
 _D = RedisTierConfig.defaults()   # keyword defaults: the config model's (one definition)

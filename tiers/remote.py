@@ -20,7 +20,7 @@ from kvstore.buffers import nbytes_of
 from kvstore.config.tiers import RemoteTierConfig
 from kvstore.errors import BufferSizeError, KVStoreError, TierIOError, TierUnavailableError
 from kvstore.keys import BlockKey
-from tiers.base import Tier, TierCapabilities
+from kvstore.tiers.base import Tier, TierCapabilities
 
 _D = RemoteTierConfig.defaults()   # keyword defaults: the config model's (one definition)
 

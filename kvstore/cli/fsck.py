@@ -20,7 +20,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from tiers.nvme.fsck import fsck
+    from kvstore.tiers.nvme.fsck import fsck
 
     status = 0
     for path in args.paths:

@@ -44,7 +44,7 @@ def run(args: argparse.Namespace) -> int:
     from kvstore._replay_plan import recommend, replay_config, variants, yaml_change
     from kvstore.config import load_config, parse_size
     from kvstore.trace import read_trace, trace_files
-    from policies import EVICTION_NAMES
+    from kvstore.policies import EVICTION_NAMES
 
     config = load_config(args.config)
     if args.limit < 0:

@@ -29,7 +29,7 @@ def default_config(data_dir: str) -> dict[str, Any]:
     ``data_dir`` when this build has the NVMe tier); no external service needed."""
     raw = copy.deepcopy(DEFAULT_CONFIG)
     disk = [t for t in raw["tiers"] if t["kind"] == "nvme"]
-    if not disk and importlib.util.find_spec("tiers.nvme") is not None:
+    if not disk and importlib.util.find_spec("kvstore.tiers.nvme") is not None:
         disk = [{"name": "disk", "kind": "nvme", "capacity": "8GiB", "eviction": "lru"}]
         raw["tiers"].append(disk[0])
     for tier in disk:

@@ -11,7 +11,7 @@ from pydantic import BeforeValidator, Field, SecretStr, field_validator, model_v
 from kvstore.config.base import Size, _Frozen, _no_empty_token, field_defaults
 from kvstore.config.tls import ClientTlsConfig, _tls_flag
 from kvstore.errors import ConfigError
-from policies import EVICTION_NAMES
+from kvstore.policies import EVICTION_NAMES
 
 EvictionName = Literal[EVICTION_NAMES]   # the one registry of names: policies.EVICTION_NAMES
 

@@ -7,19 +7,19 @@ import importlib
 
 from kvstore.config import AdmissionConfig, TierConfig
 from kvstore.errors import ConfigError
-from policies import make_eviction
-from policies.admission import AllOf, AlwaysAdmit, ByteBudgetAdmission, MinHitsAdmission
-from policies.base import AdmissionPolicy, EvictionPolicy
-from tiers.base import Tier
+from kvstore.policies import make_eviction
+from kvstore.policies.admission import AllOf, AlwaysAdmit, ByteBudgetAdmission, MinHitsAdmission
+from kvstore.policies.base import AdmissionPolicy, EvictionPolicy
+from kvstore.tiers.base import Tier
 
 
 # kind -> (module, class, the extra that installs its optional dependency: named when it is missing)
 _TIER_CLASSES = {
-    "dram": ("tiers.dram", "DramTier", None), "gpu": ("tiers.gpu", "GpuTier", None),
-    "nvme": ("tiers.nvme", "NvmeTier", None), "remote": ("tiers.remote", "RemoteTier", None),
-    "s3": ("tiers.s3", "S3Tier", "the s3 tier needs boto3 (pip install 'kvstore[s3]')"),
-    "mooncake": ("tiers.mooncake", "MooncakeTier", None),
-    "redis": ("tiers.redis", "RedisTier", "the redis tier needs redis-py (pip install 'kvstore[redis]')"),
+    "dram": ("kvstore.tiers.dram", "DramTier", None), "gpu": ("kvstore.tiers.gpu", "GpuTier", None),
+    "nvme": ("kvstore.tiers.nvme", "NvmeTier", None), "remote": ("kvstore.tiers.remote", "RemoteTier", None),
+    "s3": ("kvstore.tiers.s3", "S3Tier", "the s3 tier needs boto3 (pip install 'kvstore[s3]')"),
+    "mooncake": ("kvstore.tiers.mooncake", "MooncakeTier", None),
+    "redis": ("kvstore.tiers.redis", "RedisTier", "the redis tier needs redis-py (pip install 'kvstore[redis]')"),
 }
 
 

@@ -36,9 +36,9 @@ from kvstore.store.mover import Level, TierMovement, parent_of
 from kvstore.store.reservation import Reservation, reserve
 from kvstore.store.tenants import TenantLedger
 from kvstore.trace import TraceRecorder
-from policies.placement import Placement, WriteMode
-from policies.retention import RetentionClasses
-from tiers.base import Tier
+from kvstore.policies.placement import Placement, WriteMode
+from kvstore.policies.retention import RetentionClasses
+from kvstore.tiers.base import Tier
 
 log = logging.getLogger("kvstore.store")
 class Store(TierMovement, StoreHints):

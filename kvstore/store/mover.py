@@ -23,8 +23,8 @@ import numpy as np
 from kvstore.buffers import nbytes_of
 from kvstore.errors import BufferSizeError, TierError
 from kvstore.keys import BlockKey
-from policies.base import AdmissionPolicy, Decision, EvictionPolicy
-from tiers.base import Tier
+from kvstore.policies.base import AdmissionPolicy, Decision, EvictionPolicy
+from kvstore.tiers.base import Tier
 
 log = logging.getLogger("kvstore.store")
 

@@ -14,7 +14,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from policies.base import EvictionPolicy
+from kvstore.policies.base import EvictionPolicy
 
 NBYTES = 1
 

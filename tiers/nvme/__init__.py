@@ -11,6 +11,6 @@
 - :mod:`~tiers.nvme.fsck`: the offline check behind ``kvstore fsck``.
 """
 
-from tiers.nvme.tier import NvmeTier
+from kvstore.tiers.nvme.tier import NvmeTier
 
 __all__ = ["NvmeTier"]

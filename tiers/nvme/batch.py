@@ -18,10 +18,10 @@ import numpy as np
 from kvstore.buffers.streams import in_context
 from kvstore.buffers import host_view
 from kvstore.keys import BlockKey
-from tiers.nvme.io import MAX_RUN_BYTES, joinable, plan_runs
+from kvstore.tiers.nvme.io import MAX_RUN_BYTES, joinable, plan_runs
 
 if TYPE_CHECKING:
-    from tiers.nvme.files import Shard
+    from kvstore.tiers.nvme.files import Shard
 
 
 class WriteItem(NamedTuple):

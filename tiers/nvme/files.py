@@ -24,9 +24,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvstore.errors import ConfigError, TierError, TierFullError, TierIOError, TierUnavailableError
-from tiers._extents import ExtentAllocator
-from tiers.nvme.index import BlockIndex
-from tiers.nvme.io import PAGE, aligned_empty, extent_bytes, open_data_file
+from kvstore.tiers._extents import ExtentAllocator
+from kvstore.tiers.nvme.index import BlockIndex
+from kvstore.tiers.nvme.io import PAGE, aligned_empty, extent_bytes, open_data_file
 
 log = logging.getLogger(__name__)
 _NAME = re.compile(r"^data-(\d{5})\.kvd$")

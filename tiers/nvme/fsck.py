@@ -24,9 +24,9 @@ import numpy as np
 from tqdm import tqdm
 
 from kvstore.errors import CorruptBlockError, InvalidArgumentError, TierIOError
-from tiers.nvme.files import data_file_name, lock_directory, probe_direct_io
-from tiers.nvme.index import BlockIndex
-from tiers.nvme.io import (MAX_RUN_BLOCKS, PAGE, aligned_empty, extent_bytes, open_data_file, plan_runs, read_block,
+from kvstore.tiers.nvme.files import data_file_name, lock_directory, probe_direct_io
+from kvstore.tiers.nvme.index import BlockIndex
+from kvstore.tiers.nvme.io import (MAX_RUN_BLOCKS, PAGE, aligned_empty, extent_bytes, open_data_file, plan_runs, read_block,
                             read_run, verify_header_page)
 
 _SCAN_CHUNK = 8 << 20

@@ -30,8 +30,8 @@ from kvstore.buffers.streams import wait_for_caller
 from kvstore.block import FLAG_SEGMENTED, HEADER_BYTES, verify_payload
 from kvstore.buffers import copy_bytes, device_view
 from kvstore.errors import CorruptBlockError, TierIOError
-from tiers.nvme.kvikio import KvikioFile, kvikio_available
-from tiers.nvme.io import PAGE, _Scratch, check_header, read_block
+from kvstore.tiers.nvme.kvikio import KvikioFile, kvikio_available
+from kvstore.tiers.nvme.io import PAGE, _Scratch, check_header, read_block
 
 log = logging.getLogger(__name__)
 

@@ -21,10 +21,10 @@ from typing import TYPE_CHECKING, Iterator
 import numpy as np
 
 from kvstore.keys import _trusted
-from tiers.nvme.index import KEY_OFFSET
+from kvstore.tiers.nvme.index import KEY_OFFSET
 
 if TYPE_CHECKING:
-    from tiers.nvme.files import Shard
+    from kvstore.tiers.nvme.files import Shard
 
 log = logging.getLogger(__name__)
 

@@ -31,7 +31,7 @@ import numpy as np
 
 from kvstore.buffers import host_view, is_device
 from kvstore.errors import CorruptBlockError, InvalidArgumentError
-from tiers.nvme.io import PAGE, aligned_empty, copy_block, extent_bytes
+from kvstore.tiers.nvme.io import PAGE, aligned_empty, copy_block, extent_bytes
 
 FileId = tuple[int, int]   # (shard number, file number)
 PIECES = 8                 # reads a window is cut into, so several are in flight

@@ -37,14 +37,14 @@ from kvstore.config.tiers import NvmeTierConfig
 from kvstore.buffers import host_view, is_device, nbytes_of
 from kvstore.errors import CorruptBlockError, InvalidArgumentError, StoreClosedError, TierError
 from kvstore.keys import BlockKey
-from tiers.base import RecoveredBlock, Tier, TierCapabilities, check_batch, check_sizes
-from tiers.nvme.batch import WriteItem, in_runs
-from tiers.nvme.files import Shard, data_file_name, place
-from tiers.nvme.gpu import DeviceIO
-from tiers.nvme.index import Record
-from tiers.nvme.io import PAGE, READ_RUN_BYTES, check_run, land_run, read_block, write_block, write_run
-from tiers.nvme.open import Entry, open_shard, paused_gc
-from tiers.nvme.readahead import ReadAhead
+from kvstore.tiers.base import RecoveredBlock, Tier, TierCapabilities, check_batch, check_sizes
+from kvstore.tiers.nvme.batch import WriteItem, in_runs
+from kvstore.tiers.nvme.files import Shard, data_file_name, place
+from kvstore.tiers.nvme.gpu import DeviceIO
+from kvstore.tiers.nvme.index import Record
+from kvstore.tiers.nvme.io import PAGE, READ_RUN_BYTES, check_run, land_run, read_block, write_block, write_run
+from kvstore.tiers.nvme.open import Entry, open_shard, paused_gc
+from kvstore.tiers.nvme.readahead import ReadAhead
 
 log = logging.getLogger(__name__)
 _D = NvmeTierConfig.defaults()   # keyword defaults: the config model's (one definition)

@@ -10,6 +10,6 @@ Endpoint health (fail fast, probe with backoff) is :mod:`tiers._health`, shared 
 Redis and Mooncake tiers. boto3 is imported only when a tier is built.
 """
 
-from tiers.s3.tier import S3Tier
+from kvstore.tiers.s3.tier import S3Tier
 
 __all__ = ["S3Tier"]

@@ -22,7 +22,7 @@ import re
 import time
 from typing import Any
 
-from tiers.s3.client import is_unavailable
+from kvstore.tiers.s3.client import is_unavailable
 
 _MAX_BACKOFF_S = 20.0
 _ERROR_CODE = re.compile(rb"<Code>([^<]{1,128})</Code>")

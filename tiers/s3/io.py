@@ -23,8 +23,8 @@ from kvstore.block import (EXT_HEADER_BYTES, EXT_VERSION, HEADER_BYTES, checksum
                            parse_extension)
 from kvstore.errors import CorruptBlockError
 from kvstore.keys import DIGEST_BYTES, BlockKey
-from tiers.base import buffer_size_error
-from tiers.s3.http import ObjectRequests
+from kvstore.tiers.base import buffer_size_error
+from kvstore.tiers.s3.http import ObjectRequests
 
 NO_NAMESPACE = "_"   # path segment for keys without a namespace digest
 LEGACY_META_PARENT = "kv-parent"  # version-1 objects: parent digest (hex) in x-amz-meta-kv-parent

@@ -38,13 +38,13 @@ from kvstore.errors import (BufferSizeError, CorruptBlockError, InvalidArgumentE
                             TierUnavailableError)
 from kvstore.config.tiers import S3TierConfig
 from kvstore.keys import BlockKey
-from tiers.s3 import io as s3io
-from tiers.s3.client import (S3Settings, check_bucket, is_bad_range, is_missing, is_unavailable, make_client,
+from kvstore.tiers.s3 import io as s3io
+from kvstore.tiers.s3.client import (S3Settings, check_bucket, is_bad_range, is_missing, is_unavailable, make_client,
                               make_session)
-from tiers.s3.http import ObjectRequests
-from tiers._health import Health
-from tiers.s3.stage import Staging
-from tiers.base import RecoveredBlock, Tier, TierCapabilities, check_batch, check_sizes
+from kvstore.tiers.s3.http import ObjectRequests
+from kvstore.tiers._health import Health
+from kvstore.tiers.s3.stage import Staging
+from kvstore.tiers.base import RecoveredBlock, Tier, TierCapabilities, check_batch, check_sizes
 
 log = logging.getLogger(__name__)
 _D = S3TierConfig.defaults()   # keyword defaults: the config model's (one definition)

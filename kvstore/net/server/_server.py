@@ -44,7 +44,7 @@ def build_store(config: StoreConfig) -> Any:
     local clients can map it."""
     from kvstore.store.build import build_tier
     from kvstore.store import Store
-    from tiers.dram import DramTier
+    from kvstore.tiers.dram import DramTier
 
     first = config.tiers[0]
     if config.server.transport in ("auto", "shm") and isinstance(first, DramTierConfig) and not first.shm_path \

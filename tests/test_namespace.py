@@ -1,0 +1,65 @@
+"""One import namespace: ``tiers/``, ``policies/`` and ``connectors/`` install as
+``kvstore.tiers``, ``kvstore.policies`` and ``kvstore.connectors``, and nothing installs or
+imports a top-level ``tiers``, ``policies`` or ``connectors`` package."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import tomllib
+import zipfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+MAPPED = ("tiers", "policies", "connectors")
+_TOP_LEVEL = re.compile(r"^\s*(?:from|import)\s+(tiers|policies|connectors)\b", re.M)
+
+
+def _folder_packages() -> set[str]:
+    out = set()
+    for init in ROOT.glob("**/__init__.py"):
+        parts = init.parent.relative_to(ROOT).parts
+        if parts[0] == "kvstore":
+            out.add(".".join(parts))
+        elif parts[0] in MAPPED:
+            out.add(".".join(("kvstore", *parts)))
+    return out
+
+
+def test_pyproject_lists_every_package_under_the_kvstore_name():
+    setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    assert setuptools["package-dir"] == {f"kvstore.{m}": m for m in MAPPED}
+    assert set(setuptools["packages"]) == _folder_packages()
+
+
+def test_no_source_imports_a_top_level_tiers_policies_or_connectors():
+    offenders = []
+    for folder in ("kvstore", *MAPPED, "tests", "benchmarks", "scripts"):
+        for path in (ROOT / folder).rglob("*.py"):
+            for m in _TOP_LEVEL.finditer(path.read_text()):
+                offenders.append(f"{path.relative_to(ROOT)}: {m.group(0).strip()}")
+    assert not offenders, "import these as kvstore.<name>: " + "; ".join(offenders)
+
+
+def test_outside_the_checkout_only_the_kvstore_names_import(tmp_path):
+    code = ("import importlib.util, sys\n"
+            "import kvstore.tiers.dram, kvstore.policies, kvstore.connectors, kvstore.store\n"
+            "assert kvstore.tiers.dram.DramTier\n"
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('tiers', 'policies', 'connectors')))\n"
+            "print([importlib.util.find_spec(m) is None for m in ('tiers', 'policies', 'connectors')])\n")
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == ["[]", "[True, True, True]"]
+
+
+def test_the_wheel_holds_the_folders_inside_kvstore(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+                          "-w", str(tmp_path), str(ROOT)], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout + out.stderr
+    (wheel,) = tmp_path.glob("kvstore-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    for must in ("kvstore/tiers/dram.py", "kvstore/tiers/nvme/tier.py", "kvstore/policies/lru.py",
+                 "kvstore/connectors/vllm.py", "kvstore/store/facade.py"):
+        assert must in names, must
+    assert not [n for n in names if n.split("/")[0] in MAPPED], "a top-level package would be installed"
