@@ -20,7 +20,7 @@ from kvstore.keys import Namespace
 from kvstore.store import Store
 from kvstore.tiers.dram import DramTier
 
-SIZES = {"256KiB": 256 << 10, "1MiB": 1 << 20, "4MiB": 4 << 20}
+SIZES = {"64KiB": 64 << 10, "256KiB": 256 << 10, "1MiB": 1 << 20, "4MiB": 4 << 20}
 BATCH = 64
 
 
