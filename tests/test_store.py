@@ -208,7 +208,7 @@ def test_a_failing_background_prefetch_is_logged_and_counted(caplog):
         def broken(*args):
             raise OSError("disk gone")
 
-        store._prefetch = broken
+        store._data.prefetch = broken          # the data path's prefetch (kvstore.store.datapath)
         with caplog.at_level("WARNING"):
             store.lookup(keys[4:])                                    # held by the lower tier only
             deadline = time.monotonic() + 10

@@ -163,7 +163,7 @@ def test_a_failing_write_through_after_commit_is_logged_and_counted(caplog):
         def broken(*args):
             raise OSError("lower tier gone")
 
-        store._write_below = broken          # the copy below nobody waits for
+        store._data.write_below = broken     # the copy below nobody waits for (kvstore.store.datapath)
         keys, srcs = blocks(2)
         with caplog.at_level("WARNING"):
             with store.reserve(keys, [BLOCK] * 2) as res:

@@ -1,9 +1,13 @@
 """The Store: the one object connectors and the server talk to.
 
-It owns the index (:class:`kvstore.store.index.Index`: which tier holds which key, byte
-accounting, leases and pins), runs each tier's eviction and admission policy, and moves
-blocks between tiers (``mover``): a full tier spills its victims into the next one
-(write-back), hits in a lower tier are promoted.
+A thin facade: it checks arguments, runs the public API on its worker pool and owns the
+lifecycle (build, recover, close). The work is done by the objects it composes, each
+in its own module: the index (:class:`kvstore.store.index.Index`: which tier holds which
+key, sizes, leases, pins, and the lock), the hints (:class:`kvstore.store.hints.StoreHints`),
+the mover (:class:`kvstore.store.mover.Mover`: admission, eviction and spill, copies
+between tiers, tier failures as counted misses), the data path
+(:class:`kvstore.store.datapath.DataPath`: save, load, prefetch, write-through, flush),
+discovery and recovery (``recovery``) and reservations (``reservation``).
 
 Thread-safety: every public method may be called from any thread. Metadata changes run
 under one lock, the index's (``Index.lock``, ``self._lock``: see its lock rule); copies
@@ -14,7 +18,6 @@ a worker pool and return futures; call ``.result()`` for a synchronous answer.
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager, nullcontext
@@ -22,17 +25,18 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 
 from kvstore._events import open_events
 from kvstore._stats import sum_stat_sources
-from kvstore.block import checksum
-from kvstore.buffers import host_view, nbytes_of
+from kvstore.buffers import nbytes_of
 from kvstore.buffers.streams import capture, submit
 from kvstore.config import StoreConfig, load_config
 from kvstore.errors import BufferSizeError, InvalidArgumentError, StoreClosedError
 from kvstore.hint import Hint, check_hint
 from kvstore.keys import BlockKey
 from kvstore.store.build import build_admission, build_eviction, build_tier
+from kvstore.store.datapath import DataPath
 from kvstore.store.hints import HintIndex, StoreHints
 from kvstore.store.index import Index
-from kvstore.store.mover import Level, TierMovement, parent_of
+from kvstore.store.mover import Level, Mover
+from kvstore.store.recovery import Discovery, recover
 from kvstore.store.reservation import Reservation, reserve
 from kvstore.store.tenants import TenantLedger
 from kvstore.trace import TraceRecorder
@@ -41,11 +45,20 @@ from kvstore.policies.retention import RetentionClasses
 from kvstore.tiers.base import Tier
 
 log = logging.getLogger("kvstore.store")
-class Store(TierMovement, StoreHints):
+
+
+class Store:
     """A hierarchy of tiers, fastest first. Build it with :meth:`from_config`.
 
     ``clock`` (seconds, monotonic) times lease and retention-hint expiry; tests inject
-    their own."""
+    their own.
+
+    Composed of (built here, in this order): ``_index`` (and ``_lock``, its lock, which
+    guards ``_ops`` too), ``_hints`` (the hint table's records, as
+    ``_store_hints.records``), ``_levels``, ``_events``, ``_mover``, ``_discovery`` and
+    ``_data``; ``_where`` is the index's dict, not a copy. Lock rule: the facade takes
+    ``_lock`` only around index reads and counter updates, and never holds it while
+    calling the mover or the data path (they take it themselves)."""
 
     lends_memory = True    # StoreAPI: borrow/reserve hand out views of the first tier's memory
 
@@ -65,32 +78,33 @@ class Store(TierMovement, StoreHints):
                 t.close()
             raise
         # per-key retention hints; every tier's policy ranks its victims by them
-        self._hint_index = HintIndex(clock)
-        self._hints = self._hint_index.records
+        hint_table = HintIndex(clock)
+        self._hints = hint_table.records
         self._levels = [Level(t, RetentionClasses(build_eviction(c), self._hints, clock),
                               build_admission(c.admission), c.kind)
                         for t, c in zip(built, config.tiers)]
         # where/sizes/leases/pins and their lock (kvstore.store.index: its lock rule); the
-        # names below are the index's own dicts and lock, not copies
+        # names below are the index's own dict and lock, not copies
         self._index = index = Index()
-        self._where, self._sizes, self._leases = index.where, index.sizes, index.leases
-        self._pins, self._hit_counts, self._lock = index.pins, index.hit_counts, index.lock
-        self._tenants: TenantLedger | None = None   # the cache server's tenants (set_tenants)
+        self._where, self._lock = index.where, index.lock
+        self._store_hints = StoreHints(hint_table, index, self._levels)
         self._stat_sources: list[tuple[str, Any]] = []  # (name, callable) from attach_stats
         self._ops = dict.fromkeys(("saves", "loads", "lookups", "lookup_hits", "prefetches", "background_errors",
                                    "refused_checksum", "shared_found"), 0)
-        # levels other nodes write into too: keys missing from the index are asked of them
-        self._shared = [i for i, lvl in enumerate(self._levels) if lvl.tier.capabilities.shared]
         try:    # KV events for routers: None (and no cost) unless configured
             self._events = open_events(config.events, [c.name for c in config.tiers])
         except BaseException:
             for t in built:
                 t.close()
             raise
-        self._local = threading.local()
+        self._mover = Mover(index, self._levels, self._store_hints, self._events, clock)
+        # levels other nodes write into too: keys missing from the index are asked of them
+        self._discovery = Discovery(index, self._levels, self._mover, self._ops, self._events)
+        self._data = DataPath(index, self._levels, self._mover, self._store_hints, self.placement,
+                              self._discovery, self._ops)
         self._closed = False
         self._pool = ThreadPoolExecutor(config.io_threads, thread_name_prefix="kvstore-io")
-        self._recover()
+        recover(index, self._levels, self._store_hints, self._events)
 
     @classmethod
     def from_config(cls, source: str | Mapping[str, Any] | StoreConfig | None = None, *,
@@ -121,15 +135,15 @@ class Store(TierMovement, StoreHints):
             # given before the blocks enter a tier, so each tier ranks them by it from
             # the start (and a discard block is never written through)
             with self._lock:
-                persist = self._give_hint(list(keys), hint)
-            self._persist_hints(persist)
+                persist = self._store_hints.give(list(keys), hint)
+            self._store_hints.persist(persist)
         if self._trace is not None:
             self._trace.save(keys, nbytes_of(srcs[0]) if len(srcs) else None)
         if checksums is not None and len(checksums) != len(keys):
             raise InvalidArgumentError(f"{len(keys)} keys but {len(checksums)} checksums")
         if checksums is not None:
-            return submit(self._pool, capture(srcs), self._save_checked, list(keys), list(srcs), list(checksums))
-        return submit(self._pool, capture(srcs), self._save, list(keys), list(srcs))
+            return submit(self._pool, capture(srcs), self._data.save_checked, list(keys), list(srcs), list(checksums))
+        return submit(self._pool, capture(srcs), self._data.save, list(keys), list(srcs))
 
     def checksums(self, keys: Sequence[BlockKey]) -> list[int | None]:
         """The first tier's stored checksum of each key's block (``None`` where it holds
@@ -154,16 +168,14 @@ class Store(TierMovement, StoreHints):
         for n in sizes:
             if n <= 0:
                 raise InvalidArgumentError(f"block size must be positive, got {n}")
-        with self._lock:
-            self._ops["saves"] += len(keys)
-            present = self._index.touch_held(keys, [lvl.policy for lvl in self._levels])
-        return reserve(self, keys, sizes, present, evict, self._reserved_published)
+        present = self._data.held(keys)
+        return reserve(self._mover, keys, sizes, present, evict, self._reserved_published)
 
     def _reserved_published(self, written: list[BlockKey]) -> None:
         """A reservation's commit stored ``written`` in the first tier: write-through
         copies them below."""
         if self.placement.write is WriteMode.THROUGH and len(self._levels) > 1 and written:
-            self._background(self._write_below, written)
+            self._background(self._data.write_below, written)
 
     def load(self, keys: Sequence[BlockKey], dsts: Sequence[Any]) -> "Future[list[bool]]":
         """Copy blocks into caller-owned buffers. Fail-closed: ``True`` only where the
@@ -172,11 +184,12 @@ class Store(TierMovement, StoreHints):
         self._check_open()
         self._check_pairs(keys, dsts)
         with self._lock:
+            sizes = self._index.sizes
             for key, dst in zip(keys, dsts):
-                size = self._sizes.get(key)
+                size = sizes.get(key)
                 if size is not None and nbytes_of(dst) != size:
                     raise BufferSizeError(f"buffer for {key!r} has {nbytes_of(dst)} bytes, block has {size}")
-        return submit(self._pool, capture(dsts), self._load, list(keys), list(dsts))
+        return submit(self._pool, capture(dsts), self._data.load, list(keys), list(dsts))
 
     def lookup(self, keys: Sequence[BlockKey], lease_s: float | None = None, *,
                hint: Hint | None = None) -> int:
@@ -187,11 +200,11 @@ class Store(TierMovement, StoreHints):
         check_hint(hint)
         where = self._where
         persist = None
-        if self._shared:
+        if self._discovery.shared:
             with self._lock:
                 n = self._index.held_prefix(keys)
             if n < len(keys):
-                self._discover(list(keys[n:]))
+                self._discovery.find(list(keys[n:]))
         with self._lock:
             self._ops["lookups"] += 1
             n = self._index.held_prefix(keys)
@@ -199,17 +212,17 @@ class Store(TierMovement, StoreHints):
             if lease_s and n:
                 self._index.lease(keys[:n], self._clock() + lease_s)
             if n and self._hints:
-                self._hint_hits(keys[:n])
+                self._store_hints.hits(keys[:n])
             if hint is not None and n:
-                persist = self._give_hint(list(keys[:n]), hint)
+                persist = self._store_hints.give(list(keys[:n]), hint)
             depth = self.placement.prefetch_depth
             lower = [k for k in keys[:n][:depth] if not where[k] & 1] if depth else []
         if persist:
-            self._persist_hints(persist)
+            self._store_hints.persist(persist)
         if lower:
-            self._background(self._prefetch, lower, 0)
+            self._background(self._data.prefetch, lower, 0)
         if self._trace is not None:
-            self._trace.lookup(keys, self._sizes.get(keys[0]) if n else None)
+            self._trace.lookup(keys, self._index.sizes.get(keys[0]) if n else None)
         return n
 
     @property
@@ -217,38 +230,7 @@ class Store(TierMovement, StoreHints):
         """Whether :meth:`lookup` and :meth:`load` may ask shared tiers over the network
         about keys missing from the index (the cache server then runs lookups off its
         event loop)."""
-        return bool(self._shared)
-
-    def _discover(self, keys: list[BlockKey]) -> None:
-        """Index the blocks of ``keys`` that other nodes wrote into shared tiers. Keys (a
-        prompt's missing tail, in order) are asked of each shared tier in turn, fastest
-        first (:meth:`Tier.find`); those one tier does not find go to the next. A block
-        found is indexed at that level (its tier has budgeted it) and reported stored.
-        A tier that fails is counted and its keys stay missing."""
-        pending = keys
-        for i in self._shared:
-            if not pending:
-                break
-            lvl = self._levels[i]
-            sizes = self._tier_call(lvl, "find", pending)
-            if sizes is None:
-                continue
-            fresh: list[BlockKey] = []
-            with self._lock:
-                for key, n in zip(pending, sizes):
-                    if n is None:
-                        continue
-                    mask = self._where.get(key, 0)
-                    if mask >> i & 1 or self._sizes.get(key, n) != n:
-                        continue   # indexed meanwhile, or another size than this node's copy
-                    self._where[key] = mask | 1 << i
-                    self._sizes[key] = n
-                    lvl.policy.on_insert(key, n, parent_of(key) if lvl.policy.uses_parent else None)
-                    fresh.append(key)
-                self._ops["shared_found"] += len(fresh)
-                if self._events is not None and fresh:
-                    self._events.stored(i, fresh)
-            pending = [k for k, n in zip(pending, sizes) if n is None]
+        return bool(self._discovery.shared)
 
     def release(self, keys: Sequence[BlockKey]) -> None:
         """Drop one lease taken by :meth:`lookup` on each key without loading (e.g. a
@@ -256,11 +238,7 @@ class Store(TierMovement, StoreHints):
         protected until both released (or loaded) it, or the lease expired."""
         with self._lock:
             for key in keys:
-                self._drop_lease(key)
-
-    def _drop_lease(self, key: BlockKey) -> None:
-        """One holder of ``key``'s lease is done with it. Caller holds the lock."""
-        self._index.drop_lease(key)
+                self._index.drop_lease(key)
 
     @contextmanager
     def borrow(self, keys: Sequence[BlockKey], *, offsets: bool = False,
@@ -295,16 +273,16 @@ class Store(TierMovement, StoreHints):
             with self._lock:
                 self._ops["loads"] += len(keys)
                 for key in gone:
-                    self._drop(key, 0)
+                    self._mover.drop(key, 0)
                 counters, policy = lvl.counters, lvl.policy
                 for key, view in zip(keys, views):
                     if view is None:
                         continue
                     counters["hits"] += 1
                     counters["bytes_read"] += view[1] if offsets else view.nbytes
-                    self._drop_lease(key)
+                    self._index.drop_lease(key)
                     if self._hints:
-                        self._hint_hits((key,))
+                        self._store_hints.hits((key,))
                     if where.get(key, 0) & 1:
                         policy.on_access(key)
             yield views
@@ -314,31 +292,7 @@ class Store(TierMovement, StoreHints):
         so they survive a restart (the server calls this on shutdown). Returns how many
         blocks were written. Blocks that tier refuses stay volatile."""
         self._check_open()
-        target = next((i for i, lvl in enumerate(self._levels) if lvl.tier.capabilities.persistent), None)
-        if target is None:
-            return 0
-        volatile = 0
-        for i, lvl in enumerate(self._levels):
-            if not lvl.tier.capabilities.persistent:
-                volatile |= 1 << i
-        with self._lock:
-            todo = [(k, m) for k, m in self._where.items() if not m & ~volatile]
-        written = 0
-        for key, mask in todo:
-            src = next(i for i in range(len(self._levels)) if mask >> i & 1)
-            tier = self._levels[src].tier
-            with tier.view(key) as view:
-                if view is not None:
-                    written += bool(self._put(target, [key], [view], tier.checksums([key]))[0])
-                    continue
-            size = self._sizes.get(key)
-            if size is None:
-                continue
-            with self._scratch(size) as buf:
-                ok = self._tier_call(self._levels[src], "read_into", [key], [buf])
-                if ok and ok[0]:
-                    written += bool(self._put(target, [key], [buf])[0])
-        return written
+        return self._data.flush()
 
     def hint(self, keys: Sequence[BlockKey], hint: Hint) -> int:
         """Give ``hint`` (:class:`kvstore.Hint`) to the blocks of ``keys`` cached in any
@@ -350,8 +304,8 @@ class Store(TierMovement, StoreHints):
             raise InvalidArgumentError("hint must be a kvstore.Hint, got None")
         with self._lock:
             held = [k for k in keys if self._where.get(k)]
-            persist = self._give_hint(held, hint) if held else {}
-        self._persist_hints(persist)
+            persist = self._store_hints.give(held, hint) if held else {}
+        self._store_hints.persist(persist)
         return len(held)
 
     def contains(self, keys: Sequence[BlockKey]) -> list[bool]:
@@ -363,7 +317,7 @@ class Store(TierMovement, StoreHints):
         """Copy blocks held only in slower tiers up into ``tier`` (index or name).
         Resolves to the number of blocks now there."""
         self._check_open()
-        return self._pool.submit(self._prefetch, list(keys), self._level_index(tier))
+        return self._pool.submit(self._data.prefetch, list(keys), self._level_index(tier))
 
     def pin(self, keys: Sequence[BlockKey]) -> None:
         """Protect keys from eviction until a matching :meth:`unpin` (counted)."""
@@ -380,6 +334,7 @@ class Store(TierMovement, StoreHints):
 
     def _delete(self, keys: Sequence[BlockKey], *, cleared: bool) -> int:
         self._check_open()
+        tenants = self._mover.tenants
         with self._lock:
             plan = []
             for key in keys:
@@ -389,9 +344,9 @@ class Store(TierMovement, StoreHints):
                     for i, lvl in enumerate(self._levels):
                         if mask >> i & 1:
                             lvl.policy.on_remove(key)
-                            if self._tenants is not None:
-                                self._tenants.remove(key, i, self._sizes.get(key, 0))
-                self._forget(key)
+                            if tenants is not None:
+                                tenants.remove(key, i, self._index.sizes.get(key, 0))
+                self._mover.forget(key)
             if self._events is not None and cleared:
                 self._events.cleared()
             elif self._events is not None:
@@ -399,7 +354,7 @@ class Store(TierMovement, StoreHints):
         for i, lvl in enumerate(self._levels):
             doomed = [k for k, m in plan if m >> i & 1]
             if doomed:
-                self._tier_call(lvl, "delete", doomed)
+                self._mover.tier_io(lvl, lvl.tier.delete, doomed)
         return len(plan)
 
     def clear(self) -> int:
@@ -415,17 +370,18 @@ class Store(TierMovement, StoreHints):
                          "used_bytes": lvl.tier.used_bytes, "blocks": len(lvl.policy),
                          "eviction": lvl.policy.name, **lvl.counters, "hint_trust": lvl.policy.hint_stats()}
                 tiers.append(entry)
-            out = {**self._ops, "blocks": len(self._where), "leases": len(self._leases),
-                   "pins": len(self._pins), "hints": self._hint_index.stats(), "tiers": tiers}
+            out = {**self._ops, "blocks": len(self._where), "leases": len(self._index.leases),
+                   "pins": len(self._index.pins), "hints": self._store_hints.stats(), "tiers": tiers}
         for entry, lvl in zip(tiers, self._levels):
             extra = lvl.tier.stats()
             entry.update(extra)
             entry["corruptions"] += int(extra.get("corrupt_blocks", 0))
 
         out["connectors"] = sum_stat_sources(self._stat_sources)
-        if self._tenants is not None:
+        tenants = self._mover.tenants
+        if tenants is not None:
             with self._lock:
-                out["tenants"] = self._tenants.stats()
+                out["tenants"] = tenants.stats()
         if self._events is not None:
             out["events"] = self._events.stats()
         return out
@@ -451,8 +407,13 @@ class Store(TierMovement, StoreHints):
         (recovered from a persistent tier) are counted now. ``None``: stop."""
         with self._lock:
             if ledger is not None:
-                ledger.recount(self._where, self._sizes)
-            self._tenants = ledger
+                ledger.recount(self._where, self._index.sizes)
+            self._mover.tenants = ledger
+
+    @property
+    def _tenants(self) -> TenantLedger | None:
+        """The ledger :meth:`set_tenants` attached (held by the mover), or ``None``."""
+        return self._mover.tenants
 
     def attach_stats(self, name: str, source: Any) -> None:
         """Report ``source()`` (a dict of counters) in :meth:`stats` under
@@ -490,185 +451,7 @@ class Store(TierMovement, StoreHints):
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    # -- data path ----------------------------------------------------------------------
-
-    def _save(self, keys: list[BlockKey], srcs: list[Any], sums: list[int] | None = None) -> list[bool]:
-        # Same key, same content: a key cached in any tier is only touched, never
-        # rewritten, so a save can never change what a later load returns.
-        with self._lock:
-            self._ops["saves"] += len(keys)
-            held = self._index.touch_held(keys, [lvl.policy for lvl in self._levels])
-            fresh = [j for j, h in enumerate(held) if not h]
-        if len(fresh) < len(keys):
-            stored = [True] * len(keys)
-            if fresh:
-                for j, ok in zip(fresh, self._save_new([keys[j] for j in fresh], [srcs[j] for j in fresh],
-                                                       None if sums is None else [sums[j] for j in fresh])):
-                    stored[j] = ok
-            return stored
-        return self._save_new(keys, srcs, sums)
-
-    def _save_checked(self, keys: list[BlockKey], srcs: list[Any], sums: list[int]) -> list[bool]:
-        # Checked here, and handed down: a tier that takes checksums (DRAM) checks the
-        # bytes again as they landed in it, so a source changed by another writer (a
-        # shared staging region) between this check and the tier's copy is refused.
-        good = [j for j, (src, csum) in enumerate(zip(srcs, sums)) if checksum(host_view(src)) == csum]
-        if len(good) == len(keys):
-            return self._save(keys, srcs, sums)
-        with self._lock:
-            self._ops["refused_checksum"] += len(keys) - len(good)
-        log.warning("save: %d of %d blocks did not match their writer's checksum; not stored",
-                    len(keys) - len(good), len(keys))
-        out = [False] * len(keys)
-        for j, ok in zip(good, self._save([keys[j] for j in good], [srcs[j] for j in good],
-                                          [sums[j] for j in good]) if good else []):
-            out[j] = ok
-        return out
-
-    def _save_new(self, keys: list[BlockKey], srcs: list[Any], sums: list[int] | None = None) -> list[bool]:
-        stored = self._put(0, keys, srcs, sums)
-        if self.placement.write is WriteMode.THROUGH:
-            # a discard block is not kept past the tier that took it
-            through = [j for j, k in enumerate(keys) if not (stored[j] and self._hint_index.is_discard(k))]
-            for i in range(1, len(self._levels)):
-                below = self._put(i, [keys[j] for j in through], [srcs[j] for j in through],
-                                  None if sums is None else [sums[j] for j in through])
-                for j, ok in zip(through, below):
-                    stored[j] = stored[j] or ok
-        elif len(self._levels) > 1:
-            # A block the first tier refused still goes to the next one that admits it.
-            missed = [j for j, ok in enumerate(stored) if not ok]
-            for i in range(1, len(self._levels)):
-                if not missed:
-                    break
-                got = self._put(i, [keys[j] for j in missed], [srcs[j] for j in missed],
-                                None if sums is None else [sums[j] for j in missed])
-                for j, ok in zip(missed, got):
-                    stored[j] = ok
-                missed = [j for j, ok in zip(missed, got) if not ok]
-        if self._hints and not all(stored):
-            with self._lock:    # hints of blocks no tier took go with them
-                for key, ok in zip(keys, stored):
-                    if not ok and not self._where.get(key):
-                        self._hint_index.forget(key)
-        return stored
-
-    def _load(self, keys: list[BlockKey], dsts: list[Any]) -> list[bool]:
-        n = len(keys)
-        done = [False] * n
-        source = [-1] * n
-        with self._lock:
-            self._ops["loads"] += n
-            masks = [self._where.get(k, 0) for k in keys]
-        unknown = [j for j in range(n) if not masks[j]] if self._shared else []
-        if unknown:
-            self._discover([keys[j] for j in unknown])
-            with self._lock:
-                for j in unknown:
-                    # a block found with another size than the caller's buffer is a miss
-                    if self._sizes.get(keys[j]) == nbytes_of(dsts[j]):
-                        masks[j] = self._where.get(keys[j], 0)
-        for i, lvl in enumerate(self._levels):
-            todo = [j for j in range(n) if not done[j] and masks[j] >> i & 1]
-            if not todo:
-                continue
-            ok = self._tier_call(lvl, "read_into", [keys[j] for j in todo], [dsts[j] for j in todo])
-            if ok is None:
-                # The tier failed (endpoint down, I/O error): misses now, but its blocks
-                # stay indexed so they load again once the tier is back.
-                continue
-            with self._lock:
-                for j, hit in zip(todo, ok):
-                    key = keys[j]
-                    if hit:
-                        done[j], source[j] = True, i
-                        if self._hints:
-                            self._hint_hits((key,))
-                        lvl.counters["hits"] += 1
-                        lvl.counters["bytes_read"] += self._sizes.get(key, 0)
-                        if self._where.get(key, 0) >> i & 1:
-                            lvl.policy.on_access(key)
-                    else:
-                        if self._where.get(key, 0) >> i & 1:
-                            # Indexed but unreadable (corrupt, lost): drop it here.
-                            self._drop(key, i)
-                        # Try the tiers that hold it now: a block evicted from this tier
-                        # while we read it has been spilled into the next one.
-                        masks[j] = self._where.get(key, 0)
-        with self._lock:
-            for j, key in enumerate(keys):
-                if done[j]:
-                    self._drop_lease(key)
-                else:
-                    self._levels[0].counters["misses"] += 1
-            promote = [j for j in range(n) if source[j] > 0] if self.placement.promote_on_hit else []
-            selective = self._selective_candidates(keys, done, source)
-        if promote:
-            got = self._put(0, [keys[j] for j in promote], [dsts[j] for j in promote])
-            with self._lock:
-                self._levels[0].counters["promotions"] += sum(got)
-        for i, idx in selective:
-            self._put(i, [keys[j] for j in idx], [dsts[j] for j in idx])
-        return done
-
-    def _selective_candidates(self, keys, done, source) -> list[tuple[int, list[int]]]:
-        """Selective write-through: a block hit ``selective_threshold`` times in the first
-        tier is written through to the tiers below. Caller holds the lock."""
-        if self.placement.write is not WriteMode.SELECTIVE or len(self._levels) < 2:
-            return []
-        hot = []
-        for j, key in enumerate(keys):
-            if done[j] and source[j] == 0 and not self._hint_index.is_discard(key):
-                count = self._hit_counts.get(key, 0) + 1
-                self._hit_counts[key] = count
-                if count == self.placement.selective_threshold:
-                    hot.append(j)
-        return [(i, hot) for i in range(1, len(self._levels))] if hot else []
-
-    def _write_below(self, keys: list[BlockKey]) -> None:
-        """Write-through for blocks committed into the first tier by a reservation: one
-        batch per lower tier, straight from the first tier's slots (held meanwhile,
-        verified: a corrupt one is dropped, never written down), each with the checksum
-        it was stored with."""
-        first = self._levels[0].tier
-        with first.views(keys) as views:
-            held = [(k, v) for k, v in zip(keys, views) if v is not None]
-            sums = first.checksums([k for k, _ in held])
-            for i in range(1, len(self._levels)):
-                self._put(i, [k for k, _ in held], [v for _, v in held], sums)
-
-    def _prefetch(self, keys: list[BlockKey], target: int) -> int:
-        with self._lock:
-            self._ops["prefetches"] += len(keys)
-            plan = [(k, self._where.get(k, 0)) for k in keys]
-        count = 0
-        for key, mask in plan:
-            if mask >> target & 1:
-                count += 1
-                continue
-            src = next((i for i in range(target + 1, len(self._levels)) if mask >> i & 1), None)
-            if src is not None and self._copy_between(key, src, target):
-                count += 1
-        return count
-
-    # -- start-up and checks -------------------------------------------------------------
-
-    def _recover(self) -> None:
-        """Rebuild the index from persistent tiers, oldest access first, so usage and
-        eviction order continue where the last process left off."""
-        for i, lvl in enumerate(self._levels):
-            if not lvl.tier.capabilities.persistent:
-                continue
-            for block in lvl.tier.recover():
-                if block.hint is not None and block.key not in self._hints:
-                    self._hint_index.restore(block.key, block.hint)
-                self._where[block.key] = self._where.get(block.key, 0) | 1 << i
-                self._sizes[block.key] = block.nbytes
-                lvl.policy.on_insert(block.key, block.nbytes,
-                                     parent_of(block.key) if lvl.policy.uses_parent else None)
-        if self._events is not None:
-            for i in range(len(self._levels)):
-                self._events.stored(i, [k for k, mask in self._where.items() if mask >> i & 1])
+    # -- checks ----------------------------------------------------------------------------
 
     def _level_index(self, tier: int | str) -> int:
         if isinstance(tier, int) and 0 <= tier < len(self._levels):

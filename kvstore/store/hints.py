@@ -13,7 +13,8 @@ after a restart.
 Expired hints leave the index lazily (on the next hint given, lookup or ``stats``),
 counted as ``expired`` when their blocks were not hit before.
 
-Not thread-safe: the Store calls it under its lock.
+Not thread-safe: :class:`HintIndex` and :class:`StoreHints` run under the index's lock
+(see :class:`StoreHints`).
 """
 
 from __future__ import annotations
@@ -24,10 +25,14 @@ import logging
 import math
 import struct
 import time
-from typing import Callable, Iterable
+from typing import TYPE_CHECKING, Callable, Iterable
 
 from kvstore.hint import MAX_PRIORITY, Hint
 from kvstore.keys import BlockKey
+
+if TYPE_CHECKING:
+    from kvstore.store.index import Index
+    from kvstore.store.mover import Level
 
 log = logging.getLogger("kvstore.store")
 
@@ -155,50 +160,83 @@ class HintIndex:
 
 
 class StoreHints:
-    """The Store's side of hints: a mixin of :class:`kvstore.store.Store`, which owns
-    ``_hint_index``, ``_levels``, ``_where`` and ``_lock``."""
+    """The Store's side of hints: the hint table (``table``, a :class:`HintIndex`; its
+    ``records`` are what every level's eviction policy reads), kept in step with the
+    Store's index (``index``, which tiers hold each key) and levels (their policies, and
+    which tiers persist hints beside their blocks).
 
-    def _give_hint(self, keys: list[BlockKey], hint: Hint) -> dict[int, dict[BlockKey, bytes]]:
+    Lock rule: ``Index.lock`` guards the table. Every method runs with the caller
+    holding it, except :meth:`persist`, which does tier I/O and so runs without it.
+    """
+
+    def __init__(self, table: HintIndex, index: "Index", levels: "list[Level]") -> None:
+        self.table = table
+        self.records = table.records
+        self.index = index
+        self.levels = levels
+
+    def give(self, keys: list[BlockKey], hint: Hint) -> dict[int, dict[BlockKey, bytes]]:
         """Merge ``hint`` into ``keys``' records and re-rank the keys in each tier that
         holds them. Returns what persistent tiers should record (pass it to
-        :meth:`_persist_hints` once the lock is released). Caller holds the lock."""
-        changed = self._hint_index.give(keys, hint)
+        :meth:`persist` once the lock is released)."""
+        table = self.table
+        changed = table.give(keys, hint)
         persist: dict[int, dict[BlockKey, bytes]] = {}
-        where = self._where
+        where = self.index.where
         for key in changed:
             mask = where.get(key, 0)
-            for i, lvl in enumerate(self._levels):
+            for i, lvl in enumerate(self.levels):
                 if mask >> i & 1:
                     lvl.policy.rehint(key)
                     if lvl.tier.capabilities.persistent:
-                        persist.setdefault(i, {})[key] = self._hint_index.encode(key)
+                        persist.setdefault(i, {})[key] = table.encode(key)
         return persist
 
-    def _hints_entering(self, i: int, keys: list[BlockKey], persist: dict[int, dict[BlockKey, bytes]]) -> None:
-        """``keys`` just entered level ``i``: note their hints for a persistent tier.
-        Caller holds the lock."""
-        if self._hint_index.records and self._levels[i].tier.capabilities.persistent:
+    def entering(self, i: int, keys: list[BlockKey], persist: dict[int, dict[BlockKey, bytes]]) -> None:
+        """``keys`` just entered level ``i``: note their hints for a persistent tier
+        (into ``persist``, for :meth:`persist`)."""
+        if self.records and self.levels[i].tier.capabilities.persistent:
             for key in keys:
-                raw = self._hint_index.encode(key)
+                raw = self.table.encode(key)
                 if raw is not None:
                     persist.setdefault(i, {})[key] = raw
 
-    def _persist_hints(self, persist: dict[int, dict[BlockKey, bytes]]) -> None:
+    def persist(self, persist: dict[int, dict[BlockKey, bytes]]) -> None:
         """Hand hints to the persistent tiers that hold their blocks (best effort: a
-        tier that fails to record them logs it; hints only steer eviction)."""
+        tier that fails to record them logs it; hints only steer eviction). Without the
+        lock."""
         for i, hints in persist.items():
-            lvl = self._levels[i]
+            lvl = self.levels[i]
             try:
                 lvl.tier.set_hints(hints)
             except Exception as exc:   # a tier failure must not fail the save or lookup
                 log.warning("tier %s: could not record retention hints: %s", lvl.name, exc)
 
-    def _hint_hits(self, keys: Iterable[BlockKey]) -> None:
-        """Count hinted blocks hit before their hint expired. Caller holds the lock."""
-        index = self._hint_index
-        now = index.clock()
+    def hits(self, keys: Iterable[BlockKey]) -> None:
+        """Count hinted blocks hit before their hint expired."""
+        table = self.table
+        now = table.clock()
         for key in keys:
-            index.hit(key, now)
+            table.hit(key, now)
+
+    def restore(self, key: BlockKey, raw: bytes | None) -> None:
+        """A recovered block's persisted hint, unless the key has one already."""
+        if key not in self.records:
+            self.table.restore(key, raw)
+
+    def is_discard(self, key: BlockKey) -> bool:
+        return self.table.is_discard(key)
+
+    def count_discarded(self) -> None:
+        """A discard block was dropped instead of spilled."""
+        self.table.counters["discarded"] += 1
+
+    def forget(self, key: BlockKey) -> None:
+        """No tier holds ``key`` any more."""
+        self.table.forget(key)
+
+    def stats(self) -> dict[str, int]:
+        return self.table.stats()
 
 
 __all__ = ["HintIndex", "HintRecord", "StoreHints"]

@@ -1,22 +1,19 @@
 """How the Store moves blocks between its tiers: admission and capacity on the way in,
 victim choice and spill on the way out, copies between tiers, and the mapping of tier
-failures into counted misses. A mixin of :class:`kvstore.store.Store`, which owns the
-state these methods use: ``_index`` (:class:`kvstore.store.index.Index`: where, sizes,
-leases, pins and the lock; ``_where``, ``_sizes`` and ``_lock`` name its dict and lock),
-``_levels``, ``_hint_index``, ``_tenants``, ``_events``, ``_local``, ``_clock``; kept
-apart so each module holds one job.
+failures into counted misses (:meth:`Mover.tier_io`).
 
-Locking (the index's lock rule): methods documented "caller holds the lock" run under
-``Index.lock`` (``Store._lock``); the others take it briefly and never hold it across
-tier I/O.
+One :class:`Mover` per Store, built over the Store's index, levels, hints and KV events;
+the data path (``datapath``), the reservation (``reservation``) and the tenant ledger
+(``tenants``) call its public methods.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator, TypeVar
 
 import numpy as np
 
@@ -24,9 +21,16 @@ from kvstore.buffers import nbytes_of
 from kvstore.errors import BufferSizeError, TierError
 from kvstore.keys import BlockKey
 from kvstore.policies.base import AdmissionPolicy, Decision, EvictionPolicy
+from kvstore.store.index import Index
 from kvstore.tiers.base import Tier
 
+if TYPE_CHECKING:
+    from kvstore.store.hints import StoreHints
+    from kvstore.store.tenants import TenantLedger
+
 log = logging.getLogger("kvstore.store")
+
+T = TypeVar("T")
 
 _COUNTERS = ("hits", "misses", "writes", "bytes_written", "bytes_read", "evictions", "spills",
              "promotions", "rejected", "throttled", "full", "errors", "corruptions")
@@ -34,7 +38,8 @@ _COUNTERS = ("hits", "misses", "writes", "bytes_written", "bytes_read", "evictio
 
 @dataclass
 class Level:
-    """One tier with its policies and counters."""
+    """One tier with its policies and counters. The policies, ``counters`` and
+    ``pending_free`` change under ``Index.lock`` (with the index they describe)."""
 
     tier: Tier
     policy: EvictionPolicy
@@ -46,7 +51,6 @@ class Level:
     @property
     def name(self) -> str:
         return self.tier.name
-
 
 
 class _Staged:
@@ -67,8 +71,8 @@ class _Staged:
 
 
 @dataclass
-class _PutPlan:
-    """What :meth:`TierMovement._plan_put` decided for one batch."""
+class PutPlan:
+    """What :meth:`Mover.plan_put` decided for one batch."""
 
     result: list[bool]                       # per key: stored (so far)
     chosen: list[int] = field(default_factory=list)    # indices to write
@@ -78,49 +82,74 @@ class _PutPlan:
     charged: dict = field(default_factory=dict)  # per-tenant bytes in flight (kvstore.store.tenants)
 
 
-class TierMovement:
-    """Tier-to-tier block movement for the Store (see the module docstring)."""
+class Mover:
+    """Tier-to-tier block movement for one Store.
 
-    def _put(self, i: int, keys: list[BlockKey], srcs: list[Any],
+    State: ``index`` (:class:`kvstore.store.index.Index`, shared with the Store),
+    ``levels`` (the Store's tiers with their policies and counters, fastest first),
+    ``hints`` (:class:`kvstore.store.hints.StoreHints`), ``events`` (the KV event
+    publisher, or ``None``), ``clock`` (the Store's, for lease expiry), ``tenants`` (the
+    cache server's :class:`kvstore.store.tenants.TenantLedger`, or ``None``; set through
+    the Store) and per-thread scratch buffers.
+
+    Lock rule: ``Index.lock`` (``lock`` here; not reentrant) guards the index, each
+    level's policies, counters and ``pending_free``, the hint table and the tenant
+    ledger. :meth:`evictable`, :meth:`take_victim`, :meth:`drop`, :meth:`forget` and
+    ``_choose_victims`` run with the caller holding it; every other method takes it itself, briefly, never
+    across tier I/O, so the caller must not hold it.
+    """
+
+    def __init__(self, index: Index, levels: list[Level], hints: "StoreHints", events: Any,
+                 clock: Callable[[], float]) -> None:
+        self.index = index
+        self.lock = index.lock
+        self.levels = levels
+        self.hints = hints
+        self.events = events
+        self.clock = clock
+        self.tenants: "TenantLedger | None" = None
+        self._local = threading.local()    # per-thread scratch buffers (scratch)
+
+    def put(self, i: int, keys: list[BlockKey], srcs: list[Any],
              checksums: list[int | None] | None = None) -> list[bool]:
         """Store blocks into level ``i``, evicting (and spilling) to make room.
         ``checksums``: the XXH3-64 each source was stored with in the tier it comes
         from, kept by a tier that takes them (``write_checksums``) instead of a re-hash."""
-        lvl = self._levels[i]
+        lvl = self.levels[i]
         sizes = [nbytes_of(src) for src in srcs]
-        plan = self._plan_put(i, keys, sizes)
+        plan = self.plan_put(i, keys, sizes)
         try:
             return self._put_planned(i, lvl, keys, srcs, sizes, plan, checksums)
         finally:
             if plan.charged:   # a tenant's bytes in flight end with the put, stored or not
-                self._settle(i, plan)
+                self.settle(i, plan)
 
     def _put_planned(self, i: int, lvl: Level, keys: list[BlockKey], srcs: list[Any], sizes: list[int],
-                     plan: "_PutPlan", checksums: list[int | None] | None) -> list[bool]:
-        self._evict(i, plan.victims)
+                     plan: "PutPlan", checksums: list[int | None] | None) -> list[bool]:
+        self.evict(i, plan.victims)
         chosen = plan.chosen
         if not chosen:
             return plan.result
         if checksums is None or not lvl.tier.capabilities.write_checksums:
             checksums = None
         ok = self._write(lvl, chosen, keys, srcs, checksums)
-        self._unstage(i, keys, plan, ok)
+        self.unstage(i, keys, plan, ok)
         if ok is not None and not all(ok):
             # Fragmentation or a racing writer: make room for the rest once more.
             retry = [j for j, good in zip(chosen, ok) if not good]
             # never this batch's blocks just written (a prefix-aware policy has them
             # already, not yet indexed): evicting one would delete it under the index
             protect = (plan.parents or set()) | {keys[j].digest for j in chosen}
-            with self._lock:
+            with self.lock:
                 victims = self._choose_victims(i, sum(sizes[j] for j in retry), force=True,
                                                protect=protect)
             if victims:
-                self._evict(i, victims)
+                self.evict(i, victims)
                 again = self._write(lvl, retry, keys, srcs, checksums)
                 if again is not None:
                     redo = dict(zip(retry, again))
                     ok = [good or redo.get(j, False) for j, good in zip(chosen, ok)]
-        self._index_put(i, keys, sizes, plan, ok)
+        self.index_put(i, keys, sizes, plan, ok)
         return plan.result
 
     def _write(self, lvl: Level, idx: list[int], keys: list[BlockKey], srcs: list[Any],
@@ -129,18 +158,18 @@ class TierMovement:
         args = [[keys[j] for j in idx], [srcs[j] for j in idx]]
         if checksums is not None:
             args.append([checksums[j] for j in idx])
-        return self._tier_call(lvl, "write", *args)
+        return self.tier_io(lvl, lvl.tier.write, *args)
 
-    def _plan_put(self, i: int, keys: list[BlockKey], sizes: list[int], *, evict: bool = True) -> "_PutPlan":
+    def plan_put(self, i: int, keys: list[BlockKey], sizes: list[int], *, evict: bool = True) -> "PutPlan":
         """Admission and room for new blocks in level ``i``: which to write, and the
         victims to evict first (already out of the index). ``evict=False`` takes free
-        room only: blocks that do not fit are left out. Takes the lock."""
-        lvl = self._levels[i]
-        plan = _PutPlan([False] * len(keys))
+        room only: blocks that do not fit are left out."""
+        lvl = self.levels[i]
+        plan = PutPlan([False] * len(keys))
         chosen = plan.chosen
-        with self._lock:
+        with self.lock:
             for j, key in enumerate(keys):
-                if self._where.get(key, 0) >> i & 1:
+                if self.index.where.get(key, 0) >> i & 1:
                     lvl.policy.on_access(key)
                     plan.result[j] = True
                     continue
@@ -152,8 +181,8 @@ class TierMovement:
             # The blocks being added hang under these parents: evicting one now would
             # leave its new children unreachable (a chained key needs its prefix).
             plan.parents = {keys[j].parent for j in chosen} if lvl.policy.uses_parent else None
-            if self._tenants is not None and chosen:   # each tenant within its quota here
-                chosen, plan.charged = self._tenants.plan(self, i, keys, sizes, chosen, plan.parents, evict,
+            if self.tenants is not None and chosen:   # each tenant within its quota here
+                chosen, plan.charged = self.tenants.plan(self, i, keys, sizes, chosen, plan.parents, evict,
                                                           plan.victims)
                 plan.chosen = chosen
             if not evict:
@@ -180,45 +209,45 @@ class TierMovement:
                 plan.victims += self._choose_victims(i, sum(sizes[j] for j in chosen), protect=plan.parents)
         return plan
 
-    def _settle(self, i: int, plan: "_PutPlan") -> None:
+    def settle(self, i: int, plan: "PutPlan") -> None:
         """The blocks ``plan`` charged to their tenants in level ``i`` are no longer in
         flight (indexed, or not stored). Idempotent."""
         if plan.charged:
-            with self._lock:
-                self._tenants.settle(i, plan.charged)
+            with self.lock:
+                self.tenants.settle(i, plan.charged)
             plan.charged = {}
 
-    def _unstage(self, i: int, keys: list[BlockKey], plan: "_PutPlan", ok: list[bool] | None) -> None:
+    def unstage(self, i: int, keys: list[BlockKey], plan: "PutPlan", ok: list[bool] | None) -> None:
         """Take blocks placed in the policy ahead of the write but not stored out again."""
         if not plan.inserted or ok is not None and all(ok):
             return
-        with self._lock:
+        with self.lock:
             for j, good in zip(plan.chosen, ok or [False] * len(plan.chosen)):
                 # a key another writer indexed here meanwhile keeps its place in the policy
-                if not good and not self._where.get(keys[j], 0) >> i & 1:
-                    self._levels[i].policy.on_remove(keys[j])
+                if not good and not self.index.where.get(keys[j], 0) >> i & 1:
+                    self.levels[i].policy.on_remove(keys[j])
                     plan.inserted.discard(keys[j])
 
-    def _index_put(self, i: int, keys: list[BlockKey], sizes: list[int], plan: "_PutPlan",
+    def index_put(self, i: int, keys: list[BlockKey], sizes: list[int], plan: "PutPlan",
                    ok: list[bool] | None) -> None:
         """Index the blocks of ``plan`` that level ``i`` stored (``ok``); fills ``plan.result``."""
-        lvl = self._levels[i]
+        lvl = self.levels[i]
         ok = ok or [False] * len(plan.chosen)
         fresh: list[BlockKey] = []   # newly indexed here: KV events
         persist: dict[int, dict[BlockKey, bytes]] = {}
-        with self._lock:
+        with self.lock:
             for j, good in zip(plan.chosen, ok):
                 key = keys[j]
                 if not good:
                     lvl.counters["full"] += 1
                     continue
                 plan.result[j] = True
-                mask = self._where.get(key, 0)
+                mask = self.index.where.get(key, 0)
                 if not mask >> i & 1:
-                    self._where[key] = mask | 1 << i
-                    self._sizes[key] = sizes[j]
-                    if self._tenants is not None:
-                        self._tenants.add(key, i, sizes[j])
+                    self.index.where[key] = mask | 1 << i
+                    self.index.sizes[key] = sizes[j]
+                    if self.tenants is not None:
+                        self.tenants.add(key, i, sizes[j])
                     # a staged key another put chose as a victim meanwhile (it freed
                     # nothing: never written) is no longer in the policy: insert it again
                     if key not in plan.inserted or key not in lvl.policy:
@@ -227,24 +256,23 @@ class TierMovement:
                     lvl.counters["bytes_written"] += sizes[j]
                     fresh.append(key)
                 # else a concurrent writer indexed it first; staged keys are in the policy once.
-            if self._events is not None and fresh:
-                self._events.stored(i, fresh)
-            self._hints_entering(i, [keys[j] for j, good in zip(plan.chosen, ok) if good], persist)
+            if self.events is not None and fresh:
+                self.events.stored(i, fresh)
+            self.hints.entering(i, [keys[j] for j, good in zip(plan.chosen, ok) if good], persist)
             if plan.charged:
-                self._tenants.settle(i, plan.charged)
+                self.tenants.settle(i, plan.charged)
                 plan.charged = {}
         if persist:
-            self._persist_hints(persist)
+            self.hints.persist(persist)
 
     def _choose_victims(self, i: int, need: int, *, force: bool = False,
                         protect: set[bytes | None] | None = None,
                         staged: "_Staged | None" = None) -> list[tuple[BlockKey, int]]:
         """Pick victims in level ``i`` until ``need`` bytes are free, skipping leased and
         pinned keys and keys whose digest is in ``protect``. A ``staged`` key (in the
-        policy, not yet written) that comes up is dropped from the stage instead. Caller
-        holds the lock. Victims leave the index now; their bytes leave the tier in
-        :meth:`_evict`."""
-        lvl = self._levels[i]
+        policy, not yet written) that comes up is dropped from the stage instead.
+        Victims leave the index now; their bytes leave the tier in :meth:`evict`."""
+        lvl = self.levels[i]
         free = lvl.tier.capacity_bytes - lvl.tier.used_bytes + lvl.pending_free
         if staged is not None:
             free -= staged.total
@@ -252,14 +280,14 @@ class TierMovement:
             return []
         if force:
             free = min(free, 0)
-        now = self._clock()
+        now = self.clock()
         victims = []
         if free >= need:
             return []
         # Stop right after the victim that makes room: pulling one more candidate would
         # tell the policy it was skipped (S3-FIFO and SIEVE move such keys on).
         for key in lvl.policy.victims():
-            if not self._evictable(key, now, protect):
+            if not self.evictable(key, now, protect):
                 continue
             if staged is not None and key in staged.sizes:
                 lvl.policy.on_remove(key)
@@ -267,73 +295,73 @@ class TierMovement:
                 if free >= need:
                     break
                 continue
-            free += self._take_victim(i, key, victims)
+            free += self.take_victim(i, key, victims)
             if free >= need:
                 break
-        if self._events is not None and victims:
-            self._events.removed(i, [key for key, _ in victims])
+        if self.events is not None and victims:
+            self.events.removed(i, [key for key, _ in victims])
         return victims
 
-    def _evictable(self, key: BlockKey, now: float, protect: set[bytes | None] | None) -> bool:
-        """Not leased, not pinned, not a protected parent. Caller holds the lock."""
-        return self._index.evictable(key, now, protect)
+    def evictable(self, key: BlockKey, now: float, protect: set[bytes | None] | None) -> bool:
+        """Not leased, not pinned, not a protected parent (the index's rule)."""
+        return self.index.evictable(key, now, protect)
 
-    def _take_victim(self, i: int, key: BlockKey, victims: list[tuple[BlockKey, int]]) -> int:
+    def take_victim(self, i: int, key: BlockKey, victims: list[tuple[BlockKey, int]]) -> int:
         """Take ``key`` out of level ``i``'s index as a victim (appended to ``victims``;
-        its bytes leave the tier in :meth:`_evict`); returns its size. Caller holds the lock."""
-        lvl = self._levels[i]
-        size = self._sizes.get(key, 0)
+        its bytes leave the tier in :meth:`evict`); returns its size."""
+        lvl = self.levels[i]
+        size = self.index.sizes.get(key, 0)
         lvl.policy.on_remove(key)
-        victims.append((key, self._index.remove_level(key, i)))
+        victims.append((key, self.index.remove_level(key, i)))
         lvl.pending_free += size
         lvl.counters["evictions"] += 1
-        if self._tenants is not None:
-            self._tenants.remove(key, i, size, evicted=True)
+        if self.tenants is not None:
+            self.tenants.remove(key, i, size, evicted=True)
         return size
 
-    def _evict(self, i: int, victims: list[tuple[BlockKey, int]]) -> None:
+    def evict(self, i: int, victims: list[tuple[BlockKey, int]]) -> None:
         """Spill victims down (write-back) and delete them from level ``i``."""
         if not victims:
             return
-        lvl = self._levels[i]
-        below = i + 1 if i + 1 < len(self._levels) else None
+        lvl = self.levels[i]
+        below = i + 1 if i + 1 < len(self.levels) else None
         for key, mask in victims:
-            size = self._sizes.get(key, 0)
+            size = self.index.sizes.get(key, 0)
             try:
-                if self._hint_index.is_discard(key):
+                if self.hints.is_discard(key):
                     # one-shot: not kept past this tier
-                    with self._lock:
-                        self._hint_index.counters["discarded"] += 1
-                elif below is not None and not mask >> below & 1 and self._copy_between(key, i, below):
+                    with self.lock:
+                        self.hints.count_discarded()
+                elif below is not None and not mask >> below & 1 and self.copy_between(key, i, below):
                     lvl.counters["spills"] += 1
-                self._tier_call(lvl, "delete", [key])
+                self.tier_io(lvl, lvl.tier.delete, [key])
             finally:
-                with self._lock:
+                with self.lock:
                     lvl.pending_free -= size
-                    if not self._where.get(key):
-                        self._forget(key)
+                    if not self.index.where.get(key):
+                        self.forget(key)
 
-    def _copy_between(self, key: BlockKey, src: int, dst: int) -> bool:
+    def copy_between(self, key: BlockKey, src: int, dst: int) -> bool:
         """Copy one block from level ``src`` into level ``dst`` (the source keeps it):
         zero-copy from a tier that can lend a view, else through a staging buffer. A
         block that cannot be read is forgotten in ``src``."""
-        size = self._sizes.get(key)
+        size = self.index.sizes.get(key)
         if size is None:
             return False
-        tier = self._levels[src].tier
+        tier = self.levels[src].tier
         with tier.view(key) as view:   # verified by a tier that keeps checksums
             if view is not None:
-                return self._put(dst, [key], [view], tier.checksums([key]))[0]
-        with self._scratch(size) as buf:
-            ok = self._tier_call(self._levels[src], "read_into", [key], [buf])
+                return self.put(dst, [key], [view], tier.checksums([key]))[0]
+        with self.scratch(size) as buf:
+            ok = self.tier_io(self.levels[src], tier.read_into, [key], [buf])
             if not ok or not ok[0]:
-                with self._lock:
-                    self._drop(key, src)
+                with self.lock:
+                    self.drop(key, src)
                 return False
-            return self._put(dst, [key], [buf])[0]
+            return self.put(dst, [key], [buf])[0]
 
     @contextmanager
-    def _scratch(self, nbytes: int) -> Iterator[np.ndarray]:
+    def scratch(self, nbytes: int) -> Iterator[np.ndarray]:
         """A per-thread scratch buffer, grown on demand and reused (no per-block alloc).
         Nested uses get a buffer each: a put through a scratch buffer may evict from a
         full tier and spill the victim through a scratch buffer of its own (one per
@@ -355,42 +383,42 @@ class TierMovement:
         finally:
             local.depth = depth
 
-    def _tier_call(self, lvl: Level, method: str, *args: Any) -> Any:
-        """Call a tier; a tier failure is logged and counted, never raised to callers
-        of load/save (they see misses)."""
+    def tier_io(self, lvl: Level, call: Callable[..., T], *args: Any) -> T | None:
+        """``call(*args)``, one of ``lvl.tier``'s methods; a tier failure (``TierError``,
+        ``OSError``) is logged, counted in ``lvl.counters["errors"]`` and answered
+        ``None`` (a miss to callers of load/save), never raised. ``BufferSizeError`` (the
+        caller's buffer, not the tier) is raised. Takes the lock on failure only."""
         try:
-            return getattr(lvl.tier, method)(*args)
+            return call(*args)
         except BufferSizeError:
             raise
-        except TierError as exc:
-            with self._lock:
+        except (TierError, OSError) as exc:
+            with self.lock:
                 lvl.counters["errors"] += 1
-            log.warning("tier %s %s failed: %s", lvl.name, method, exc)
-            return None
-        except OSError as exc:
-            with self._lock:
-                lvl.counters["errors"] += 1
-            log.warning("tier %s %s failed: %s", lvl.name, method, exc)
+            log.warning("tier %s %s failed: %s", lvl.name, getattr(call, "__name__", "call"), exc)
             return None
 
-    def _drop(self, key: BlockKey, i: int) -> None:
-        """Forget that level ``i`` holds ``key``. Caller holds the lock."""
-        index = self._index
+    def drop(self, key: BlockKey, i: int) -> None:
+        """Forget that level ``i`` holds ``key``."""
+        index = self.index
         if not index.holds(key, i):
             return
-        self._levels[i].policy.on_remove(key)
-        if self._tenants is not None:
-            self._tenants.remove(key, i, index.sizes.get(key, 0))
-        if self._events is not None:
-            self._events.removed(i, (key,))
+        self.levels[i].policy.on_remove(key)
+        if self.tenants is not None:
+            self.tenants.remove(key, i, index.sizes.get(key, 0))
+        if self.events is not None:
+            self.events.removed(i, (key,))
         if not index.remove_level(key, i):
-            self._forget(key)
+            self.forget(key)
 
-    def _forget(self, key: BlockKey) -> None:
-        """Drop per-key metadata once no tier holds the key. Caller holds the lock."""
-        self._index.forget(key)
-        self._hint_index.forget(key)
+    def forget(self, key: BlockKey) -> None:
+        """Drop per-key metadata once no tier holds the key."""
+        self.index.forget(key)
+        self.hints.forget(key)
 
 
 def parent_of(key: BlockKey) -> BlockKey | None:
     return BlockKey(key.parent, None, key.namespace) if key.parent else None
+
+
+__all__ = ["Level", "Mover", "PutPlan", "parent_of"]

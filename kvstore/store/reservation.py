@@ -5,8 +5,9 @@ byte twice. A reservation hands it the destination instead: room in the first ti
 arena, taken with the same admission and eviction as :meth:`Store.save`, which the
 caller fills (one gather straight into the slots) and then publishes.
 
-Boundaries: a reservation works through the mover (:class:`kvstore.store.mover.TierMovement`:
-plan, evict, unstage, index, settle) and the index it shares
+Boundaries: a reservation works through the Store's mover (:class:`kvstore.store.mover.Mover`:
+its public ``plan_put``, ``evict``, ``unstage``, ``index_put``, ``settle`` and ``tier_io``,
+which take the index's lock themselves) and reads the index it shares
 (:class:`kvstore.store.index.Index`, under its lock); the facade checks the arguments,
 counts the save, finds the blocks held already and hands in what runs on commit
 (``published``: write-through). This module imports neither the facade nor the package.
@@ -22,7 +23,7 @@ from kvstore.errors import InvalidArgumentError
 from kvstore.keys import BlockKey
 
 if TYPE_CHECKING:
-    from kvstore.store.mover import TierMovement, _PutPlan
+    from kvstore.store.mover import Mover, PutPlan
 
 
 class Reservation:
@@ -35,12 +36,15 @@ class Reservation:
     Nothing is visible to readers until :meth:`commit`. End a reservation with exactly
     one of :meth:`commit` or :meth:`abort`; used as a context manager, leaving the block
     commits and an exception aborts. Not thread-safe: one owner fills and ends it.
+    Locks: the index's lock (``Index.lock``) guards what a commit or abort changes; they
+    take it themselves (through the mover, and in ``_drop_raced``), so end a reservation
+    without holding it.
     """
 
-    def __init__(self, store: "TierMovement", keys: list[BlockKey], present: list[bool],
-                 fresh: list[int], sizes: list[int], plan: "_PutPlan | None", tier_res: Any,
+    def __init__(self, mover: "Mover", keys: list[BlockKey], present: list[bool],
+                 fresh: list[int], sizes: list[int], plan: "PutPlan | None", tier_res: Any,
                  published: Callable[[list[BlockKey]], None] | None = None) -> None:
-        self._store, self._keys, self.present = store, keys, present
+        self._mover, self._keys, self.present = mover, keys, present
         self._published = published
         self._fresh, self._sizes, self._plan, self._tier_res = fresh, sizes, plan, tier_res
         self.views: list[np.ndarray | None] = [None] * len(keys)
@@ -57,7 +61,7 @@ class Reservation:
         bytes differ is not published (False). Needs a first tier that checks them
         (the DRAM tier does); others ignore them."""
         self._finish()
-        store, plan = self._store, self._plan
+        mover, plan = self._mover, self._plan
         stored = list(self.present)
         if plan is None:
             self.stored = stored
@@ -65,18 +69,18 @@ class Reservation:
         fkeys = [self._keys[j] for j in self._fresh]
         if self._tier_res is None:
             ok = [False] * len(plan.chosen)
-        elif checksums is not None and hasattr(store._levels[0].tier, "checksums"):
+        elif checksums is not None and hasattr(mover.levels[0].tier, "checksums"):
             ok = self._tier_res.commit([checksums[self._fresh[c]] for c in plan.chosen])
         else:
             ok = self._tier_res.commit()
         raced = self._drop_raced(fkeys, ok)
-        store._unstage(0, fkeys, plan, ok)
+        mover.unstage(0, fkeys, plan, ok)
         if raced:   # held already: stored, not a block the first tier had no room for
             for c in raced:
                 plan.result[plan.chosen[c]] = True
             keep = [c for c in range(len(ok)) if c not in raced]
             plan.chosen, ok = [plan.chosen[c] for c in keep], [ok[c] for c in keep]
-        store._index_put(0, fkeys, self._sizes, plan, ok)
+        mover.index_put(0, fkeys, self._sizes, plan, ok)
         for j, good in zip(self._fresh, plan.result):
             stored[j] = good
         if self._published is not None:
@@ -90,13 +94,13 @@ class Reservation:
         tier's room) keeps the bytes it was saved with. Its just-committed first-tier
         copy is deleted unpublished (``ok`` set False); returns those indices of
         ``plan.chosen``."""
-        store, chosen = self._store, self._plan.chosen
-        index = store._index
+        mover, chosen = self._mover, self._plan.chosen
+        index = mover.index
         with index.lock:
             raced = {c for c, good in enumerate(ok)
                      if good and index.mask(fkeys[chosen[c]]) and not index.holds(fkeys[chosen[c]], 0)}
             if raced:   # never indexed in the first tier, so no reader can hold it
-                store._levels[0].tier.delete([fkeys[chosen[c]] for c in raced])
+                mover.levels[0].tier.delete([fkeys[chosen[c]] for c in raced])
         for c in raced:
             ok[c] = False
         return raced
@@ -109,8 +113,8 @@ class Reservation:
         if self._tier_res is not None:
             self._tier_res.abort()
         fkeys = [self._keys[j] for j in self._fresh]
-        self._store._unstage(0, fkeys, self._plan, [False] * len(self._plan.chosen))
-        self._store._settle(0, self._plan)
+        self._mover.unstage(0, fkeys, self._plan, [False] * len(self._plan.chosen))
+        self._mover.settle(0, self._plan)
 
     def _finish(self) -> None:
         if self._done:
@@ -127,28 +131,28 @@ class Reservation:
         self.abort() if exc_type is not None else self.commit()
 
 
-def reserve(store: "TierMovement", keys: list[BlockKey], sizes: list[int], present: list[bool], evict: bool,
+def reserve(mover: "Mover", keys: list[BlockKey], sizes: list[int], present: list[bool], evict: bool,
             published: Callable[[list[BlockKey]], None] | None = None) -> Reservation:
     """See :meth:`Store.reserve`: room in the first level for the keys not ``present``
     (held already: the facade checked the arguments and touched those); ``published``
     gets the keys a commit stored."""
-    lvl = store._levels[0]
+    lvl = mover.levels[0]
     fresh = [j for j, p in enumerate(present) if not p]
     if not fresh or not hasattr(lvl.tier, "reserve"):
-        return Reservation(store, keys, present, fresh, [], None, None, published)
+        return Reservation(mover, keys, present, fresh, [], None, None, published)
     fkeys, fsizes = [keys[j] for j in fresh], [sizes[j] for j in fresh]
-    plan = store._plan_put(0, fkeys, fsizes, evict=evict)
-    store._evict(0, plan.victims)
+    plan = mover.plan_put(0, fkeys, fsizes, evict=evict)
+    mover.evict(0, plan.victims)
     tier_res = None
     if plan.chosen:
-        tier_res = store._tier_call(lvl, "reserve", [fkeys[c] for c in plan.chosen],
-                                    [fsizes[c] for c in plan.chosen])
+        tier_res = mover.tier_io(lvl, lvl.tier.reserve, [fkeys[c] for c in plan.chosen],
+                                 [fsizes[c] for c in plan.chosen])
         if tier_res is None:
-            store._unstage(0, fkeys, plan, [False] * len(plan.chosen))
+            mover.unstage(0, fkeys, plan, [False] * len(plan.chosen))
             plan.chosen = []
     if not plan.chosen:
-        store._settle(0, plan)   # nothing in flight for a tenant (kvstore.store.tenants)
-    return Reservation(store, keys, present, fresh, fsizes, plan, tier_res, published)
+        mover.settle(0, plan)   # nothing in flight for a tenant (kvstore.store.tenants)
+    return Reservation(mover, keys, present, fresh, fsizes, plan, tier_res, published)
 
 
 __all__ = ["Reservation", "reserve"]

@@ -2,8 +2,11 @@
 ``server.tenants`` (``docs/server.md``, Tenants).
 
 A companion of :class:`kvstore.store.Store` (as ``reservation`` and ``kvstore._prefix`` are): the
-server attaches one with :meth:`Store.set_tenants`; a Store without one (every embedded
-Store) runs none of this. Not thread-safe: every method runs under the Store's lock.
+server attaches one with :meth:`Store.set_tenants` (it is held by the Store's
+:class:`kvstore.store.mover.Mover`, which calls it); a Store without one (every embedded
+Store) runs none of this. Not thread-safe: every method runs with the caller holding the
+index's lock (``Index.lock``); :meth:`TenantLedger.plan` calls the mover's
+lock-held methods (``evictable``, ``take_victim``).
 
 Ownership is read off the key. The server maps each tenant's keys into the tenant's own
 space, whose digests begin with the tenant's :data:`TAG_BYTES`-byte tag
@@ -32,7 +35,7 @@ from typing import TYPE_CHECKING, Any, Mapping, Sequence
 from kvstore.keys import BlockKey
 
 if TYPE_CHECKING:
-    from kvstore.store.mover import TierMovement
+    from kvstore.store.mover import Mover
 
 TAG_BYTES = 8   # a tenant's keys all begin with its tag (see kvstore.net.server._tenants)
 WALK_STEPS = 1024   # keys one quota eviction walk may pull from a level's policy
@@ -96,7 +99,7 @@ class TenantLedger:
 
     # -- admission under quota ---------------------------------------------------------------
 
-    def plan(self, store: "TierMovement", i: int, keys: Sequence[BlockKey], sizes: Sequence[int], chosen: list[int],
+    def plan(self, mover: "Mover", i: int, keys: Sequence[BlockKey], sizes: Sequence[int], chosen: list[int],
              protect: set[bytes | None] | None, evict: bool,
              victims: list[tuple[BlockKey, int]]) -> tuple[list[int], dict[BlockKey, tuple[str, int]]]:
         """The blocks ``chosen`` (indices into ``keys``) for level ``i`` that fit their
@@ -116,7 +119,7 @@ class TenantLedger:
             incoming = sum(sizes[j] for j in idx)
             # nothing of its own indexed here: nothing to evict, no walk (the batch is refused)
             if evict and self._used[name][i] > 0 and self._over(name, i, incoming) > 0:
-                self._evict_own(store, i, name, incoming, protect, victims)
+                self._evict_own(mover, i, name, incoming, protect, victims)
             over = self._over(name, i, incoming)
             while over > 0 and idx:   # the tail of the batch goes: its prefix stays useful
                 j = idx.pop()
@@ -137,24 +140,24 @@ class TenantLedger:
     def _over(self, name: str, i: int, incoming: int) -> int:
         return self._used[name][i] + self._pending[name][i] + incoming - self._quota[name][i]
 
-    def _evict_own(self, store: "TierMovement", i: int, name: str, incoming: int, protect: set[bytes | None] | None,
+    def _evict_own(self, mover: "Mover", i: int, name: str, incoming: int, protect: set[bytes | None] | None,
                    victims: list[tuple[BlockKey, int]]) -> None:
         """Take ``name``'s own blocks out of level ``i`` in its policy's order until its
         bytes there plus ``incoming`` fit its quota, none is left to take, or
         :data:`WALK_STEPS` keys were looked at (counted in ``walk_capped``)."""
-        now = store._clock()
+        now = mover.clock()
         owner, taken = self.owner, len(victims)
-        for step, key in enumerate(store._levels[i].policy.victims()):
+        for step, key in enumerate(mover.levels[i].policy.victims()):
             if step >= WALK_STEPS:
                 self._walk_capped[name][i] += 1
                 break
-            if owner(key) != name or not store._evictable(key, now, protect):
+            if owner(key) != name or not mover.evictable(key, now, protect):
                 continue
-            store._take_victim(i, key, victims)
+            mover.take_victim(i, key, victims)
             if self._over(name, i, incoming) <= 0 or self._used[name][i] <= 0:
-                break   # stop at the victim that makes room (see Store._choose_victims)
-        if store._events is not None and len(victims) > taken:
-            store._events.removed(i, [key for key, _ in victims[taken:]])
+                break   # stop at the victim that makes room (see Mover._choose_victims)
+        if mover.events is not None and len(victims) > taken:
+            mover.events.removed(i, [key for key, _ in victims[taken:]])
 
     # -- stats -----------------------------------------------------------------------------
 

@@ -1,0 +1,266 @@
+"""The Store's data path: what a save, a load, a prefetch, a write-through and a flush do
+once the facade has checked their arguments (:class:`DataPath`).
+
+Same key, same content: a key cached in any tier is only touched, never rewritten, so a
+save can never change what a later load returns. Loads fail closed: a block counts as
+loaded only where its tier verified the bytes in the caller's buffer.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from kvstore.block import checksum
+from kvstore.buffers import host_view, nbytes_of
+from kvstore.keys import BlockKey
+from kvstore.policies.placement import Placement, WriteMode
+from kvstore.store.hints import StoreHints
+from kvstore.store.index import Index
+from kvstore.store.mover import Level, Mover
+from kvstore.store.recovery import Discovery
+
+log = logging.getLogger("kvstore.store")
+
+
+class DataPath:
+    """Saves, loads and copies between tiers for one Store, over its ``index``, ``levels``
+    (fastest first), ``mover`` (admission, eviction, writes into a level), ``hints``,
+    ``placement`` (write mode, promote-on-hit, selective threshold), ``discovery`` (blocks
+    in shared tiers) and ``ops`` (the Store's op counters, ``stats()``'s top level).
+
+    Thread-safety: every public method may run on any thread (the Store runs them on its
+    worker pool). Lock rule: the index's lock (``Index.lock``, ``lock`` here) guards the
+    index, ``ops``, the levels' policies and counters and the hint table; each method
+    takes it itself, briefly and never across tier I/O, so call them without it
+    (``_selective_candidates`` alone runs with the caller holding it).
+    """
+
+    def __init__(self, index: Index, levels: list[Level], mover: Mover, hints: StoreHints,
+                 placement: Placement, discovery: Discovery, ops: dict[str, int]) -> None:
+        self.index = index
+        self.lock = index.lock
+        self.levels = levels
+        self.mover = mover
+        self.hints = hints
+        self.placement = placement
+        self.discovery = discovery
+        self.ops = ops
+
+    # -- saves ----------------------------------------------------------------------------
+
+    def held(self, keys: list[BlockKey]) -> list[bool]:
+        """Count a save of ``keys`` and, per key, whether any level holds it already.
+        Same key, same content: a held key is not written again, only touched in every
+        level that holds it. Every save path (``save``, a reservation) starts here."""
+        with self.lock:
+            self.ops["saves"] += len(keys)
+            return self.index.touch_held(keys, [lvl.policy for lvl in self.levels])
+
+    def save(self, keys: list[BlockKey], srcs: list[Any], sums: list[int] | None = None) -> list[bool]:
+        """Store what no level holds yet (see :meth:`held`); per key, whether it is stored."""
+        held = self.held(keys)
+        fresh = [j for j, h in enumerate(held) if not h]
+        if len(fresh) < len(keys):
+            stored = [True] * len(keys)
+            if fresh:
+                for j, ok in zip(fresh, self._save_new([keys[j] for j in fresh], [srcs[j] for j in fresh],
+                                                       None if sums is None else [sums[j] for j in fresh])):
+                    stored[j] = ok
+            return stored
+        return self._save_new(keys, srcs, sums)
+
+    def save_checked(self, keys: list[BlockKey], srcs: list[Any], sums: list[int]) -> list[bool]:
+        """:meth:`save` of the sources that match their writer's checksum (``sums``);
+        the others are not stored (``False``, counted in ``refused_checksum``)."""
+        # Checked here, and handed down: a tier that takes checksums (DRAM) checks the
+        # bytes again as they landed in it, so a source changed by another writer (a
+        # shared staging region) between this check and the tier's copy is refused.
+        good = [j for j, (src, csum) in enumerate(zip(srcs, sums)) if checksum(host_view(src)) == csum]
+        if len(good) == len(keys):
+            return self.save(keys, srcs, sums)
+        with self.lock:
+            self.ops["refused_checksum"] += len(keys) - len(good)
+        log.warning("save: %d of %d blocks did not match their writer's checksum; not stored",
+                    len(keys) - len(good), len(keys))
+        out = [False] * len(keys)
+        for j, ok in zip(good, self.save([keys[j] for j in good], [srcs[j] for j in good],
+                                         [sums[j] for j in good]) if good else []):
+            out[j] = ok
+        return out
+
+    def _save_new(self, keys: list[BlockKey], srcs: list[Any], sums: list[int] | None = None) -> list[bool]:
+        put = self.mover.put
+        stored = put(0, keys, srcs, sums)
+        if self.placement.write is WriteMode.THROUGH:
+            # a discard block is not kept past the tier that took it
+            through = [j for j, k in enumerate(keys) if not (stored[j] and self.hints.is_discard(k))]
+            for i in range(1, len(self.levels)):
+                below = put(i, [keys[j] for j in through], [srcs[j] for j in through],
+                            None if sums is None else [sums[j] for j in through])
+                for j, ok in zip(through, below):
+                    stored[j] = stored[j] or ok
+        elif len(self.levels) > 1:
+            # A block the first tier refused still goes to the next one that admits it.
+            missed = [j for j, ok in enumerate(stored) if not ok]
+            for i in range(1, len(self.levels)):
+                if not missed:
+                    break
+                got = put(i, [keys[j] for j in missed], [srcs[j] for j in missed],
+                          None if sums is None else [sums[j] for j in missed])
+                for j, ok in zip(missed, got):
+                    stored[j] = ok
+                missed = [j for j, ok in zip(missed, got) if not ok]
+        if self.hints.records and not all(stored):
+            with self.lock:    # hints of blocks no tier took go with them
+                where = self.index.where
+                for key, ok in zip(keys, stored):
+                    if not ok and not where.get(key):
+                        self.hints.forget(key)
+        return stored
+
+    def write_below(self, keys: list[BlockKey]) -> None:
+        """Write-through for blocks committed into the first tier by a reservation: one
+        batch per lower tier, straight from the first tier's slots (held meanwhile,
+        verified: a corrupt one is dropped, never written down), each with the checksum
+        it was stored with."""
+        first = self.levels[0].tier
+        with first.views(keys) as views:
+            held = [(k, v) for k, v in zip(keys, views) if v is not None]
+            sums = first.checksums([k for k, _ in held])
+            for i in range(1, len(self.levels)):
+                self.mover.put(i, [k for k, _ in held], [v for _, v in held], sums)
+
+    # -- loads ----------------------------------------------------------------------------
+
+    def load(self, keys: list[BlockKey], dsts: list[Any]) -> list[bool]:
+        """Copy blocks into the caller's ``dsts``, fastest level first; per key, whether
+        its verified bytes are there. Hits drop a lease and may be promoted (or written
+        through, selective mode); an indexed block its tier cannot read is dropped there
+        and tried in the levels that hold it now."""
+        index, lock, levels, mover = self.index, self.lock, self.levels, self.mover
+        where, sizes, hints = index.where, index.sizes, self.hints
+        n = len(keys)
+        done = [False] * n
+        source = [-1] * n
+        with lock:
+            self.ops["loads"] += n
+            masks = [where.get(k, 0) for k in keys]
+        unknown = [j for j in range(n) if not masks[j]] if self.discovery.shared else []
+        if unknown:
+            self.discovery.find([keys[j] for j in unknown])
+            with lock:
+                for j in unknown:
+                    # a block found with another size than the caller's buffer is a miss
+                    if sizes.get(keys[j]) == nbytes_of(dsts[j]):
+                        masks[j] = where.get(keys[j], 0)
+        for i, lvl in enumerate(levels):
+            todo = [j for j in range(n) if not done[j] and masks[j] >> i & 1]
+            if not todo:
+                continue
+            ok = mover.tier_io(lvl, lvl.tier.read_into, [keys[j] for j in todo], [dsts[j] for j in todo])
+            if ok is None:
+                # The tier failed (endpoint down, I/O error): misses now, but its blocks
+                # stay indexed so they load again once the tier is back.
+                continue
+            with lock:
+                for j, hit in zip(todo, ok):
+                    key = keys[j]
+                    if hit:
+                        done[j], source[j] = True, i
+                        if hints.records:
+                            hints.hits((key,))
+                        lvl.counters["hits"] += 1
+                        lvl.counters["bytes_read"] += sizes.get(key, 0)
+                        if where.get(key, 0) >> i & 1:
+                            lvl.policy.on_access(key)
+                    else:
+                        if where.get(key, 0) >> i & 1:
+                            # Indexed but unreadable (corrupt, lost): drop it here.
+                            mover.drop(key, i)
+                        # Try the tiers that hold it now: a block evicted from this tier
+                        # while we read it has been spilled into the next one.
+                        masks[j] = where.get(key, 0)
+        with lock:
+            for j, key in enumerate(keys):
+                if done[j]:
+                    index.drop_lease(key)
+                else:
+                    levels[0].counters["misses"] += 1
+            promote = [j for j in range(n) if source[j] > 0] if self.placement.promote_on_hit else []
+            selective = self._selective_candidates(keys, done, source)
+        if promote:
+            got = mover.put(0, [keys[j] for j in promote], [dsts[j] for j in promote])
+            with lock:
+                levels[0].counters["promotions"] += sum(got)
+        for i, idx in selective:
+            mover.put(i, [keys[j] for j in idx], [dsts[j] for j in idx])
+        return done
+
+    def _selective_candidates(self, keys: list[BlockKey], done: list[bool],
+                              source: list[int]) -> list[tuple[int, list[int]]]:
+        """Selective write-through: a block hit ``selective_threshold`` times in the first
+        tier is written through to the tiers below (runs with the caller holding the lock)."""
+        if self.placement.write is not WriteMode.SELECTIVE or len(self.levels) < 2:
+            return []
+        hot = []
+        hit_counts = self.index.hit_counts
+        for j, key in enumerate(keys):
+            if done[j] and source[j] == 0 and not self.hints.is_discard(key):
+                count = hit_counts.get(key, 0) + 1
+                hit_counts[key] = count
+                if count == self.placement.selective_threshold:
+                    hot.append(j)
+        return [(i, hot) for i in range(1, len(self.levels))] if hot else []
+
+    # -- copies between levels ------------------------------------------------------------
+
+    def prefetch(self, keys: list[BlockKey], target: int) -> int:
+        """Copy blocks held only in slower levels up into level ``target``; returns how
+        many are there now."""
+        with self.lock:
+            self.ops["prefetches"] += len(keys)
+            where = self.index.where
+            plan = [(k, where.get(k, 0)) for k in keys]
+        count = 0
+        for key, mask in plan:
+            if mask >> target & 1:
+                count += 1
+                continue
+            src = next((i for i in range(target + 1, len(self.levels)) if mask >> i & 1), None)
+            if src is not None and self.mover.copy_between(key, src, target):
+                count += 1
+        return count
+
+    def flush(self) -> int:
+        """Write blocks held only in volatile levels down into the first persistent one;
+        returns how many were written (see :meth:`kvstore.store.Store.flush`)."""
+        levels, mover = self.levels, self.mover
+        target = next((i for i, lvl in enumerate(levels) if lvl.tier.capabilities.persistent), None)
+        if target is None:
+            return 0
+        volatile = 0
+        for i, lvl in enumerate(levels):
+            if not lvl.tier.capabilities.persistent:
+                volatile |= 1 << i
+        with self.lock:
+            todo = [(k, m) for k, m in self.index.where.items() if not m & ~volatile]
+        written = 0
+        for key, mask in todo:
+            src = next(i for i in range(len(levels)) if mask >> i & 1)
+            tier = levels[src].tier
+            with tier.view(key) as view:
+                if view is not None:
+                    written += bool(mover.put(target, [key], [view], tier.checksums([key]))[0])
+                    continue
+            size = self.index.sizes.get(key)
+            if size is None:
+                continue
+            with mover.scratch(size) as buf:
+                ok = mover.tier_io(levels[src], tier.read_into, [key], [buf])
+                if ok and ok[0]:
+                    written += bool(mover.put(target, [key], [buf])[0])
+        return written
+
+
+__all__ = ["DataPath"]
