@@ -9,7 +9,7 @@ loaded only where its tier verified the bytes in the caller's buffer.
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, Sequence
 
 from kvstore.block import checksum
 from kvstore.buffers import host_view, nbytes_of
@@ -212,6 +212,35 @@ class DataPath:
                 if count == self.placement.selective_threshold:
                     hot.append(j)
         return [(i, hot) for i in range(1, len(self.levels))] if hot else []
+
+    def delete(self, keys: Sequence[BlockKey], *, cleared: bool = False) -> int:
+        """Remove ``keys`` from the index and every level; returns how many were held.
+        KV events: one ``cleared`` (``cleared``: the Store empties) or the removals."""
+        mover, levels = self.mover, self.levels
+        where, sizes = self.index.where, self.index.sizes
+        events = mover.events
+        with self.lock:
+            tenants = mover.tenants
+            plan = []
+            for key in keys:
+                mask = where.pop(key, 0)
+                if mask:
+                    plan.append((key, mask))
+                    for i, lvl in enumerate(levels):
+                        if mask >> i & 1:
+                            lvl.policy.on_remove(key)
+                            if tenants is not None:
+                                tenants.remove(key, i, sizes.get(key, 0))
+                mover.forget(key)
+            if events is not None and cleared:
+                events.cleared()
+            elif events is not None:
+                events.removed_masks(plan)
+        for i, lvl in enumerate(levels):
+            doomed = [k for k, m in plan if m >> i & 1]
+            if doomed:
+                mover.tier_io(lvl, lvl.tier.delete, doomed)
+        return len(plan)
 
     # -- copies between levels ------------------------------------------------------------
 

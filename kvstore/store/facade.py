@@ -53,12 +53,13 @@ class Store:
     ``clock`` (seconds, monotonic) times lease and retention-hint expiry; tests inject
     their own.
 
-    Composed of (built here, in this order): ``_index`` (and ``_lock``, its lock, which
-    guards ``_ops`` too), ``_hints`` (the hint table's records, as
-    ``_store_hints.records``), ``_levels``, ``_events``, ``_mover``, ``_discovery`` and
-    ``_data``; ``_where`` is the index's dict, not a copy. Lock rule: the facade takes
-    ``_lock`` only around index reads and counter updates, and never holds it while
-    calling the mover or the data path (they take it themselves)."""
+    Composed of (built here, in this order): ``_levels``, ``_index`` (``_where`` and
+    ``_lock`` are its dict and lock, not copies), ``_store_hints`` (``_hints``: its
+    records), ``_events``, ``_mover``, ``_discovery`` and ``_data``. Lock rule: the
+    index's lock guards the index, ``_ops`` and every level's policies and counters; the
+    facade holds it only around index reads, counter updates and the mover's lock-held
+    methods (see :class:`kvstore.store.mover.Mover`), never while calling the data path
+    or a method that takes it itself."""
 
     lends_memory = True    # StoreAPI: borrow/reserve hand out views of the first tier's memory
 
@@ -334,28 +335,7 @@ class Store:
 
     def _delete(self, keys: Sequence[BlockKey], *, cleared: bool) -> int:
         self._check_open()
-        tenants = self._mover.tenants
-        with self._lock:
-            plan = []
-            for key in keys:
-                mask = self._where.pop(key, 0)
-                if mask:
-                    plan.append((key, mask))
-                    for i, lvl in enumerate(self._levels):
-                        if mask >> i & 1:
-                            lvl.policy.on_remove(key)
-                            if tenants is not None:
-                                tenants.remove(key, i, self._index.sizes.get(key, 0))
-                self._mover.forget(key)
-            if self._events is not None and cleared:
-                self._events.cleared()
-            elif self._events is not None:
-                self._events.removed_masks(plan)
-        for i, lvl in enumerate(self._levels):
-            doomed = [k for k, m in plan if m >> i & 1]
-            if doomed:
-                self._mover.tier_io(lvl, lvl.tier.delete, doomed)
-        return len(plan)
+        return self._data.delete(keys, cleared=cleared)
 
     def clear(self) -> int:
         """Remove every block from every tier (one ``AllBlocksCleared`` KV event)."""
