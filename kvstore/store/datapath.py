@@ -163,30 +163,34 @@ class DataPath:
                 # The tier failed (endpoint down, I/O error): misses now, but its blocks
                 # stay indexed so they load again once the tier is back.
                 continue
+            bit, policy = 1 << i, lvl.policy
+            hits = nbytes = 0
             with lock:
                 for j, hit in zip(todo, ok):
                     key = keys[j]
                     if hit:
                         done[j], source[j] = True, i
-                        if hints.records:
-                            hints.hits((key,))
-                        lvl.counters["hits"] += 1
-                        lvl.counters["bytes_read"] += sizes.get(key, 0)
-                        if where.get(key, 0) >> i & 1:
-                            lvl.policy.on_access(key)
+                        hits += 1
+                        nbytes += sizes.get(key, 0)
+                        if where.get(key, 0) & bit:
+                            policy.on_access(key)
                     else:
-                        if where.get(key, 0) >> i & 1:
+                        if where.get(key, 0) & bit:
                             # Indexed but unreadable (corrupt, lost): drop it here.
                             mover.drop(key, i)
                         # Try the tiers that hold it now: a block evicted from this tier
                         # while we read it has been spilled into the next one.
                         masks[j] = where.get(key, 0)
+                lvl.counters["hits"] += hits
+                lvl.counters["bytes_read"] += nbytes
+                if hints.records:
+                    hints.hits([keys[j] for j, hit in zip(todo, ok) if hit])
         with lock:
-            for j, key in enumerate(keys):
-                if done[j]:
-                    index.drop_lease(key)
-                else:
-                    levels[0].counters["misses"] += 1
+            if index.leases:
+                for j, key in enumerate(keys):
+                    if done[j]:
+                        index.drop_lease(key)
+            levels[0].counters["misses"] += n - sum(done)
             promote = [j for j in range(n) if source[j] > 0] if self.placement.promote_on_hit else []
             selective = self._selective_candidates(keys, done, source)
         if promote:

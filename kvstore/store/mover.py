@@ -95,8 +95,8 @@ class Mover:
     Lock rule: ``Index.lock`` (``lock`` here; not reentrant) guards the index, each
     level's policies, counters and ``pending_free``, the hint table and the tenant
     ledger. :meth:`evictable`, :meth:`take_victim`, :meth:`drop`, :meth:`forget` and
-    ``_choose_victims`` run with the caller holding it; every other method takes it itself, briefly, never
-    across tier I/O, so the caller must not hold it.
+    ``_choose_victims`` run with the caller holding it; every other method takes it
+    itself, briefly, never across tier I/O, so the caller must not hold it.
     """
 
     def __init__(self, index: Index, levels: list[Level], hints: "StoreHints", events: Any,
@@ -235,32 +235,41 @@ class Mover:
         ok = ok or [False] * len(plan.chosen)
         fresh: list[BlockKey] = []   # newly indexed here: KV events
         persist: dict[int, dict[BlockKey, bytes]] = {}
+        where, index_sizes, policy, result = self.index.where, self.index.sizes, lvl.policy, plan.result
+        inserted, bit, uses_parent = plan.inserted, 1 << i, policy.uses_parent
+        full = written = 0
         with self.lock:
+            tenants = self.tenants
             for j, good in zip(plan.chosen, ok):
                 key = keys[j]
                 if not good:
-                    lvl.counters["full"] += 1
+                    full += 1
                     continue
-                plan.result[j] = True
-                mask = self.index.where.get(key, 0)
-                if not mask >> i & 1:
-                    self.index.where[key] = mask | 1 << i
-                    self.index.sizes[key] = sizes[j]
-                    if self.tenants is not None:
-                        self.tenants.add(key, i, sizes[j])
+                result[j] = True
+                mask = where.get(key, 0)
+                if not mask & bit:
+                    nbytes = sizes[j]
+                    where[key] = mask | bit
+                    index_sizes[key] = nbytes
+                    if tenants is not None:
+                        tenants.add(key, i, nbytes)
                     # a staged key another put chose as a victim meanwhile (it freed
                     # nothing: never written) is no longer in the policy: insert it again
-                    if key not in plan.inserted or key not in lvl.policy:
-                        lvl.policy.on_insert(key, sizes[j], parent_of(key) if lvl.policy.uses_parent else None)
-                    lvl.counters["writes"] += 1
-                    lvl.counters["bytes_written"] += sizes[j]
+                    if key not in inserted or key not in policy:
+                        policy.on_insert(key, nbytes, parent_of(key) if uses_parent else None)
+                    written += nbytes
                     fresh.append(key)
                 # else a concurrent writer indexed it first; staged keys are in the policy once.
+            counters = lvl.counters
+            counters["full"] += full
+            counters["writes"] += len(fresh)
+            counters["bytes_written"] += written
             if self.events is not None and fresh:
                 self.events.stored(i, fresh)
-            self.hints.entering(i, [keys[j] for j, good in zip(plan.chosen, ok) if good], persist)
+            if self.hints.records:
+                self.hints.entering(i, [keys[j] for j, good in zip(plan.chosen, ok) if good], persist)
             if plan.charged:
-                self.tenants.settle(i, plan.charged)
+                tenants.settle(i, plan.charged)
                 plan.charged = {}
         if persist:
             self.hints.persist(persist)
