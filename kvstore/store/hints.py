@@ -52,7 +52,8 @@ class HintRecord:
 
 
 class HintIndex:
-    """Hints per key (``records``, what the eviction layer reads) and their counters."""
+    """Hints per key (``records``, what the eviction layer reads) and their counters.
+    Not thread-safe: every method runs with the caller holding the index's lock."""
 
     def __init__(self, clock: Callable[[], float]) -> None:
         self.clock = clock

@@ -36,17 +36,17 @@ class Index:
         self.hit_counts: dict[BlockKey, int] = {}
 
     def mask(self, key: BlockKey) -> int:
-        """The levels holding ``key`` (0: none). Caller holds the lock."""
+        """The levels holding ``key`` (0: none)."""
         return self.where.get(key, 0)
 
     def holds(self, key: BlockKey, i: int) -> bool:
-        """Whether level ``i`` holds ``key``. Caller holds the lock."""
+        """Whether level ``i`` holds ``key``."""
         return bool(self.where.get(key, 0) >> i & 1)
 
     def touch_held(self, keys: Iterable[BlockKey], policies: Sequence) -> list[bool]:
         """Same key, same content: per key, whether any level holds it already; each
         held key is touched (``on_access``) in the eviction policy of every level that
-        holds it (``policies[i]``: level ``i``'s). Caller holds the lock."""
+        holds it (``policies[i]``: level ``i``'s)."""
         held = []
         for key in keys:
             mask = self.where.get(key, 0)
@@ -58,7 +58,7 @@ class Index:
         return held
 
     def held_prefix(self, keys: Sequence[BlockKey]) -> int:
-        """Length of the prefix of ``keys`` that some level holds. Caller holds the lock."""
+        """Length of the prefix of ``keys`` that some level holds."""
         where, n = self.where, 0
         for key in keys:
             if not where.get(key):
@@ -68,7 +68,7 @@ class Index:
 
     def lease(self, keys: Iterable[BlockKey], expiry: float) -> None:
         """One more holder of a lease on each key until ``expiry`` (another holder's
-        lease is counted, the later expiry kept). Caller holds the lock."""
+        lease is counted, the later expiry kept)."""
         leases = self.leases
         for key in keys:
             entry = leases.get(key)
@@ -80,7 +80,7 @@ class Index:
                     entry[1] = expiry
 
     def drop_lease(self, key: BlockKey) -> None:
-        """One holder of ``key``'s lease is done with it. Caller holds the lock."""
+        """One holder of ``key``'s lease is done with it."""
         entry = self.leases.get(key)
         if entry is not None:
             entry[0] -= 1
@@ -88,13 +88,13 @@ class Index:
                 del self.leases[key]
 
     def pin(self, keys: Iterable[BlockKey]) -> None:
-        """One more pin on each key (counted). Caller holds the lock."""
+        """One more pin on each key (counted)."""
         pins = self.pins
         for key in keys:
             pins[key] = pins.get(key, 0) + 1
 
     def unpin(self, keys: Iterable[BlockKey]) -> None:
-        """One pin less on each key. Caller holds the lock."""
+        """One pin less on each key."""
         pins = self.pins
         for key in keys:
             count = pins.get(key, 0) - 1
@@ -105,7 +105,7 @@ class Index:
 
     def evictable(self, key: BlockKey, now: float, protect: set[bytes | None] | None) -> bool:
         """Not leased (unexpired at ``now``), not pinned, not a protected parent (its
-        digest in ``protect``). Caller holds the lock."""
+        digest in ``protect``)."""
         lease = self.leases.get(key)
         if self.pins.get(key) or (lease is not None and lease[1] > now):
             return False
@@ -114,7 +114,7 @@ class Index:
     def remove_level(self, key: BlockKey, i: int) -> int:
         """Level ``i`` no longer holds ``key``; returns the levels that still do (the
         key leaves ``where`` when none does; its other state stays: see
-        :meth:`forget`). Caller holds the lock."""
+        :meth:`forget`)."""
         mask = self.where.get(key, 0) & ~(1 << i)
         if mask:
             self.where[key] = mask
@@ -123,8 +123,7 @@ class Index:
         return mask
 
     def forget(self, key: BlockKey) -> None:
-        """Drop ``key``'s size, lease and hit count (once no level holds it). Caller
-        holds the lock."""
+        """Drop ``key``'s size, lease and hit count (once no level holds it)."""
         self.sizes.pop(key, None)
         self.leases.pop(key, None)
         self.hit_counts.pop(key, None)

@@ -43,7 +43,8 @@ WALK_STEPS = 1024   # keys one quota eviction walk may pull from a level's polic
 
 class TenantLedger:
     """``tags``: tag -> tenant name; ``quotas``: tenant name -> {level index: bytes};
-    ``levels``: the Store's tier names, fastest first."""
+    ``levels``: the Store's tier names, fastest first. Not thread-safe: every method runs
+    with the caller holding the index's lock (``Index.lock``; see the module docstring)."""
 
     def __init__(self, tags: Mapping[bytes, str], quotas: Mapping[str, Mapping[int, int]],
                  levels: Sequence[str]) -> None:
