@@ -38,7 +38,7 @@ def _lint_imports(config: Path, layout: Path) -> subprocess.CompletedProcess:
     cmd = str(exe) if exe.exists() else shutil.which("lint-imports")
     assert cmd, "lint-imports not found: install the test extra (pip install -e '.[test]')"
     env = dict(os.environ, PYTHONPATH=str(layout))
-    return subprocess.run([cmd, "--no-cache", "--config", str(config)], cwd=layout, env=env,
+    return subprocess.run([cmd, "--no-cache", str(config)], cwd=layout, env=env,
                           capture_output=True, text=True, timeout=300)
 
 
