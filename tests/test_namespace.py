@@ -4,6 +4,7 @@ imports a top-level ``tiers``, ``policies`` or ``connectors`` package."""
 
 from __future__ import annotations
 
+import os
 import re
 import site
 import subprocess
@@ -49,7 +50,9 @@ def test_outside_the_checkout_only_the_kvstore_names_import(tmp_path):
             "assert kvstore.tiers.dram.DramTier\n"
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('tiers', 'policies', 'connectors')))\n"
             "print([importlib.util.find_spec(m) is None for m in ('tiers', 'policies', 'connectors')])\n")
-    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}   # as installed, not a checkout on the path
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
+                         timeout=300)
     assert out.returncode == 0, out.stderr
     assert out.stdout.splitlines() == ["[]", "[True, True, True]"]
 
