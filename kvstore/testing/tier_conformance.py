@@ -11,6 +11,7 @@ really does, and what it does not declare raises
 from __future__ import annotations
 
 import os
+import re
 import threading
 
 import numpy as np
@@ -18,7 +19,7 @@ import pytest
 
 from kvstore.block import checksum
 from kvstore.buffers import copy_bytes, host_view
-from kvstore.errors import BufferSizeError, NotSupportedError
+from kvstore.errors import BufferSizeError, InvalidArgumentError, NotSupportedError
 from kvstore.keys import BlockKey, Namespace
 from kvstore.tiers.base import HostArena
 
@@ -85,6 +86,19 @@ class TierConformance:
             tier.read_into(key, [np.zeros(self.BLOCK - 1, np.uint8)])
         dst = np.zeros(self.BLOCK, np.uint8)
         assert tier.read_into(key, [dst]) == [True] and np.array_equal(dst, src)
+
+    def test_bad_batches_fail_the_same_way_on_every_tier(self, tier):
+        keys = make_keys(2, salt="bad-batch")
+        one = [payload(0, self.BLOCK)]
+        with pytest.raises(InvalidArgumentError, match="^2 keys but 1 buffers$"):
+            tier.write(keys, one)
+        with pytest.raises(InvalidArgumentError, match="^2 keys but 1 buffers$"):
+            tier.read_into(keys, [np.zeros(self.BLOCK, np.uint8)])
+        assert tier.contains(keys) == [False, False] and tier.used_bytes == 0
+        assert tier.write(keys[:1], one) == [True]
+        with pytest.raises(BufferSizeError, match=rf"^\[{re.escape(tier.name)}\] buffer has {self.BLOCK - 1} bytes, "
+                                                  rf"block has {self.BLOCK}$"):
+            tier.read_into(keys[:1], [np.zeros(self.BLOCK - 1, np.uint8)])
 
     def test_capacity_never_exceeded(self, tier):
         keys = make_keys(self.CAPACITY // self.BLOCK + 4)
