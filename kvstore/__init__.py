@@ -1,16 +1,19 @@
 """kvstore: a content-addressed, tiered store for LLM KV-cache blocks."""
 
+from pathlib import Path as _Path
+
+from kvstore import _checkout
 from kvstore.errors import KVStoreError
 from kvstore.hint import Hint
 from kvstore.keys import BlockKey, Namespace
 
 __version__ = "0.1.0"
+_checkout.install(_Path(__file__).resolve().parent)   # kvstore.tiers & co. from a bare checkout
 
 
 def __getattr__(name: str):
-    # Store and Client import tiers lazily: tiers import kvstore's leaf modules, so an
-    # eager import here would be circular (import tiers.base -> kvstore.errors runs this
-    # file -> kvstore.store -> from tiers.base import Tier, still half-initialized).
+    # Store and Client are imported on first use: they pull in torch and numpy (about
+    # 0.4 s), which users of the leaf names (Namespace, BlockKey, Hint) do not need.
     if name == "Store":
         from kvstore.store import Store
 

@@ -9,7 +9,7 @@ do not know kvstore::
     ├── InvalidArgumentError (ValueError)   bad call: mismatched lists, bad key
     │   └── BufferSizeError                 a buffer's size differs from the block's
     ├── StoreClosedError (RuntimeError)     call on a closed Store / Client
-    ├── NotSupportedError (NotImplementedError)  a StoreAPI method this store cannot offer
+    ├── NotSupportedError (NotImplementedError)  a StoreAPI or tier method this one cannot offer
     ├── TierError                           raised at a tier boundary
     │   ├── TierIOError (OSError)           the medium failed (EIO, ENOSPC, HTTP 5xx)
     │   ├── TierFullError                   no room, even after eviction
@@ -50,7 +50,8 @@ class StoreClosedError(KVStoreError, RuntimeError):
 
 class NotSupportedError(KVStoreError, NotImplementedError):
     """A :class:`kvstore.api.StoreAPI` method this implementation cannot carry out (a
-    Client cannot lend the server's memory); the message names the method and why."""
+    Client cannot lend the server's memory), or an optional tier method a tier does not
+    declare in its ``capabilities``; the message names the method and why."""
 
 
 class TierError(KVStoreError):

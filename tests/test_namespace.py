@@ -4,7 +4,9 @@ imports a top-level ``tiers``, ``policies`` or ``connectors`` package."""
 
 from __future__ import annotations
 
+import os
 import re
+import site
 import subprocess
 import sys
 import tomllib
@@ -48,7 +50,9 @@ def test_outside_the_checkout_only_the_kvstore_names_import(tmp_path):
             "assert kvstore.tiers.dram.DramTier\n"
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('tiers', 'policies', 'connectors')))\n"
             "print([importlib.util.find_spec(m) is None for m in ('tiers', 'policies', 'connectors')])\n")
-    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}   # as installed, not a checkout on the path
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
+                         timeout=300)
     assert out.returncode == 0, out.stderr
     assert out.stdout.splitlines() == ["[]", "[True, True, True]"]
 
@@ -63,3 +67,17 @@ def test_the_wheel_holds_the_folders_inside_kvstore(tmp_path):
                  "kvstore/connectors/vllm.py", "kvstore/store/facade.py"):
         assert must in names, must
     assert not [n for n in names if n.split("/")[0] in MAPPED], "a top-level package would be installed"
+
+
+def test_a_bare_checkout_on_sys_path_imports_the_mapped_names(tmp_path):
+    # no install at all: -S skips site's .pth files (so no editable finder); the checkout and
+    # the dependencies are on PYTHONPATH, as for a peer venv or a benchmark's sys.path.insert
+    code = ("import sys, kvstore.tiers.dram as d, kvstore.policies as p, kvstore.store\n"
+            "print(d.__file__); print(p.__file__)\n"
+            "print(any(type(f).__name__ == '_EditableFinder' for f in sys.meta_path))\n")
+    env = {"PYTHONPATH": f"{ROOT}:{site.getsitepackages()[0]}", "PATH": "/usr/bin:/bin"}
+    out = subprocess.run([sys.executable, "-S", "-c", code], cwd=tmp_path, env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == [str(ROOT / "tiers" / "dram.py"), str(ROOT / "policies" / "__init__.py"),
+                                       "False"]

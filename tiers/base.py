@@ -8,13 +8,16 @@ buffer after a call returns. Every method is thread-safe unless it says otherwis
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from contextlib import ExitStack, contextmanager
+from contextlib import AbstractContextManager, ExitStack, contextmanager
 from dataclasses import dataclass
-from typing import Any, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Iterator, Mapping, Protocol, Sequence, runtime_checkable
 
 from kvstore.buffers import nbytes_of
-from kvstore.errors import BufferSizeError, InvalidArgumentError
+from kvstore.errors import BufferSizeError, InvalidArgumentError, NotSupportedError
 from kvstore.keys import BlockKey
+
+if TYPE_CHECKING:
+    import numpy as np
 
 
 # -- argument checks shared by every tier ---------------------------------------------------
@@ -63,6 +66,27 @@ class TierCapabilities:
     # Mooncake pool, a bucket): the Store asks :meth:`Tier.find` about keys its index
     # does not hold before it reports them missing
     shared: bool = False
+    # The optional methods below are declared here, never probed for with hasattr; the
+    # base class's versions raise :class:`~kvstore.errors.NotSupportedError`.
+    # ``reserve(keys, sizes)`` takes room that the caller fills in place, then commits
+    # (a zero-copy save: a network transfer writing straight into the tier's memory)
+    reserve: bool = False
+    # ``slots(keys)`` lends each block's ``(offset, nbytes)`` inside the tier's host arena
+    # (a process that maps the arena reads it without a view built per block)
+    slots: bool = False
+    # the blocks live in one host array that another process can map or a NIC register:
+    # the tier is a :class:`HostArena` (``arena``, ``shm_path``)
+    host_arena: bool = False
+
+
+@runtime_checkable
+class HostArena(Protocol):
+    """What a tier declaring ``capabilities.host_arena`` also offers: the cache server
+    maps it for same-host clients (:mod:`kvstore.net.server._shm`) and registers it with
+    NIXL. Owned by the tier: valid until it closes (then empty)."""
+
+    arena: np.ndarray         # the whole arena, flat ``uint8``; ``slots`` offsets index it
+    shm_path: str | None      # the shared-memory file backing it, ``None`` for anonymous memory
 
 
 @dataclass(frozen=True)
@@ -155,6 +179,28 @@ class Tier(ABC):
         answer ``None`` for the rest. Raises as :meth:`read_into` does when the medium
         does not answer. The default answers from :meth:`nbytes`."""
         return [self.nbytes(k) for k in keys]
+
+    def reserve(self, keys: Sequence[BlockKey], sizes: Sequence[int]) -> Any:
+        """Take room for blocks the caller fills in place (only where
+        ``capabilities.reserve``). Returns a reservation: ``views[i]`` a writable buffer of
+        ``sizes[i]`` bytes for ``keys[i]`` (``None``: stored already, or no room), ended
+        once by ``commit(checksums=None) -> list[bool]`` (``checksums``: the writer's, one
+        per key; a block whose bytes differ is not stored), ``abort()`` or ``abandon()``
+        (keep the room for good: a transfer that could not be cancelled may still write
+        it). Raises :class:`~kvstore.errors.NotSupportedError` otherwise (the default)."""
+        raise self._unsupported("reserve")
+
+    def slots(self, keys: Sequence[BlockKey], *, verify: bool = True
+              ) -> AbstractContextManager[list[tuple[int, int] | None]]:
+        """Each block's ``(offset, nbytes)`` in the tier's :class:`HostArena` (``None``
+        where absent), held and verified as :meth:`views` are until the ``with`` exits
+        (only where ``capabilities.slots``). Raises
+        :class:`~kvstore.errors.NotSupportedError` otherwise (the default)."""
+        raise self._unsupported("slots")
+
+    def _unsupported(self, method: str) -> NotSupportedError:
+        return NotSupportedError(f"{type(self).__name__}.{method} is not supported: tier {self.name!r} does not "
+                                 f"declare capabilities.{method}")
 
     def recover(self) -> list[RecoveredBlock]:
         """Rebuild the tier's index after a restart; returns what it holds, oldest

@@ -35,7 +35,7 @@ from kvstore.config.tiers import DramTierConfig
 from kvstore.errors import ConfigError, InvalidArgumentError
 from kvstore.keys import BlockKey
 from kvstore.tiers._arena import ArenaTier, SlotIndex
-from kvstore.tiers.base import TierCapabilities, check_batch, check_sizes
+from kvstore.tiers.base import HostArena, TierCapabilities, check_batch, check_sizes
 
 log = logging.getLogger(__name__)
 _D = DramTierConfig.defaults()   # keyword defaults: the config model's (one definition)
@@ -126,12 +126,13 @@ def _pool() -> ThreadPoolExecutor:
         return _copy_pool
 
 
-class DramTier(ArenaTier):
+class DramTier(ArenaTier, HostArena):
     """Blocks in one pre-faulted host arena of ``capacity_bytes``.
 
     ``shm_path``: back the arena with this file (e.g. ``/dev/shm/kvstore-main``) so other
     processes can map it; otherwise anonymous memory. ``pin``: register the arena with
-    CUDA (default: when CUDA is available). Thread-safe; copies run outside the lock,
+    CUDA (default: when CUDA is available). A :class:`HostArena` that also lends
+    :meth:`slots` and fills :meth:`reserve` in place (see its capabilities). Thread-safe; copies run outside the lock,
     protected by per-slot reader counts so a slot is never reused mid-copy.
     """
 
@@ -154,7 +155,8 @@ class DramTier(ArenaTier):
         self._corrupt = 0           # slots whose bytes no longer matched their checksum
         self._refused = 0           # reserved blocks whose bytes did not match the writer's checksum
         self.capabilities = TierCapabilities(device="cpu", alignment=SLOT_ALIGN, max_concurrency=1,
-                                             zero_copy_view=True, write_checksums=True)
+                                             zero_copy_view=True, write_checksums=True, reserve=True,
+                                             slots=True, host_arena=True)
 
     @property
     def pinned(self) -> bool:

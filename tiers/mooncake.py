@@ -34,11 +34,10 @@ import numpy as np
 from kvstore.block import HEADER_BYTES, VERSION, encode_header, parse_block_header, verify_payload
 from kvstore.buffers import copy_bytes, host_view, is_device, nbytes_of
 from kvstore.config.tiers import MooncakeTierConfig
-from kvstore.errors import (BufferSizeError, ConfigError, CorruptBlockError, InvalidArgumentError,
-                            TierUnavailableError)
+from kvstore.errors import ConfigError, CorruptBlockError, InvalidArgumentError, TierUnavailableError
 from kvstore.keys import BlockKey
 from kvstore.tiers._health import Health
-from kvstore.tiers.base import Tier, TierCapabilities
+from kvstore.tiers.base import Tier, TierCapabilities, buffer_size_error, check_batch
 
 log = logging.getLogger(__name__)
 _D = MooncakeTierConfig.defaults()   # keyword defaults: the config model's (one definition)
@@ -205,13 +204,12 @@ class MooncakeTier(Tier):
     # -- reads ------------------------------------------------------------------------------
 
     def read_into(self, keys: Sequence[BlockKey], dsts: Sequence[Any]) -> list[bool]:
-        if len(keys) != len(dsts):
-            raise InvalidArgumentError(f"{len(keys)} keys but {len(dsts)} buffers")
+        check_batch(keys, dsts)
         sizes = [nbytes_of(d) for d in dsts]
         for key, n in zip(keys, sizes):
             known = self._sizes.get(key)
             if known is not None and known != n:
-                raise BufferSizeError(f"[{self.name}] buffer has {n} bytes, block has {known}")
+                raise buffer_size_error(n, known, self.name)
         self._health.check()
         direct = [self._direct(d) for d in dsts]
         out = [False] * len(keys)
@@ -287,8 +285,7 @@ class MooncakeTier(Tier):
     # -- writes -----------------------------------------------------------------------------
 
     def write(self, keys: Sequence[BlockKey], srcs: Sequence[Any]) -> list[bool]:
-        if len(keys) != len(srcs):
-            raise InvalidArgumentError(f"{len(keys)} keys but {len(srcs)} buffers")
+        check_batch(keys, srcs)
         self._health.check()
         out = [False] * len(keys)
         todo: list[int] = []

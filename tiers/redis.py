@@ -41,14 +41,13 @@ import numpy as np
 from kvstore.block import EXT_HEADER_BYTES, encode_ext_header
 from kvstore.buffers import copy_bytes, host_view, is_device, nbytes_of
 from kvstore.config.tiers import RedisTierConfig
-from kvstore.errors import (BufferSizeError, ConfigError, CorruptBlockError, InvalidArgumentError, TierIOError,
-                            TierUnavailableError)
+from kvstore.errors import ConfigError, CorruptBlockError, InvalidArgumentError, TierIOError, TierUnavailableError
 from kvstore.keys import BlockKey
 from kvstore.tiers import _redisio as rio
 from kvstore.tiers._redisconn import FAULTS, Endpoints, Fault, RedisSettings, startup_error
 from kvstore.tiers._redisrecover import NO_NAMESPACE, check_header, header_requests, parse_name, read_header_replies
 from kvstore.tiers._health import Health
-from kvstore.tiers.base import RecoveredBlock, Tier, TierCapabilities
+from kvstore.tiers.base import RecoveredBlock, Tier, TierCapabilities, buffer_size_error, check_batch, check_sizes
 
 log = logging.getLogger(__name__)
 _D = RedisTierConfig.defaults()   # keyword defaults: the config model's (one definition)
@@ -235,12 +234,8 @@ class RedisTier(Tier):
     # -- reads ------------------------------------------------------------------------------
 
     def read_into(self, keys: Sequence[BlockKey], dsts: Sequence[Any]) -> list[bool]:
-        if len(keys) != len(dsts):
-            raise InvalidArgumentError(f"{len(keys)} keys but {len(dsts)} buffers")
-        for key, dst in zip(keys, dsts):
-            entry = self._index.get(key)
-            if entry is not None and nbytes_of(dst) != entry.nbytes:
-                raise BufferSizeError(f"[{self.name}] buffer has {nbytes_of(dst)} bytes, block has {entry.nbytes}")
+        check_batch(keys, dsts)
+        check_sizes(self.name, dsts, [self._index.get(key) for key in keys])
         if not keys:
             return []
         names = [self.key_name(k) for k in keys]
@@ -294,7 +289,7 @@ class RedisTier(Tier):
             self._delete_names([names[j] for j in corrupt], quiet=True)
         if sizes:
             j, n = sizes[0]
-            raise BufferSizeError(f"[{self.name}] buffer has {targets[j].nbytes} bytes, block has {n}")
+            raise buffer_size_error(targets[j].nbytes, n, self.name)
         self._raise_faults(outcomes)
         for o in outcomes:
             if isinstance(o, TierIOError):
@@ -307,8 +302,7 @@ class RedisTier(Tier):
     # -- writes -----------------------------------------------------------------------------
 
     def write(self, keys: Sequence[BlockKey], srcs: Sequence[Any]) -> list[bool]:
-        if len(keys) != len(srcs):
-            raise InvalidArgumentError(f"{len(keys)} keys but {len(srcs)} buffers")
+        check_batch(keys, srcs)
         self._health.check()
         first: dict[BlockKey, int] = {}
         for j, key in enumerate(keys):

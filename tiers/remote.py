@@ -20,7 +20,7 @@ from kvstore.buffers import nbytes_of
 from kvstore.config.tiers import RemoteTierConfig
 from kvstore.errors import BufferSizeError, KVStoreError, TierIOError, TierUnavailableError
 from kvstore.keys import BlockKey
-from kvstore.tiers.base import Tier, TierCapabilities
+from kvstore.tiers.base import Tier, TierCapabilities, buffer_size_error, check_batch
 
 _D = RemoteTierConfig.defaults()   # keyword defaults: the config model's (one definition)
 
@@ -51,10 +51,11 @@ class RemoteTier(Tier):
         return self._call(self._client.contains, list(keys))
 
     def read_into(self, keys: Sequence[BlockKey], dsts: Sequence[Any]) -> list[bool]:
-        for key, dst in zip(keys, dsts, strict=True):
+        check_batch(keys, dsts)
+        for key, dst in zip(keys, dsts):
             size = self._sizes.get(key)
             if size is not None and nbytes_of(dst) != size:
-                raise BufferSizeError(f"[{self.name}] buffer has {nbytes_of(dst)} bytes, block has {size}")
+                raise buffer_size_error(nbytes_of(dst), size, self.name)
         ok = self._call(lambda: self._client.load(list(keys), list(dsts)).result())
         gone = [k for k, hit in zip(keys, ok) if not hit]
         if gone:  # evicted by the server: stop counting it against the quota
@@ -62,11 +63,12 @@ class RemoteTier(Tier):
         return ok
 
     def write(self, keys: Sequence[BlockKey], srcs: Sequence[Any]) -> list[bool]:
+        check_batch(keys, srcs)
         out = [False] * len(keys)
         todo: list[int] = []
         with self._lock:
             reserved = 0
-            for j, (key, src) in enumerate(zip(keys, srcs, strict=True)):
+            for j, (key, src) in enumerate(zip(keys, srcs)):
                 if key in self._sizes:
                     out[j] = True
                 elif self._used + reserved + nbytes_of(src) <= self._capacity:

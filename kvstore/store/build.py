@@ -42,9 +42,7 @@ def build_eviction(cfg: TierConfig) -> EvictionPolicy:
         policy = make_eviction(cfg.eviction)
     except ValueError as exc:
         raise ConfigError(f"tiers.{cfg.name}.eviction: {exc}") from None
-    set_capacity = getattr(policy, "set_capacity", None)
-    if set_capacity is not None:
-        set_capacity(cfg.capacity)
+    policy.set_capacity(cfg.capacity)
     return policy
 
 

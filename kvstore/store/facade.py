@@ -150,8 +150,7 @@ class Store:
         """The first tier's stored checksum of each key's block (``None`` where it holds
         none, or keeps no checksums): what the cache server sends with a borrowed view.
         Same key, same content: a block re-stored under a key has the same checksum."""
-        fn = getattr(self._levels[0].tier, "checksums", None)
-        return fn(keys) if fn is not None else [None] * len(keys)
+        return self._levels[0].tier.checksums(keys)
 
     def reserve(self, keys: Sequence[BlockKey], sizes: Sequence[int], *, evict: bool = True) -> Reservation:
         """Save by filling the first tier's memory in place: room for each block is
@@ -261,7 +260,7 @@ class Store:
         held = [k if where.get(k, 0) & 1 else None for k in keys]
         present = [k for k in held if k is not None]
         if offsets:
-            slots = getattr(lvl.tier, "slots", None)
+            slots = lvl.tier.slots if lvl.tier.capabilities.slots else None
             cm = slots(present, verify=verify) if slots is not None else nullcontext([None] * len(present))
         else:
             cm = lvl.tier.views(present, verify=verify)

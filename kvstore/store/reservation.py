@@ -69,7 +69,7 @@ class Reservation:
         fkeys = [self._keys[j] for j in self._fresh]
         if self._tier_res is None:
             ok = [False] * len(plan.chosen)
-        elif checksums is not None and hasattr(mover.levels[0].tier, "checksums"):
+        elif checksums is not None:
             ok = self._tier_res.commit([checksums[self._fresh[c]] for c in plan.chosen])
         else:
             ok = self._tier_res.commit()
@@ -138,7 +138,7 @@ def reserve(mover: "Mover", keys: list[BlockKey], sizes: list[int], present: lis
     gets the keys a commit stored."""
     lvl = mover.levels[0]
     fresh = [j for j, p in enumerate(present) if not p]
-    if not fresh or not hasattr(lvl.tier, "reserve"):
+    if not fresh or not lvl.tier.capabilities.reserve:
         return Reservation(mover, keys, present, fresh, [], None, None, published)
     fkeys, fsizes = [keys[j] for j in fresh], [sizes[j] for j in fresh]
     plan = mover.plan_put(0, fkeys, fsizes, evict=evict)

@@ -2,17 +2,26 @@
 provide a ``tier`` fixture (a fresh, empty tier of ``CAPACITY`` bytes) — see
 ``tests/test_tier_dram.py``. Shipped in the package so third-party tiers can run it too.
 :func:`make_keys` and :func:`payload` are its keys and block contents.
+
+The ``test_declares_*`` tests hold a tier to its ``capabilities``: what it declares it
+really does, and what it does not declare raises
+:class:`~kvstore.errors.NotSupportedError` (callers read the record, never probe).
 """
 
 from __future__ import annotations
 
+import os
+import re
 import threading
 
 import numpy as np
 import pytest
 
-from kvstore.errors import BufferSizeError
+from kvstore.block import checksum
+from kvstore.buffers import copy_bytes, host_view
+from kvstore.errors import BufferSizeError, InvalidArgumentError, NotSupportedError
 from kvstore.keys import BlockKey, Namespace
+from kvstore.tiers.base import HostArena
 
 BLOCK = 64 * 1024
 CAPACITY = 16 * BLOCK
@@ -77,6 +86,19 @@ class TierConformance:
             tier.read_into(key, [np.zeros(self.BLOCK - 1, np.uint8)])
         dst = np.zeros(self.BLOCK, np.uint8)
         assert tier.read_into(key, [dst]) == [True] and np.array_equal(dst, src)
+
+    def test_bad_batches_fail_the_same_way_on_every_tier(self, tier):
+        keys = make_keys(2, salt="bad-batch")
+        one = [payload(0, self.BLOCK)]
+        with pytest.raises(InvalidArgumentError, match="^2 keys but 1 buffers$"):
+            tier.write(keys, one)
+        with pytest.raises(InvalidArgumentError, match="^2 keys but 1 buffers$"):
+            tier.read_into(keys, [np.zeros(self.BLOCK, np.uint8)])
+        assert tier.contains(keys) == [False, False] and tier.used_bytes == 0
+        assert tier.write(keys[:1], one) == [True]
+        with pytest.raises(BufferSizeError, match=rf"^\[{re.escape(tier.name)}\] buffer has {self.BLOCK - 1} bytes, "
+                                                  rf"block has {self.BLOCK}$"):
+            tier.read_into(keys[:1], [np.zeros(self.BLOCK - 1, np.uint8)])
 
     def test_capacity_never_exceeded(self, tier):
         keys = make_keys(self.CAPACITY // self.BLOCK + 4)
@@ -153,3 +175,61 @@ class TierConformance:
         for th in threads:
             th.join()
         assert not errors, errors[0]
+
+    # -- declared capabilities -------------------------------------------------------------
+
+    def _read_back(self, tier, keys):
+        dsts = [np.zeros(self.BLOCK, np.uint8) for _ in keys]
+        return tier.read_into(keys, dsts), dsts
+
+    def test_declares_reserve(self, tier):
+        keys = make_keys(3, salt="reserve-cap")
+        srcs = [payload(40 + i, self.BLOCK) for i in range(3)]
+        if not tier.capabilities.reserve:
+            with pytest.raises(NotSupportedError, match=r"\.reserve is not supported.*capabilities\.reserve"):
+                tier.reserve(keys, [self.BLOCK] * 3)
+            return
+        res = tier.reserve(keys[:2], [self.BLOCK] * 2)
+        for view, src in zip(res.views, srcs):
+            copy_bytes(view, src)
+        assert tier.contains(keys[:2]) == [False, False], "reserved blocks are visible before commit"
+        assert res.commit([checksum(srcs[0]), None]) == [True, True]
+        ok, dsts = self._read_back(tier, keys[:2])
+        assert ok == [True, True]
+        assert all(np.array_equal(d, s) for d, s in zip(dsts, srcs)), "committed bytes differ from those filled in"
+        used = tier.used_bytes
+        res = tier.reserve(keys[2:], [self.BLOCK])        # a writer's checksum that does not match
+        copy_bytes(res.views[0], srcs[2])
+        assert res.commit([checksum(srcs[2]) ^ 1]) == [False]
+        assert tier.contains(keys[2:]) == [False] and tier.used_bytes == used
+        res = tier.reserve(keys[2:], [self.BLOCK])        # abort stores nothing and frees the room
+        res.abort()
+        assert tier.contains(keys[2:]) == [False] and tier.used_bytes == used
+
+    def test_declares_slots(self, tier):
+        keys = make_keys(2, salt="slots-cap")
+        src = payload(50, self.BLOCK)
+        assert tier.write(keys[:1], [src]) == [True]
+        if not tier.capabilities.slots:
+            with pytest.raises(NotSupportedError, match=r"\.slots is not supported.*capabilities\.slots"):
+                tier.slots(keys)
+            return
+        assert tier.capabilities.host_arena, "slots are offsets into the tier's host arena"
+        with tier.slots(keys) as got:
+            assert got[1] is None
+            offset, nbytes = got[0]
+            assert nbytes == self.BLOCK
+            assert np.array_equal(host_view(tier.arena)[offset:offset + nbytes], src)
+
+    def test_declares_host_arena(self, tier):
+        if not tier.capabilities.host_arena:
+            return   # nothing to lend: callers do not look for an arena on this tier
+        assert isinstance(tier, HostArena)
+        arena = tier.arena
+        assert isinstance(arena, np.ndarray) and arena.dtype == np.uint8 and arena.ndim == 1
+        assert arena.nbytes >= tier.capacity_bytes
+        assert tier.shm_path is None or os.path.getsize(tier.shm_path) == arena.nbytes
+        key = make_keys(1, salt="arena-cap")
+        assert tier.write(key, [payload(51, self.BLOCK)]) == [True]
+        with tier.views(key) as views:
+            assert np.shares_memory(host_view(views[0]), arena), "a stored block is outside the arena"

@@ -29,12 +29,13 @@ import logging
 import os
 import threading
 from contextlib import ExitStack
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
 from kvstore.errors import TransportError
 from kvstore.net import protocol as P
+from kvstore.tiers.base import HostArena
 
 if TYPE_CHECKING:
     from kvstore.net.server._server import Server
@@ -85,10 +86,10 @@ class NixlService:
 
             try:
                 ep = NixlEndpoint("server", workers=_UCX_WORKERS, threads=_UCX_THREADS, progress_thread=False)
-                arena = getattr(self.server.store.tiers[0], "arena", None)
-                if arena is None:
+                first = self.server.store.tiers[0]
+                if not first.capabilities.host_arena:
                     raise TransportError("the first tier has no host arena to register")
-                ep.register(arena)
+                ep.register(cast(HostArena, first).arena)
             except TransportError as exc:
                 self._start_error = f"NIXL could not start on the server: {exc}"
                 self.counters["failures"] += 1

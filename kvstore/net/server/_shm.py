@@ -19,12 +19,13 @@ import stat
 import time
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
 from kvstore.errors import InvalidArgumentError
 from kvstore.net.staging import STAGING_DIR, STAGING_PREFIX
+from kvstore.tiers.base import HostArena, Tier
 
 
 @dataclass(frozen=True)
@@ -38,13 +39,16 @@ class Arena:
     inode: int
 
     @classmethod
-    def of(cls, tier: Any) -> "Arena | None":
-        path = getattr(tier, "shm_path", None)
-        arena = getattr(tier, "arena", None)
-        if not path or arena is None:
+    def of(cls, tier: Tier) -> "Arena | None":
+        """The tier's arena when it declares a host arena backed by a shared file."""
+        if not tier.capabilities.host_arena:
+            return None
+        host = cast(HostArena, tier)
+        path = host.shm_path
+        if not path:
             return None
         st = os.stat(path)
-        return cls(path, st.st_size, arena.ctypes.data, st.st_dev, st.st_ino)
+        return cls(path, st.st_size, host.arena.ctypes.data, st.st_dev, st.st_ino)
 
     def describe(self) -> dict[str, Any]:
         return {"path": self.path, "nbytes": self.nbytes, "dev": self.device, "ino": self.inode}
