@@ -5,11 +5,14 @@ on this host and shares its DRAM arena, moves block bytes through shared memory:
 load copies straight out of the server's arena (one memcpy, or one H2D copy into a GPU
 tensor) under a lease, a save reserves arena slots, copies straight into them and
 commits (through a per-connection staging region where this process cannot write the
-arena, or the server found no room); only small control frames cross the (Unix) socket. For a remote server that offers NIXL, the
-server moves bytes one-sided between its arena and the client's buffers (RDMA where
-the fabric has it; see docs/nixl.md); a NIXL/UCX failure switches this client to TCP,
-logged and counted in ``fallbacks``. Otherwise bytes travel over TCP, received
-straight into the caller's buffers.
+arena, or the server found no room); only small control frames cross the (Unix) socket.
+For a remote server that offers NIXL, the server moves bytes one-sided between its
+arena and the client's buffers (RDMA where the fabric has it; see docs/nixl.md); a
+NIXL/UCX failure switches this client to TCP, logged and counted in ``fallbacks``.
+Otherwise bytes travel over TCP, received straight into the caller's buffers. The
+choice is made once, at connect time (:func:`~kvstore.net.client.selection.connect_transport`):
+the client then holds one :class:`~kvstore.net.client.selection.Transport` (one per
+module: ``tcp``, ``shm``, ``nixl``) that every save and load goes through.
 
 Every block is verified end to end: a save sends the XXH3-64 of each block, computed
 here before the bytes leave (the server stores only blocks that match), and a load
