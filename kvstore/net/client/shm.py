@@ -46,6 +46,7 @@ def same_server_socket(address: Address, path: str, instance: Any, connect: Call
         return None
     return probe
 
+
 class SameHostTransport:
     """Puts and gets through ``arena`` (the server's, mapped here; owned by this
     transport from now on, unmapped by :meth:`close`). ``copy_threads`` split large
