@@ -9,6 +9,12 @@ Victims come in three classes, each in the wrapped policy's own order:
    older than the tier's trust in hints (``protect_s``, below);
 3. blocks held by a live hint, lowest priority class first.
 
+A hint protects only a block the layer's ``protects`` allows (``None``, the default:
+every block). The Store sets it for the cache server's tenants
+(:meth:`kvstore.store.tenants.TenantLedger.hint_bound`): a tenant's hints protect its
+blocks in a tier only within its quota there, so no tenant can keep more than its quota
+against other tenants' blocks by hinting. A block it does not allow is class 2.
+
 The wrapped policy sees every insert, access and removal, so its order is the same as
 without hints; the layer only filters its walk. A class-3 block is offered only once
 the walk has passed every block of classes 1 and 2. Walking past a hinted block is a
@@ -181,6 +187,8 @@ class RetentionClasses(EvictionPolicy):
         self._discard: OrderedDict[Hashable, None] = OrderedDict()
         self.trust = HintTrust()
         self._offered: tuple[Hashable, bool] | None = None   # the walk's last victim, hinted?
+        # whether a live hint may protect a key here (the Store's tenants); None: every key
+        self.protects: Callable[[Hashable], bool] | None = None
 
     def on_insert(self, key: Hashable, nbytes: int, parent: Hashable | None = None) -> None:
         self.inner.on_insert(key, nbytes, parent)
@@ -220,7 +228,7 @@ class RetentionClasses(EvictionPolicy):
 
     def _classed(self) -> Iterator[Hashable]:
         now = self._clock()
-        hints, trust = self._hints, self.trust
+        hints, trust, protects = self._hints, self.trust, self.protects
         limit = trust.protect_s
         for key in iter_live(self._discard):
             self._offered = None
@@ -229,7 +237,9 @@ class RetentionClasses(EvictionPolicy):
         trust.oldest = oldest = 0.0
         for key in self.inner.victims():
             hint = hints.get(key)
-            if hint is None or (not hint.discard and hint.expires <= now):
+            # an expired hint, or one that may not protect this key here: policy order
+            if hint is None or (not hint.discard and (hint.expires <= now or
+                                                      (protects is not None and not protects(key)))):
                 trust.oldest = oldest
                 self._offered = (key, False)
                 yield key
@@ -250,7 +260,7 @@ class RetentionClasses(EvictionPolicy):
             for key in self.inner.victims():
                 hint = hints.get(key)
                 if (hint is not None and not hint.discard and hint.expires > now and hint.priority == priority
-                        and now - hint.given < limit):
+                        and now - hint.given < limit and (protects is None or protects(key))):
                     self._offered = (key, True)
                     yield key
 

@@ -23,11 +23,22 @@ leased block: S3-FIFO and SIEVE move such keys on). So it is bounded: a tenant t
 holds no bytes in the level has nothing to evict and is refused at once (no walk), and
 a walk stops after :data:`WALK_STEPS` keys (what is still over the quota is refused;
 counted in ``walk_capped``), so no save walks the whole shared policy under the lock.
+
+Retention within the quota: every block a tenant holds in a level counts in its bytes
+there, leased, pinned or hinted alike, so leases and pins never let it hold more than
+its quota. A retention hint (``priority``, ``retain_s``) ranks a block after every
+unhinted one of the level, other tenants' included; so a hint protects a tenant's block
+only while the tenant has a quota in that level and holds no more than it
+(:meth:`TenantLedger.hint_bound`, read by the level's retention layer,
+:class:`kvstore.policies.retention.RetentionClasses`). Elsewhere (no quota there, a
+tenant over a quota lowered since its blocks came in, a key that is nobody's) its hinted
+blocks rank in the policy's own order, as if unhinted. Hints thus let a tenant keep at
+most its quota against other tenants' blocks.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 from kvstore.keys import BlockKey
 
@@ -155,6 +166,23 @@ class TenantLedger:
                 break   # stop at the victim that makes room (see Store._choose_victims)
         if store._events is not None and len(victims) > taken:
             store._events.removed(i, [key for key, _ in victims[taken:]])
+
+    # -- retention -----------------------------------------------------------------------------
+
+    def hint_bound(self, i: int) -> Callable[[BlockKey], bool]:
+        """For level ``i``'s retention layer: whether a live hint may protect ``key``
+        there, i.e. its owner has a quota in the level and holds no more than it (the
+        module docstring). Runs under the Store's lock, as the walk does."""
+        tags, quota, used = self._tags, self._quota, self._used
+
+        def protects(key: BlockKey) -> bool:
+            name = tags.get(key.digest[:TAG_BYTES])
+            if name is None:
+                return False
+            cap = quota[name][i]
+            return cap is not None and used[name][i] <= cap
+
+        return protects
 
     # -- stats -----------------------------------------------------------------------------
 
