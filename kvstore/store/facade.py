@@ -455,7 +455,7 @@ class Store(TierMovement, StoreHints):
                 ledger.recount(self._where, self._sizes)
             self._tenants = ledger
             for i, lvl in enumerate(self._levels):
-                lvl.policy.protects = ledger.hint_bound(i) if ledger is not None else None
+                lvl.policy.unprotected = ledger.hint_bound(i) if ledger is not None else None
 
     def attach_stats(self, name: str, source: Any) -> None:
         """Report ``source()`` (a dict of counters) in :meth:`stats` under
