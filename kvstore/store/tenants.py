@@ -225,10 +225,11 @@ class _OverQuota:
 
     def __contains__(self, key: object) -> bool:
         ledger, i = self._ledger, self._i
-        if key in ledger._unbound[i]:
-            return True
         name = ledger.owner(key)
-        return name is not None and ledger._used[name][i] > ledger._quota[name][i]
+        if name is None:
+            return True
+        cap = ledger._quota[name][i]
+        return cap is None or ledger._used[name][i] > cap
 
 
 __all__ = ["TAG_BYTES", "TenantLedger", "WALK_STEPS"]
