@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from kvstore.client import Client
-from kvstore.errors import TransportError
+from kvstore.errors import RemoteError, TransportError
 from kvstore.net.client.nixl import NixlClientPath, NixlTransport
 from kvstore.net.client.selection import Transport
 from kvstore.net.client.shm import SameHostTransport
@@ -108,3 +108,30 @@ def test_a_nixl_failure_mid_save_redoes_the_batch_over_tcp(nixl_server, monkeypa
         assert c.load(keys, dsts).result(30) == [True] * 5
         assert all(np.array_equal(a, b) for a, b in zip(srcs, dsts)), "wrong bytes after the fallback"
         assert c.stats()["server"]["nixl"]["puts"] == 0
+
+
+def _agent_never_starts(monkeypatch) -> None:
+    def broken(self, *args, **kwargs):
+        raise TransportError("injected: the NIXL agent could not start")
+
+    monkeypatch.setattr(NixlClientPath, "__init__", broken)
+
+
+def test_an_explicit_nixl_whose_agent_cannot_start_is_an_error(nixl_server, monkeypatch):
+    _agent_never_starts(monkeypatch)
+    with pytest.raises(RemoteError, match="'nixl' but this client's NIXL agent could not start"):
+        Client(nixl_server.address, transport="nixl", timeout_s=30)
+
+
+def test_auto_whose_nixl_agent_cannot_start_uses_tcp_logged_and_counted(nixl_server, monkeypatch):
+    _agent_never_starts(monkeypatch)
+    keys = make_keys(3, salt="nixl-never-started")
+    srcs = [payload(70 + i, BLOCK) for i in range(3)]
+    with Client(nixl_server.address, transport="auto", timeout_s=30) as c:
+        if c.transport == "shm":
+            pytest.skip("this server offers shared memory to this host: auto never tries NIXL")
+        assert c.transport == "tcp" and c.fallbacks.stats() == {"nixl->tcp": 1}
+        assert c.save(keys, srcs).result(30) == [True] * 3
+        dsts = [np.zeros(BLOCK, np.uint8) for _ in keys]
+        assert c.load(keys, dsts).result(30) == [True] * 3
+        assert all(np.array_equal(a, b) for a, b in zip(srcs, dsts))

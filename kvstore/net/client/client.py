@@ -92,6 +92,7 @@ class Client:
         self._closed = False
         self.integrity = Integrity(verify)
         self.fallbacks = FallbackCounter()
+        self._transport: Transport | None = None   # chosen below; a NIXL failure swaps in TCP
         first = Conn(self.address, token, timeout_s, self._tls)
         self.info = first.info
         self._max_batch = int(self.info.get("max_batch", 4096))
@@ -107,7 +108,7 @@ class Client:
                                    integrity=self.integrity, staging_bytes=self._staging_bytes,
                                    max_batch=self._max_batch, copy_threads=copy_threads,
                                    timeout_s=timeout_s, on_failure=self._fell_back)
-        self._transport: Transport = chosen.transport
+        self._transport = chosen.transport
         self._conn_addr, self._idle = chosen.addr, chosen.conns
         self._pool = ThreadPoolExecutor(self._pool_size, thread_name_prefix="kvstore-client")
         self._transport.start(self._run)

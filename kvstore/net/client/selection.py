@@ -119,11 +119,22 @@ def connect_transport(setting: str, first: Conn, *, tls: Any, connect: Callable[
 
             try:
                 path = NixlClientPath(timeout_s=timeout_s, staging_bytes=staging_bytes, integrity=integrity)
-            except (TransportError, TierUnavailableError):
-                pass   # the agent never started: TCP (nothing to fall back from)
+            except (TransportError, TierUnavailableError) as exc:
+                if setting == "nixl":       # asked for by name: an error, never a silent TCP
+                    for conn in conns:
+                        conn.close()
+                    raise RemoteError(f"Client transport is 'nixl' but this client's NIXL agent could not "
+                                      f"start ({exc}); use 'auto' or 'tcp'") from exc
+                on_failure(_NotStarted(), exc)   # auto: logged and counted as a fallback to TCP
             else:
                 return Connected(NixlTransport(path, tcp=tcp, on_failure=on_failure), address, conns)
     return Connected(tcp, address, conns)
+
+
+class _NotStarted:
+    """The NIXL transport that never started, as :func:`connect_transport` reports it."""
+
+    name = "nixl"
 
 
 def _map_arena(setting: str, first: Conn, info: dict[str, Any],
