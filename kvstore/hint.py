@@ -14,7 +14,9 @@ of the call:
   and never spilled or written through into the tiers below.
 
 Hints steer eviction only: they never make the Store keep a block past its capacity,
-nor keep a block that a lease or pin does not protect from an explicit ``delete``.
+nor keep a block that a lease or pin does not protect from an explicit ``delete``. On
+a cache server with tenants a hint protects a block only within its tenant's quota in
+that tier (:mod:`kvstore.store.tenants`).
 """
 
 from __future__ import annotations

@@ -9,6 +9,14 @@ Victims come in three classes, each in the wrapped policy's own order:
    older than the tier's trust in hints (``protect_s``, below);
 3. blocks held by a live hint, lowest priority class first.
 
+A hint protects no block in ``unprotected`` (``None``, the default: a hint may protect
+every block). The Store sets it for the cache server's tenants
+(:meth:`kvstore.store.tenants.TenantLedger.hint_bound`): a tenant's hints protect its
+blocks in a tier only within its quota there, so no tenant can keep more than its quota
+against other tenants' blocks by hinting. It is called once per walk and returns the
+keys whose hints protect nothing for that walk (a container: ``key in it``), or
+``None`` when there are none; such a block is class 2.
+
 The wrapped policy sees every insert, access and removal, so its order is the same as
 without hints; the layer only filters its walk. A class-3 block is offered only once
 the walk has passed every block of classes 1 and 2. Walking past a hinted block is a
@@ -40,7 +48,7 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from typing import Any, Callable, Hashable, Iterator, Mapping
+from typing import Any, Callable, Container, Hashable, Iterator, Mapping
 
 from kvstore.policies._order import iter_live
 from kvstore.policies.base import EvictionPolicy
@@ -181,6 +189,8 @@ class RetentionClasses(EvictionPolicy):
         self._discard: OrderedDict[Hashable, None] = OrderedDict()
         self.trust = HintTrust()
         self._offered: tuple[Hashable, bool] | None = None   # the walk's last victim, hinted?
+        # per walk: the keys a live hint may not protect here (the Store's tenants); None: none
+        self.unprotected: Callable[[], Container[Hashable] | None] | None = None
 
     def on_insert(self, key: Hashable, nbytes: int, parent: Hashable | None = None) -> None:
         self.inner.on_insert(key, nbytes, parent)
@@ -221,6 +231,7 @@ class RetentionClasses(EvictionPolicy):
     def _classed(self) -> Iterator[Hashable]:
         now = self._clock()
         hints, trust = self._hints, self.trust
+        unprotected = self.unprotected() if self.unprotected is not None else None
         limit = trust.protect_s
         for key in iter_live(self._discard):
             self._offered = None
@@ -229,7 +240,9 @@ class RetentionClasses(EvictionPolicy):
         trust.oldest = oldest = 0.0
         for key in self.inner.victims():
             hint = hints.get(key)
-            if hint is None or (not hint.discard and hint.expires <= now):
+            # an expired hint, or one that may not protect this key here: policy order
+            if hint is None or (not hint.discard and (hint.expires <= now or
+                                                      (unprotected is not None and key in unprotected))):
                 trust.oldest = oldest
                 self._offered = (key, False)
                 yield key
@@ -250,7 +263,7 @@ class RetentionClasses(EvictionPolicy):
             for key in self.inner.victims():
                 hint = hints.get(key)
                 if (hint is not None and not hint.discard and hint.expires > now and hint.priority == priority
-                        and now - hint.given < limit):
+                        and now - hint.given < limit and (unprotected is None or key not in unprotected)):
                     self._offered = (key, True)
                     yield key
 

@@ -28,14 +28,16 @@ def config_dict(capacity: str = "64MiB", *, tiers: list | None = None, **server:
 
 
 class ThreadServer:
-    """A :class:`Server` on its own event loop in a daemon thread."""
+    """A :class:`Server` on its own event loop in a daemon thread. ``store``: serve this
+    Store (the caller's, e.g. one with an injected clock; the caller closes it) instead
+    of one built from ``raw``."""
 
-    def __init__(self, raw: dict) -> None:
+    def __init__(self, raw: dict, *, store: Any = None) -> None:
         from kvstore.server import Server
 
         self.config = load_config(raw, env={})
         self.loop = asyncio.new_event_loop()
-        self.server = Server(self.config)
+        self.server = Server(self.config, store=store)
         started = threading.Event()
         errors: list[BaseException] = []
 

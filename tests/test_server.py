@@ -102,7 +102,7 @@ def test_shm_lease_keeps_slot_until_done(server):
         lid, placed = P.decode_placed(body, 1)
         assert lid and placed[0]["where"] == P.WHERE_ARENA
         off = int(placed[0]["offset"])
-        arena = client._arena.array
+        arena = client._transport.arena.array
         # Delete the block and write others: the leased slot must not be reused.
         assert client.delete(key) == 1
         others = make_keys(200, salt="reuse")

@@ -178,7 +178,7 @@ def test_the_admin_port_serves_https_given_an_ssl_context(tmp_path):
     context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     context.load_cert_chain(cert, key)
     s = ThreadServer(config_dict("4MiB", admin_port=None))
-    admin = _admin.AdminServer(s.server)
+    admin = _admin.AdminServer(s.server.admin_context())
     try:
         port = asyncio.run_coroutine_threadsafe(admin.start("127.0.0.1", 0, ssl_context=context), s.loop).result(10)
         client = ssl.create_default_context(cafile=str(cert))

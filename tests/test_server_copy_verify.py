@@ -63,7 +63,7 @@ def test_a_same_host_get_hashes_the_copy_not_the_arena(monkeypatch):
         with Client(s.address, transport="shm", timeout_s=30) as c:
             assert c.transport == "shm" and c.integrity.verify
             assert c.save(keys, srcs).result(10) == [True, True]
-            arena = c._arena
+            arena = c._transport.arena
             racer = _RacingWriter(monkeypatch, arena.address, arena.nbytes)
             dsts = [np.zeros(BLOCK, np.uint8) for _ in keys]
             got = c.load(keys, dsts).result(10)
@@ -116,7 +116,7 @@ def test_a_save_is_verified_as_copied_into_the_slot(monkeypatch, transport):
         hot = s.server.store.tiers[0]
         with Client(s.address, transport=transport, timeout_s=30) as c:
             if transport == "shm":
-                c._arena.writable = False   # as a client that may only read the arena
+                c._transport.arena.writable = False   # as a client that may only read the arena
             # the first copy into the hot arena from anywhere else reads changed bytes
             base, n = hot.arena.ctypes.data, hot.arena.nbytes
 
@@ -153,7 +153,7 @@ def test_a_same_host_get_into_device_buffers_hashes_a_private_copy(monkeypatch):
         srcs = [payload(65 + i, BLOCK) for i in range(2)]
         with Client(s.address, transport="shm", timeout_s=30) as c:
             assert c.save(keys, srcs).result(10) == [True, True]
-            arena = c._arena
+            arena = c._transport.arena
             sent = []
             monkeypatch.setattr(host, "copy_device_pairs",
                                 lambda pairs, pinned=False: sent.extend(np.array(src) for _, src in pairs))

@@ -144,7 +144,7 @@ def test_bad_commits_and_limits_are_refused(server):
 
 def test_client_without_arena_write_access_puts_through_staging(server):
     with Client(server.address, transport="shm") as c:
-        c._arena.writable = False  # as for a process of another user: read-only map
+        c._transport.arena.writable = False  # as for a process of another user: read-only map
         keys = make_keys(6, salt="staged")
         _saves_and_loads_back(c, keys)
     # the server's request counters show which path the bytes took: staging, never a reservation

@@ -63,7 +63,7 @@ def test_own_region_attaches_on_the_unix_socket(server):
     keys = make_keys(2, salt="f3-own")
     srcs = [payload(90 + i, 256 * 1024) for i in range(2)]
     with Client(server.address, transport="shm") as c:   # a read-only arena: staged puts
-        c._arena.writable = False
+        c._transport.arena.writable = False
         assert c.save(keys, srcs).result(10) == [True, True]
         dsts = [np.zeros(256 * 1024, np.uint8) for _ in keys]
         assert c.load(keys, dsts).result(10) == [True, True]
@@ -136,7 +136,7 @@ def test_a_client_whose_region_is_refused_puts_and_gets_over_the_socket(monkeypa
         keys = make_keys(8, salt="f3-refused")
         srcs = [payload(100 + i, 256 * 1024) for i in range(8)]
         with Client(s.address, transport="shm") as c:
-            c._arena.writable = False
+            c._transport.arena.writable = False
             real_pid = os.getpid
             monkeypatch.setattr(os, "getpid", lambda: real_pid() + 1)   # the region's name
             assert c.save(keys, srcs).result(10) == [True] * 8           # 4 spill to warm
@@ -144,6 +144,6 @@ def test_a_client_whose_region_is_refused_puts_and_gets_over_the_socket(monkeypa
             dsts = [np.zeros(256 * 1024, np.uint8) for _ in keys]
             assert c.load(keys, dsts).result(10) == [True] * 8          # warm blocks: the socket
             assert all(np.array_equal(a, b) for a, b in zip(srcs, dsts))
-            assert c._shm._staging_refused
+            assert c._transport._staging_refused
     finally:
         s.stop()

@@ -104,7 +104,7 @@ def test_a_tenant_client_gets_no_arena_and_still_works(server):
     assert server.server.arena is None and server.server.store.tiers[0].shm_path is None
     for token in (A, B, OPERATOR):
         with Client(server.address, token=token) as c:               # transport auto, same host
-            assert c.info["shm"] is None and c._arena is None and c.transport == "tcp"
+            assert c.info["shm"] is None and c.transport == "tcp"
     keys, srcs = _saved_by_a(server, "auto", "no-arena")
     _a_reads_back(server, keys, srcs, "auto")
     with pytest.raises(KVStoreError, match="no shared memory"):

@@ -383,11 +383,14 @@ class Store:
     def set_tenants(self, ledger: TenantLedger | None) -> None:
         """Account bytes per tenant and enforce each tenant's quota per tier (the cache
         server's ``server.tenants``; see :mod:`kvstore.store.tenants`). Blocks already held
-        (recovered from a persistent tier) are counted now. ``None``: stop."""
+        (recovered from a persistent tier) are counted now; a hint protects a tenant's
+        block only within its quota (:meth:`TenantLedger.hint_bound`). ``None``: stop."""
         with self._lock:
             if ledger is not None:
                 ledger.recount(self._where, self._index.sizes)
             self._mover.tenants = ledger
+            for i, lvl in enumerate(self._levels):
+                lvl.policy.unprotected = ledger.hint_bound(i) if ledger is not None else None
 
     @property
     def _tenants(self) -> TenantLedger | None:

@@ -26,11 +26,24 @@ leased block: S3-FIFO and SIEVE move such keys on). So it is bounded: a tenant t
 holds no bytes in the level has nothing to evict and is refused at once (no walk), and
 a walk stops after :data:`WALK_STEPS` keys (what is still over the quota is refused;
 counted in ``walk_capped``), so no save walks the whole shared policy under the lock.
+
+Retention within the quota: every block a tenant holds in a level counts in its bytes
+there, leased, pinned or hinted alike, so leases and pins never let it hold more than
+its quota. A retention hint (``priority``, ``retain_s``) ranks a block after every
+unhinted one of the level, other tenants' included; so a hint protects a tenant's block
+only while the tenant has a quota in that level and holds no more than it
+(:meth:`TenantLedger.hint_bound`, read by the level's retention layer,
+:class:`kvstore.policies.retention.RetentionClasses`). Elsewhere (no quota there, a
+tenant over a quota lowered since its blocks came in, a key that is nobody's) its hinted
+blocks rank in the policy's own order, as if unhinted. Hints thus let a tenant keep at
+most its quota against other tenants' blocks. Cost: a set of the keys of tenants with
+no quota in each level (one entry per such key held there), and a look-up in it per
+hinted key a victim walk steps over while it is not empty.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Container, Mapping, Sequence
 
 from kvstore.keys import BlockKey
 
@@ -62,6 +75,9 @@ class TenantLedger:
         self._evictions = {name: [0] * n for name in names}
         self._quota_full = {name: [0] * n for name in names}
         self._walk_capped = {name: [0] * n for name in names}   # walks stopped at WALK_STEPS
+        # per level, the keys held there whose hints protect nothing there as a rule: nobody's
+        # keys, and the keys of tenants with no quota in the level (hint_bound)
+        self._unbound: list[set[BlockKey]] = [set() for _ in range(n)]
 
     def owner(self, key: BlockKey) -> str | None:
         return self._tags.get(key.digest[:TAG_BYTES])
@@ -73,18 +89,24 @@ class TenantLedger:
         for name in self._used:
             self._used[name] = [0] * len(self.levels)
             self._blocks[name] = [0] * len(self.levels)
+        for unbound in self._unbound:
+            unbound.clear()
         for key, mask in where.items():
             name = self.owner(key)
-            if name is None:
-                continue
             for i in range(len(self.levels)):
-                if mask >> i & 1:
+                if not mask >> i & 1:
+                    continue
+                if name is None or self._quota[name][i] is None:
+                    self._unbound[i].add(key)
+                if name is not None:
                     self._used[name][i] += sizes.get(key, 0)
                     self._blocks[name][i] += 1
 
     def add(self, key: BlockKey, i: int, nbytes: int) -> None:
         """``key`` entered level ``i``'s index."""
         name = self.owner(key)
+        if name is None or self._quota[name][i] is None:
+            self._unbound[i].add(key)
         if name is not None:
             self._used[name][i] += nbytes
             self._blocks[name][i] += 1
@@ -92,6 +114,8 @@ class TenantLedger:
     def remove(self, key: BlockKey, i: int, nbytes: int, *, evicted: bool = False) -> None:
         """``key`` left level ``i``'s index (``evicted``: as a victim)."""
         name = self.owner(key)
+        if name is None or self._quota[name][i] is None:
+            self._unbound[i].discard(key)
         if name is not None:
             self._used[name][i] -= nbytes
             self._blocks[name][i] -= 1
@@ -160,6 +184,25 @@ class TenantLedger:
         if mover.events is not None and len(victims) > taken:
             mover.events.removed(i, [key for key, _ in victims[taken:]])
 
+    # -- retention -----------------------------------------------------------------------------
+
+    def hint_bound(self, i: int) -> Callable[[], Container[BlockKey] | None]:
+        """For level ``i``'s retention layer (its ``unprotected``), called at the start
+        of each victim walk: the keys there whose live hints protect nothing, i.e. whose
+        owner has no quota in the level or holds more than it (the module docstring), or
+        ``None`` when there are none. A walk only takes blocks out, so a tenant within
+        its quota at the start stays so to the end. Runs under the Store's lock, as the
+        walk does; the answer is for that walk only."""
+        unbound = self._unbound[i]
+
+        def walk() -> Container[BlockKey] | None:
+            for name, cap in self._quota.items():
+                if cap[i] is not None and self._used[name][i] > cap[i]:
+                    return _OverQuota(self, i)    # rare: a quota lowered under what it holds
+            return unbound or None
+
+        return walk
+
     # -- stats -----------------------------------------------------------------------------
 
     def stats(self) -> dict[str, Any]:
@@ -174,6 +217,23 @@ class TenantLedger:
                      for i, tier in enumerate(self.levels)}
             out[name] = {"tiers": tiers}
         return out
+
+
+class _OverQuota:
+    """Level ``i``'s keys whose hints protect nothing while some tenant there is over
+    its quota: answered per key from the ledger as it is now (a tenant the walk brings
+    back within its quota is protected again for the rest of the walk)."""
+
+    def __init__(self, ledger: TenantLedger, i: int) -> None:
+        self._ledger, self._i = ledger, i
+
+    def __contains__(self, key: object) -> bool:
+        ledger, i = self._ledger, self._i
+        name = ledger.owner(key)
+        if name is None:
+            return True
+        cap = ledger._quota[name][i]
+        return cap is None or ledger._used[name][i] > cap
 
 
 __all__ = ["TAG_BYTES", "TenantLedger", "WALK_STEPS"]

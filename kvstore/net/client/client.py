@@ -5,11 +5,14 @@ on this host and shares its DRAM arena, moves block bytes through shared memory:
 load copies straight out of the server's arena (one memcpy, or one H2D copy into a GPU
 tensor) under a lease, a save reserves arena slots, copies straight into them and
 commits (through a per-connection staging region where this process cannot write the
-arena, or the server found no room); only small control frames cross the (Unix) socket. For a remote server that offers NIXL, the
-server moves bytes one-sided between its arena and the client's buffers (RDMA where
-the fabric has it; see docs/nixl.md); a NIXL/UCX failure switches this client to TCP,
-logged and counted in ``fallbacks``. Otherwise bytes travel over TCP, received
-straight into the caller's buffers.
+arena, or the server found no room); only small control frames cross the (Unix) socket.
+For a remote server that offers NIXL, the server moves bytes one-sided between its
+arena and the client's buffers (RDMA where the fabric has it; see docs/nixl.md); a
+NIXL/UCX failure switches this client to TCP, logged and counted in ``fallbacks``.
+Otherwise bytes travel over TCP, received straight into the caller's buffers. The
+choice is made once, at connect time (:func:`~kvstore.net.client.selection.connect_transport`):
+the client then holds one :class:`~kvstore.net.client.selection.Transport` (one per
+module: ``tcp``, ``shm``, ``nixl``) that every save and load goes through.
 
 Every block is verified end to end: a save sends the XXH3-64 of each block, computed
 here before the bytes leave (the server stores only blocks that match), and a load
@@ -41,16 +44,14 @@ from typing import Any, Callable, Iterator, Sequence
 from kvstore._stats import sum_stat_sources
 from kvstore.buffers import nbytes_of
 from kvstore.buffers.streams import capture, submit
-from kvstore.errors import (ConfigError, InvalidArgumentError, KVStoreError, NotSupportedError, RemoteError,
-                            StoreClosedError, TierUnavailableError, TransportError)
+from kvstore.errors import (InvalidArgumentError, KVStoreError, NotSupportedError, StoreClosedError,
+                            TierUnavailableError)
 from kvstore.hint import Hint, check_hint
 from kvstore.keys import BlockKey
 from kvstore.net import protocol as P
-from kvstore.net.client.selection import FallbackCounter, select_transport
-from kvstore.net.client.shm import SameHostPath, same_server_socket
-from kvstore.net.client.tcp import Integrity, tcp_get, tcp_put
-from kvstore.net.client.wire import Address, ArenaMap, Conn
-from kvstore.net.nixl import nixl_available
+from kvstore.net.client.selection import FallbackCounter, Transport, connect_transport
+from kvstore.net.client.tcp import Integrity, TcpTransport
+from kvstore.net.client.wire import Address, Conn
 from kvstore.net.tls import client_tls
 
 log = logging.getLogger("kvstore.client")   # its name before the net/ layout
@@ -86,12 +87,12 @@ class Client:
         self._tls = client_tls(tls)
         self._token, self._timeout_s = token, timeout_s
         self._pool_size, self._staging_bytes = max(1, pool_size), staging_bytes
-        self._idle: list[Conn] = []
         self._lock = threading.Lock()
         self._stat_sources: list[tuple[str, Any]] = []  # this process's connectors (attach_stats)
         self._closed = False
         self.integrity = Integrity(verify)
-        self._tcp_get = partial(tcp_get, integrity=self.integrity)
+        self.fallbacks = FallbackCounter()
+        self._transport: Transport | None = None   # chosen below; a NIXL failure swaps in TCP
         first = Conn(self.address, token, timeout_s, self._tls)
         self.info = first.info
         self._max_batch = int(self.info.get("max_batch", 4096))
@@ -99,91 +100,33 @@ class Client:
                                 int(self.info.get("max_inflight_bytes", 1 << 30))) - (1 << 20)
         # the server refuses a staging region larger than its per-client in-flight limit
         self._staging_bytes = min(self._staging_bytes, int(self.info.get("max_inflight_bytes", 1 << 30)))
-        self._arena: ArenaMap | None = None
-        self._conn_addr = self.address
-        if transport in ("auto", "shm") and ArenaMap.is_local(self.info.get("shm")):
-            try:
-                self._arena = ArenaMap(self.info["shm"])
-            except PermissionError as exc:
-                # The server's arena is private to its user (mode 0600): another user's
-                # client talks TCP instead.
-                if transport == "shm":
-                    first.close()
-                    raise RemoteError(f"server {self.address}: its shared memory is not readable by this "
-                                      f"user ({exc.strerror}); run as the server's user or use TCP") from exc
-                log.info("server %s: shared memory not readable by this user; using TCP", self.address)
-            if self._arena is not None and self.info.get("socket_path") and not self.address.path:
-                self._conn_addr = self._same_server_socket(self.info["socket_path"])
-                if self._conn_addr is None:     # another server answers there: not its arena either
-                    self._arena.close()
-                    self._arena, self._conn_addr = None, self.address
-        elif transport == "shm":
-            first.close()
-            raise RemoteError(f"server {self.address} offers no shared memory to this host")
-        if self._conn_addr == self.address:
-            self._idle.append(first)
-        else:
-            first.close()
-        self._pool = ThreadPoolExecutor(self._pool_size, thread_name_prefix="kvstore-client")
-        # Same-host copies of a large batch are split over a few threads: one memcpy
-        # stream does not saturate memory bandwidth, and numpy/torch copies drop the GIL.
+        # Same-host copies of a large batch are split over a few threads (SameHostTransport).
         if copy_threads is None:
             copy_threads = min(2, os.cpu_count() or 1)
-        self._copy_threads = max(1, copy_threads) if self._arena is not None else 1
-        self._copier = ThreadPoolExecutor(self._copy_threads - 1, thread_name_prefix="kvstore-copy") \
-            if self._copy_threads > 1 else None
-        self._shm = (SameHostPath(self._arena, copier=self._copier, copy_threads=self._copy_threads,
-                                  staging_bytes=self._staging_bytes, max_batch=self._max_batch,
-                                  integrity=self.integrity)
-                     if self._arena is not None else None)
-        self.fallbacks = FallbackCounter()
-        self._nixl: Any = None
-        if self._arena is None and (transport == "nixl" or (transport == "auto" and self._tls is None)):
-            self._start_nixl(transport)   # a TLS client takes NIXL (which TLS does not cover) only when asked
+        # One transport for the client's life (a NIXL failure swaps in TCP: _fell_back).
+        chosen = connect_transport(transport, first, tls=self._tls, connect=self._connect,
+                                   integrity=self.integrity, staging_bytes=self._staging_bytes,
+                                   max_batch=self._max_batch, copy_threads=copy_threads,
+                                   timeout_s=timeout_s, on_failure=self._fell_back)
+        self._transport = chosen.transport
+        self._conn_addr, self._idle = chosen.addr, chosen.conns
+        self._pool = ThreadPoolExecutor(self._pool_size, thread_name_prefix="kvstore-client")
+        self._transport.start(self._run)
 
-    def _same_server_socket(self, path: str) -> Address | None:
-        """The Unix socket at ``path`` when the server answering there is the one this
-        client's HELLO came from (same instance id; its connection joins the pool), else ``None``."""
-        probe = same_server_socket(self.address, path, self.info.get("instance"),
-                                   lambda addr: Conn(addr, self._token, self._timeout_s, self._tls))
-        if probe is None:
-            return None
+    def _connect(self, addr: Address) -> Conn:
+        return Conn(addr, self._token, self._timeout_s, self._tls)
+
+    def _fell_back(self, failed: Transport, exc: BaseException) -> None:
+        """``failed`` (NIXL) stopped working: logged, counted, TCP from now on."""
+        self.fallbacks.record(str(self.address), failed.name, exc)
         with self._lock:
-            self._idle.append(probe)
-        return probe.addr
-
-    def _start_nixl(self, transport: str) -> None:
-        ok, why = nixl_available()
-        offered = bool(self.info.get("nixl"))
-        try:
-            choice = select_transport(transport, local=False, nixl_ok=ok and offered, setting="Client transport",
-                                      why=why if not ok else f"server {self.address} does not offer NIXL")
-        except ConfigError:
-            self.close()
-            raise
-        if choice != "nixl":
-            return
-        from kvstore.net.client.nixl import NixlClientPath
-
-        try:
-            self._nixl = NixlClientPath(timeout_s=self._timeout_s, staging_bytes=self._staging_bytes,
-                                        integrity=self.integrity)
-            self._run(self._nixl.introduce)
-        except (TransportError, TierUnavailableError) as exc:
-            self._nixl_failed(exc)
-
-    def _nixl_failed(self, exc: BaseException) -> None:
-        """Switch this client to TCP for good: logged and counted."""
-        path, self._nixl = self._nixl, None
-        if path is not None:
-            self.fallbacks.record(str(self.address), "nixl", exc)
-            path.close()
+            if self._transport is failed:
+                self._transport = TcpTransport(self.integrity)
 
     def register(self, buf: Any) -> None:
         """Register a long-lived buffer (e.g. a KV-cache pool, host or GPU memory) so the
         NIXL path moves blocks straight into and out of it. A no-op on other paths."""
-        if self._nixl is not None:
-            self._nixl.register(buf)
+        self._transport.register(buf)
 
     @property
     def tls(self) -> bool:
@@ -195,9 +138,7 @@ class Client:
     def transport(self) -> str:
         """``shm`` when bulk bytes move through shared memory, ``nixl`` through NIXL,
         else ``tcp``."""
-        if self._arena is not None:
-            return "shm"
-        return "nixl" if self._nixl is not None else "tcp"
+        return self._transport.name
 
     # -- connections ---------------------------------------------------------------------------
 
@@ -208,7 +149,7 @@ class Client:
         with self._lock:
             conn = self._idle.pop() if self._idle else None
         if conn is None:
-            conn = Conn(self._conn_addr, self._token, self._timeout_s, self._tls)
+            conn = self._connect(self._conn_addr)
         try:
             yield conn
         finally:
@@ -384,49 +325,17 @@ class Client:
         out: list[bool] = []
         if not keys:
             return out
-        limit = min(self._max_payload, self._staging_bytes) if self._arena is not None else self._max_payload
-        for lo, hi in self._batches(srcs, limit):
-            put = self._shm.put if self._shm is not None else self._nixl_put if self._nixl else tcp_put
-            out += self._run(lambda c: put(c, keys[lo:hi], srcs[lo:hi]))
+        for lo, hi in self._batches(srcs, self._transport.put_limit(self._max_payload)):
+            out += self._run(lambda c: self._transport.put(c, keys[lo:hi], srcs[lo:hi]))
         return out
 
     def _load(self, keys: list[BlockKey], dsts: list[Any]) -> list[bool]:
         out: list[bool] = []
         if not keys:
             return out
-        get = self._shm.get if self._shm is not None else self._nixl_get if self._nixl else self._tcp_get
         for lo, hi in self._batches(dsts, self._max_payload):
-            out += self._run(lambda c: get(c, keys[lo:hi], dsts[lo:hi]))
+            out += self._run(lambda c: self._transport.get(c, keys[lo:hi], dsts[lo:hi]))
         return out
-
-    def _nixl_call(self, conn: Conn, fn: Callable[[], Any]) -> Any:
-        """Run a NIXL operation; on a NIXL/UCX failure (the connection itself intact)
-        switch to TCP and return None so the caller redoes the batch over TCP."""
-        path = self._nixl
-        if path is None:
-            return None
-        try:
-            return fn(path)
-        except (TransportError, TierUnavailableError) as exc:
-            if conn.broken:  # the network, not NIXL: let _run retry / raise
-                raise
-            self._nixl_failed(exc)
-            return None
-
-    def _nixl_get(self, conn: Conn, keys: list[BlockKey], dsts: list[Any]) -> list[bool]:
-        res = self._nixl_call(conn, lambda p: p.get(conn, keys, dsts))
-        if res is None:
-            return self._tcp_get(conn, keys, dsts)
-        out, later = res
-        if later:  # held in a slower tier on the server: fetched over TCP
-            got = self._tcp_get(conn, [keys[i] for i in later], [dsts[i] for i in later])
-            for i, ok in zip(later, got):
-                out[i] = ok
-        return out
-
-    def _nixl_put(self, conn: Conn, keys: list[BlockKey], srcs: list[Any]) -> list[bool]:
-        res = self._nixl_call(conn, lambda p: p.put(conn, keys, srcs))
-        return tcp_put(conn, keys, srcs) if res is None else res
 
     # -- batching ---------------------------------------------------------------------------------
 
@@ -454,17 +363,11 @@ class Client:
             return
         self._closed = True
         self._pool.shutdown(wait=True)
-        if self._copier is not None:
-            self._copier.shutdown(wait=True)
         with self._lock:
             idle, self._idle = self._idle, []
         for c in idle:
             c.close()
-        if self._arena is not None:
-            self._arena.close()
-        if self._nixl is not None:
-            self._nixl.close()
-            self._nixl = None
+        self._transport.close()
 
     def __enter__(self) -> "Client":
         return self

@@ -1,4 +1,5 @@
-"""The client side of the NIXL data plane, used by :class:`kvstore.net.client.Client`.
+"""The client side of the NIXL data plane: :class:`NixlTransport`, the transport of a
+:class:`kvstore.net.client.Client` that took NIXL, over :class:`NixlClientPath`.
 
 The client owns a NIXL agent and tells the server about it on each pooled connection
 (``NIXL_HELLO``, again whenever it registered more memory). It sends, per request, the
@@ -11,6 +12,11 @@ registered staging buffer (one memcpy on the client), so unregistered memory is 
 exposed and registrations do not pile up. Thread-safe: staging buffers come from a
 free list (one per concurrent call at most), registered once and reused.
 
+A NIXL/UCX failure (the connection itself intact) switches the client to TCP for good:
+:class:`NixlTransport` closes its agent, tells the client (which logs it, counts it in
+``fallbacks`` and takes a :class:`~kvstore.net.client.tcp.TcpTransport`), and redoes
+the batch over TCP; blocks the server holds only in slower tiers come over TCP too.
+
 Verified both ways: a save sends the XXH3-64 of each block (hashed here before the
 server reads it; the server stores only blocks that match), and a load checks what the
 server wrote against the checksum it sent; a mismatch is a miss, counted in the
@@ -21,19 +27,99 @@ from __future__ import annotations
 
 import select
 import threading
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
 from kvstore.block import checksum
 from kvstore.buffers import copy_bytes, host_view, is_device, nbytes_of
-from kvstore.errors import BufferSizeError, RemoteError
+from kvstore.errors import BufferSizeError, RemoteError, TierUnavailableError, TransportError
 from kvstore.keys import BlockKey
 from kvstore.net import protocol as P
-from kvstore.net.client.tcp import Integrity
+from kvstore.net.client.tcp import Integrity, TcpTransport
 from kvstore.net.nixl.endpoint import Descs, NixlEndpoint, descs_of, staging_buffer
 
 _KIND = {"DRAM": 0, "VRAM": 1}
+_NIXL_FAILURES = (TransportError, TierUnavailableError)
+
+
+class NixlTransport:
+    """Blocks moved by the server one-sided through ``path``, which this transport owns.
+    ``on_failure(self, exc)`` is called once, on the first NIXL/UCX failure (while
+    introducing this client, or in a call whose connection is still intact), after which
+    every call goes over TCP (``tcp``) and the agent is closed. A failure with the
+    connection broken is the network's: raised, for the client to retry or report.
+    Thread-safe."""
+
+    name = "nixl"
+
+    def __init__(self, path: "NixlClientPath", *, tcp: TcpTransport,
+                 on_failure: Callable[["NixlTransport", BaseException], None]) -> None:
+        self._path: NixlClientPath | None = path
+        self._tcp, self._on_failure = tcp, on_failure
+        self._lock = threading.Lock()
+
+    def start(self, run: Callable[[Callable[[Any], Any]], Any]) -> None:
+        """Introduce this client's agent to the server on a pooled connection (``run``,
+        the client's retry-once runner); a failure falls back to TCP."""
+        path = self._path
+        if path is None:
+            return
+        try:
+            run(path.introduce)
+        except _NIXL_FAILURES as exc:
+            self._fail(exc)
+
+    def put_limit(self, max_payload: int) -> int:
+        return max_payload
+
+    def register(self, buf: Any) -> None:
+        path = self._path
+        if path is not None:
+            path.register(buf)
+
+    def get(self, conn: Any, keys: list[BlockKey], dsts: list[Any]) -> list[bool]:
+        res = self._call(conn, lambda p: p.get(conn, keys, dsts))
+        if res is None:
+            return self._tcp.get(conn, keys, dsts)
+        out, later = res
+        if later:  # held in a slower tier on the server: fetched over TCP
+            got = self._tcp.get(conn, [keys[i] for i in later], [dsts[i] for i in later])
+            for i, ok in zip(later, got):
+                out[i] = ok
+        return out
+
+    def put(self, conn: Any, keys: list[BlockKey], srcs: list[Any]) -> list[bool]:
+        res = self._call(conn, lambda p: p.put(conn, keys, srcs))
+        return self._tcp.put(conn, keys, srcs) if res is None else res
+
+    def _call(self, conn: Any, fn: Callable[["NixlClientPath"], Any]) -> Any:
+        """Run a NIXL operation; on a NIXL/UCX failure (the connection itself intact)
+        fall back to TCP and return None so the caller redoes the batch over TCP."""
+        path = self._path
+        if path is None:
+            return None
+        try:
+            return fn(path)
+        except _NIXL_FAILURES as exc:
+            if conn.broken:  # the network, not NIXL: the client retries or raises
+                raise
+            self._fail(exc)
+            return None
+
+    def _fail(self, exc: BaseException) -> None:
+        """Switch to TCP for good: the client is told once (it logs and counts it)."""
+        with self._lock:
+            path, self._path = self._path, None
+        if path is not None:
+            self._on_failure(self, exc)
+            path.close()
+
+    def close(self) -> None:
+        with self._lock:
+            path, self._path = self._path, None
+        if path is not None:
+            path.close()
 
 
 class NixlClientPath:
@@ -177,3 +263,6 @@ def _hash(buf: Any) -> int:
         copy_bytes(tmp, buf)
         return checksum(tmp)
     return checksum(host_view(buf))
+
+
+__all__ = ["NixlClientPath", "NixlTransport"]

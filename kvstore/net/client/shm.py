@@ -13,7 +13,7 @@ matches the checksum the server keeps for the slot.
 from __future__ import annotations
 
 import logging
-from concurrent.futures import Executor
+from concurrent.futures import Executor, ThreadPoolExecutor
 from typing import Any, Callable
 
 import numpy as np
@@ -46,21 +46,44 @@ def same_server_socket(address: Address, path: str, instance: Any, connect: Call
         return None
     return probe
 
-log = logging.getLogger("kvstore.client")
 
+class SameHostTransport:
+    """Puts and gets through ``arena`` (the server's, mapped here; owned by this
+    transport from now on, unmapped by :meth:`close`). ``copy_threads`` split large
+    copies (a pool of ``copy_threads - 1`` helpers, owned here); ``staging_bytes`` sizes
+    the staging region and bounds one put batch. Thread-safe: each call works on the
+    connection it is given."""
 
-class SameHostPath:
-    """Puts and gets through ``arena`` (the server's, mapped here). ``copier`` and
-    ``copy_threads`` split large copies; ``staging_bytes`` sizes the staging region."""
+    name = "shm"
 
-    def __init__(self, arena: ArenaMap, *, copier: Executor | None, copy_threads: int, staging_bytes: int,
+    def __init__(self, arena: ArenaMap, *, copy_threads: int, staging_bytes: int,
                  max_batch: int, integrity: Integrity | None = None) -> None:
-        self._arena = arena
+        self.arena = arena
         self._integrity = integrity or Integrity()
-        self._copier, self._copy_threads = copier, copy_threads
+        # One memcpy stream does not saturate memory bandwidth, and numpy/torch copies
+        # drop the GIL: a large batch is split over a few threads.
+        self._copy_threads = max(1, copy_threads)
+        self._copier: Executor | None = ThreadPoolExecutor(self._copy_threads - 1, thread_name_prefix="kvstore-copy") \
+            if self._copy_threads > 1 else None
         self._staging_bytes = staging_bytes
         self.max_batch = max_batch
         self._staging_refused = False
+
+    def start(self, run: Any) -> None:
+        """Nothing to set up: the arena is mapped, the connections are on its socket."""
+
+    def put_limit(self, max_payload: int) -> int:
+        """A put batch fits the staging region too (where the arena has no room)."""
+        return min(max_payload, self._staging_bytes)
+
+    def register(self, buf: Any) -> None:
+        """A no-op: the copies read and write any buffer."""
+
+    def close(self) -> None:
+        """Stop the copy helpers and unmap the arena."""
+        if self._copier is not None:
+            self._copier.shutdown(wait=True)
+        self.arena.close()
 
     def _attach(self, conn: Conn) -> bool:
         """The connection's staging region, attached now if need be. False where the
@@ -80,7 +103,7 @@ class SameHostPath:
         return True
 
     def put(self, conn: Conn, keys: list[BlockKey], srcs: list[Any]) -> list[bool]:
-        if not self._arena.writable:
+        if not self.arena.writable:
             return self._staged_put(conn, keys, srcs)
         # Reserve slots in the server's arena, write the blocks straight into them,
         # commit: one copy, no staging. Blocks it found no room for go through staging.
@@ -93,13 +116,13 @@ class SameHostPath:
         try:
             if len(take):
                 off = placed["offset"][take]
-                if (got[take] != np.asarray(sizes)[take]).any() or int((off + got[take]).max()) > self._arena.nbytes:
+                if (got[take] != np.asarray(sizes)[take]).any() or int((off + got[take]).max()) > self.arena.nbytes:
                     raise RemoteError(f"server {conn.addr}: SHM_RESERVE placement outside the arena "
                                       "or of the wrong size")
                 idx = take.tolist()
-                copied = copy_batch_hashed([srcs[i] for i in idx], [sizes[i] for i in idx], self._arena.array,
-                                           self._arena.address, off.tolist(), True, self._copier,
-                                           self._copy_threads, self._arena.pin, hash_source=True)
+                copied = copy_batch_hashed([srcs[i] for i in idx], [sizes[i] for i in idx], self.arena.array,
+                                           self.arena.address, off.tolist(), True, self._copier,
+                                           self._copy_threads, self.arena.pin, hash_source=True)
                 for i, csum in zip(idx, copied):
                     sums[i] = csum
         except BaseException:
@@ -142,7 +165,7 @@ class SameHostPath:
             if ((got >= 0) & (got != want)).any():
                 raise RemoteError(f"server {conn.addr}: SHM_GET placed a block of another size than its buffer")
             out = (got >= 0).tolist()
-            for code, region in ((P.WHERE_ARENA, self._arena), (P.WHERE_STAGING, conn.staging)):
+            for code, region in ((P.WHERE_ARENA, self.arena), (P.WHERE_STAGING, conn.staging)):
                 idx = np.flatnonzero((got >= 0) & (where == code))
                 if not len(idx):
                     continue
@@ -152,7 +175,7 @@ class SameHostPath:
                 ii = idx.tolist()
                 args = ([dsts[i] for i in ii], [sizes[i] for i in ii], region.array, region.address,
                         off.tolist(), False, self._copier, self._copy_threads,
-                        self._arena.pin if code == P.WHERE_ARENA else None)
+                        self.arena.pin if code == P.WHERE_ARENA else None)
                 if not verify:
                     copy_batch(*args)
                     continue
@@ -195,4 +218,4 @@ class SameHostPath:
         return out
 
 
-__all__ = ["SameHostPath", "same_server_socket"]
+__all__ = ["SameHostTransport", "same_server_socket"]

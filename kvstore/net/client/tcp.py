@@ -1,9 +1,10 @@
 """The cache client's TCP data path: a PUT sends the blocks after their records (each
 with the XXH3-64 of its bytes, computed here before they leave), a GET receives them
 after their sizes and checksums, on one connection, and verifies every block before
-reporting it loaded; device buffers cross through host memory. Used by
-:class:`kvstore.net.client.Client` and, for blocks the server can only send over the
-socket, by the same-host path."""
+reporting it loaded; device buffers cross through host memory. :class:`TcpTransport`
+is :class:`kvstore.net.client.Client`'s transport when it takes neither shared memory
+nor NIXL (and after a NIXL failure); :func:`tcp_get` / :func:`tcp_put` also carry the
+blocks the other transports leave to the socket."""
 
 from __future__ import annotations
 
@@ -33,6 +34,35 @@ class Integrity:
     def failed(self, n: int = 1) -> None:
         with self._lock:
             self.mismatches += n
+
+
+class TcpTransport:
+    """Block bytes inside frames on the control connection (the
+    :class:`~kvstore.net.client.selection.Transport` every server offers). Stateless
+    but for ``integrity``; thread-safe."""
+
+    name = "tcp"
+
+    def __init__(self, integrity: Integrity) -> None:
+        self._integrity = integrity
+
+    def start(self, run: Any) -> None:
+        """Nothing to set up: the HELLO was all."""
+
+    def put(self, conn: Conn, keys: list[BlockKey], srcs: list[Any]) -> list[bool]:
+        return tcp_put(conn, keys, srcs, self._integrity)
+
+    def get(self, conn: Conn, keys: list[BlockKey], dsts: list[Any]) -> list[bool]:
+        return tcp_get(conn, keys, dsts, self._integrity)
+
+    def put_limit(self, max_payload: int) -> int:
+        return max_payload
+
+    def register(self, buf: Any) -> None:
+        """A no-op: TCP receives into any buffer."""
+
+    def close(self) -> None:
+        """Nothing of its own to close (the connections are the Client's)."""
 
 
 def tcp_put(conn: Conn, keys: list[BlockKey], srcs: list[Any], integrity: Integrity | None = None) -> list[bool]:
@@ -96,4 +126,4 @@ def raise_mismatch(keys: list[BlockKey], got: list[int], sizes: list[int]) -> No
             raise BufferSizeError(f"buffer for {key!r} has {want} bytes; the stored block differs")
 
 
-__all__ = ["Integrity", "raise_mismatch", "tcp_get", "tcp_put"]
+__all__ = ["Integrity", "TcpTransport", "raise_mismatch", "tcp_get", "tcp_put"]

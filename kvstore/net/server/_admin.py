@@ -22,16 +22,16 @@ import json
 import logging
 import socket
 import ssl
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
 from kvstore.errors import ConfigError
 from kvstore.net.server import _lookup
-from kvstore.net.server._tenants import Tenant, admin_clear
+from kvstore.net.server._metrics import ServerMetrics
+from kvstore.net.server._tenants import Tenant, Tenants, admin_clear
 
 if TYPE_CHECKING:
     from aiohttp import web
-
-    from kvstore.net.server._server import Server
 
 log = logging.getLogger("kvstore.server")
 HEAD_TIMEOUT_S = 5.0      # from accept (or the last reply) to a complete request head
@@ -39,11 +39,12 @@ BODY_TIMEOUT_S = 30.0     # from the head to the whole body
 MAX_CONNECTIONS = 128     # open at once (probes, scrapers, routers); more are closed at accept
 _SECURED = frozenset({"/stats", "/clear", "/v1/lookup"})
 _NOT_FOUND = b"not found; try /healthz, /metrics, /stats, POST /clear, POST /v1/lookup\n"
-_TENANT = "kvstore.tenant"   # request key: the bearer's tenant, set by the guard on secured paths
+_TENANT_KEY = "kvstore.tenant"   # request key: the bearer's tenant, set by the guard on secured paths
 _ALLOWED = {"/healthz": "GET", "/metrics": "GET", "/stats": "GET", "/clear": "POST", "/v1/lookup": "POST"}
 
 
-def _web() -> Any:
+def require_aiohttp() -> Any:
+    """``aiohttp.web``, or a :class:`ConfigError` saying the admin port needs it."""
     try:
         from aiohttp import web
     except ImportError:
@@ -52,12 +53,30 @@ def _web() -> Any:
     return web
 
 
-class AdminServer:
-    """The admin port of ``server``: :meth:`start` listens, :meth:`close` stops."""
+@dataclass(frozen=True)
+class AdminContext:
+    """What the admin port uses of its server: the served ``store`` (``/clear``,
+    ``/v1/lookup``), its ``metrics`` (``/metrics``, refused connections), its
+    ``tenants`` (bearer tokens), ``stats(tenant)`` (``/stats``) and ``closing()``
+    (``/healthz`` is 503 once shutdown began). ``stats`` and ``closing`` are called
+    per request, from the loop (``stats`` in its executor)."""
 
-    def __init__(self, server: "Server") -> None:
-        self.server = server
-        self._web = _web()
+    store: Any
+    metrics: ServerMetrics
+    tenants: Tenants
+    stats: Callable[[Tenant | None], dict[str, Any]]
+    closing: Callable[[], bool]
+
+
+class AdminServer:
+    """The admin port over ``context``: :meth:`start` listens, :meth:`close` stops."""
+
+    def __init__(self, context: AdminContext) -> None:
+        self._ctx = context
+        self._web = require_aiohttp()
+        # aiohttp >= 3.12 warns about plain str request keys (NotAppKeyWarning)
+        request_key = getattr(self._web, "RequestKey", None)
+        self._tenant = request_key(_TENANT_KEY, Tenant) if request_key is not None else _TENANT_KEY
         self._runner: Any = None
         self._sock: socket.socket | None = None
         self._accepting: asyncio.Task | None = None
@@ -114,7 +133,7 @@ class AdminServer:
                 await asyncio.sleep(0.05)
                 continue
             if len(protocols.connections) + len(self._connecting) >= MAX_CONNECTIONS:
-                self.server.metrics.refused.labels("admin_max_connections").inc()
+                self._ctx.metrics.refused.labels("admin_max_connections").inc()
                 sock.close()
                 continue
             task = asyncio.ensure_future(self._serve(loop, protocols, sock, ssl_context))
@@ -143,11 +162,11 @@ class AdminServer:
         async def guard(request: "web.Request", handler: Callable[..., Awaitable[Any]]) -> "web.StreamResponse":
             if request.path in _SECURED:
                 # every tenant's token tried, each in constant time; open servers: the one tenant
-                tenant = self.server.tenants.bearer(request.headers.get("Authorization", ""))
+                tenant = self._ctx.tenants.bearer(request.headers.get("Authorization", ""))
                 if tenant is None:
                     return web.Response(status=401, text="missing or wrong bearer token\n",
                                         headers={"WWW-Authenticate": 'Bearer realm="kvstore"'})
-                request[_TENANT] = tenant
+                request[self._tenant] = tenant
             try:
                 return await handler(request)
             except web.HTTPNotFound:
@@ -166,21 +185,21 @@ class AdminServer:
     # -- endpoints ------------------------------------------------------------------------
 
     async def _healthz(self, request: "web.Request") -> "web.Response":
-        if self.server.closing:
+        if self._ctx.closing():
             return self._web.Response(status=503, text="shutting down\n")
         return self._web.Response(text="ok\n")
 
     async def _metrics(self, request: "web.Request") -> "web.Response":
-        body = await asyncio.get_running_loop().run_in_executor(None, self.server.metrics.render)
+        body = await asyncio.get_running_loop().run_in_executor(None, self._ctx.metrics.render)
         return self._web.Response(body=body, headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
 
     async def _stats(self, request: "web.Request") -> "web.Response":
-        stats = await asyncio.get_running_loop().run_in_executor(None, self.server.stats, request[_TENANT])
+        stats = await asyncio.get_running_loop().run_in_executor(None, self._ctx.stats, request[self._tenant])
         return self._json(200, stats)
 
     async def _clear(self, request: "web.Request") -> "web.Response":
-        removed = await asyncio.get_running_loop().run_in_executor(None, admin_clear, self.server.store,
-                                                                   request[_TENANT])
+        removed = await asyncio.get_running_loop().run_in_executor(None, admin_clear, self._ctx.store,
+                                                                   request[self._tenant])
         return self._json(200, {"removed": removed})
 
     async def _lookup(self, request: "web.Request") -> "web.Response":
@@ -194,9 +213,9 @@ class AdminServer:
         except asyncio.TimeoutError:
             return self._json(408, {"error": f"body not received within {BODY_TIMEOUT_S:g} s"}, close=True)
         try:
-            tenant: Tenant = request[_TENANT]
+            tenant: Tenant = request[self._tenant]
             answer = await asyncio.get_running_loop().run_in_executor(
-                None, _lookup.answer, self.server.store, body, lambda keys: tenant.keys(keys, cached=False))
+                None, _lookup.answer, self._ctx.store, body, lambda keys: tenant.keys(keys, cached=False))
         except _lookup.BadLookup as exc:
             return self._json(400, {"error": str(exc)})
         return self._json(200, answer)
@@ -222,4 +241,4 @@ class _BadRequestLogger(logging.LoggerAdapter):
             self.logger.log(level, msg, *args, exc_info=exc_info, **kwargs)
 
 
-__all__ = ["AdminServer", "BODY_TIMEOUT_S", "HEAD_TIMEOUT_S", "MAX_CONNECTIONS"]
+__all__ = ["AdminContext", "AdminServer", "BODY_TIMEOUT_S", "HEAD_TIMEOUT_S", "MAX_CONNECTIONS", "require_aiohttp"]

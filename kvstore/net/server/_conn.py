@@ -31,7 +31,7 @@ from kvstore.net.server._tenants import Tenant, clear as _clear
 from kvstore.net.server._tls_stream import TlsStream, peek_first_byte
 
 if TYPE_CHECKING:
-    from kvstore.net.server._server import Server
+    from kvstore.net.server._context import ConnContext
 
 log = logging.getLogger("kvstore.server")
 _KEEP_BUFFER_BYTES = 256 << 20  # scratch buffers up to this size are kept for the next request
@@ -44,10 +44,11 @@ class Connection(SameHostOps):
     use when over 256 MiB, or when others wait for the server's buffer budget,
     ``max_inflight_bytes_total``, which every connection's buffer comes from) and leases
     plus reservations on at most ``max_inflight_bytes`` of slots. The same-host
-    operations live in :class:`SameHostOps` (``_conn_shm.py``)."""
+    operations live in :class:`SameHostOps` (``_conn_shm.py``). All it uses of the
+    server comes in ``ctx`` (:class:`~kvstore.net.server._context.ConnContext`)."""
 
-    def __init__(self, server: "Server", sock: socket.socket, peer: str, local: bool) -> None:
-        self.server, self.sock, self.peer, self.local = server, sock, peer, local
+    def __init__(self, ctx: "ConnContext", sock: socket.socket, peer: str, local: bool) -> None:
+        self.ctx, self.sock, self.peer, self.local = ctx, sock, peer, local
         self.peer_ip: str | None = None     # the TCP peer's address (None on the Unix socket)
         self.loop = asyncio.get_running_loop()
         self.head = bytearray(P.HEADER_BYTES)
@@ -106,12 +107,12 @@ class Connection(SameHostOps):
         """Wrap this TCP connection in TLS (``server.tls``); False when it was refused
         (counted, logged in one line, closed). A plaintext kvstore client is told in
         plaintext that this server needs TLS; any other failure is the handshake's."""
-        server = self.server
+        ctx = self.ctx
         first = await peek_first_byte(self.loop, self.sock)
         if not first:
             return False
         if first == P.MAGIC[:1]:
-            server.metrics.refused.labels("tls_required").inc()
+            ctx.metrics.refused.labels("tls_required").inc()
             log.info("closing connection %s: plaintext client, and this server requires TLS", self.peer)
             try:   # read its HELLO first: closing with unread bytes would reset the connection, reply and all
                 await asyncio.wait_for(self.loop.sock_recv(self.sock, P.HEADER_BYTES + HELLO_MAX_BYTES), 1.0)
@@ -122,11 +123,11 @@ class Connection(SameHostOps):
                 pass
             return False
         try:
-            self.sock = server.tls_context.wrap_socket(self.sock, server_side=True, do_handshake_on_connect=False)
-            tls = TlsStream(self.loop, self.sock, server.sender, server.config.server.idle_timeout_s)
+            self.sock = ctx.tls_context.wrap_socket(self.sock, server_side=True, do_handshake_on_connect=False)
+            tls = TlsStream(self.loop, self.sock, ctx.sender, ctx.idle_timeout_s)
             await tls.handshake()
         except (ssl.SSLError, OSError) as exc:
-            server.metrics.refused.labels("tls_handshake").inc()
+            ctx.metrics.refused.labels("tls_handshake").inc()
             log.info("closing connection %s: TLS handshake failed: %s", self.peer,
                      getattr(exc, "reason", None) or exc)
             return False
@@ -137,13 +138,13 @@ class Connection(SameHostOps):
         """The connection's scratch buffer, grown on demand and reused across requests.
         Its bytes come from the server-wide budget (``max_inflight_bytes_total``): when
         that is spent, this waits (reading nothing more of the frame) until it has room."""
-        limit = self.server.config.server.max_inflight_bytes
+        limit = self.ctx.max_inflight_bytes
         if nbytes > limit:
             raise _Fatal(P.Status.TOO_LARGE, f"{nbytes} bytes in flight exceed max_inflight_bytes {limit}")
         if self.buf.nbytes < nbytes:
             self.drop_buffer()                 # given back before a larger one is taken
             size = min(max(nbytes, 1 << 20), limit)
-            await self.server.buffers.take(size, self.server.reclaim_buffers)
+            await self.ctx.buffers.take(size, self.ctx.reclaim_buffers)
             self.buf = np.empty(size, np.uint8)
         return self.buf
 
@@ -151,22 +152,22 @@ class Connection(SameHostOps):
         """Free the scratch buffer and give its bytes back to the server's budget."""
         if self.buf.nbytes:
             nbytes, self.buf = self.buf.nbytes, np.empty(0, np.uint8)
-            self.server.buffers.give(nbytes)
+            self.ctx.buffers.give(nbytes)
 
     # -- the loop ----------------------------------------------------------------------------
 
     async def run(self) -> None:
-        server, metrics = self.server, self.server.metrics
+        ctx, metrics = self.ctx, self.ctx.metrics
         metrics.connections.inc()
         rid = 0
         try:
-            if self.peer_ip is not None and server.tls_context is not None and not await self._start_tls():
+            if self.peer_ip is not None and ctx.tls_context is not None and not await self._start_tls():
                 return
-            while not server.closing:
+            while not ctx.closing():
                 await self._recv_exact(memoryview(self.head), in_frame=False)
                 self.busy, t0 = True, time.perf_counter()
                 self.last_active = time.monotonic()
-                header = P.parse_header(self.head, server.limits)
+                header = P.parse_header(self.head, ctx.limits)
                 rid, op = header.request_id, P.Op(header.op)
                 if not self.authed and op is not P.Op.HELLO:
                     raise _Fatal(P.Status.AUTH, "the first frame must be HELLO (with the token, if the "
@@ -179,11 +180,11 @@ class Connection(SameHostOps):
                     self.body = bytearray(header.body_len)
                 body = memoryview(self.body)[:header.body_len]
                 await self._recv_exact(body)
-                args = P.decode_request(header, body, server.limits)
+                args = P.decode_request(header, body, ctx.limits)
                 if self.authed:   # the tenant's key space, for every op: no handler sees a client's key
                     args = self.tenant.scope(op, args)
                 status = await self._dispatch(op, rid, args, header)
-                if self.buf.nbytes > _KEEP_BUFFER_BYTES or server.buffers.waiting:
+                if self.buf.nbytes > _KEEP_BUFFER_BYTES or ctx.buffers.waiting:
                     self.drop_buffer()   # a rare huge request, or others wait: do not hold its memory
                 metrics.latency.labels(op.name).observe(time.perf_counter() - t0)
                 metrics.requests.labels(op.name, status.name).inc()
@@ -196,7 +197,7 @@ class Connection(SameHostOps):
         except _Fatal as exc:
             await self._refuse(rid, exc.status, str(exc))
         except ssl.SSLError as exc:   # a TLS record failed (tampered with, or a broken peer)
-            server.metrics.refused.labels("tls_error").inc()
+            ctx.metrics.refused.labels("tls_error").inc()
             log.info("closing connection %s: TLS error: %s", self.peer, exc.reason or exc)
         except (ConnectionError, OSError):
             pass
@@ -211,7 +212,7 @@ class Connection(SameHostOps):
             metrics.connections.dec()
 
     async def _refuse(self, rid: int, status: P.Status, message: str) -> None:
-        self.server.metrics.refused.labels(status.name).inc()
+        self.ctx.metrics.refused.labels(status.name).inc()
         log.info("closing connection %s: %s", self.peer, message)
         try:
             await asyncio.wait_for(self._reply(P.Op.PING, rid, message.encode()[:4096], status=status), 1.0)
@@ -236,12 +237,12 @@ class Connection(SameHostOps):
             self.staging.close()
             self.staging = None
         if self.nixl_peer is not None:
-            self.server.nixl.drop(self)
+            self.ctx.nixl.drop(self)
         try:
             self.sock.close()
         except OSError:
             pass
-        self.server.conns.discard(self)
+        self.ctx.forget(self)
 
     def expire_leases(self, max_age_s: float) -> None:
         now = time.monotonic()
@@ -294,25 +295,25 @@ class Connection(SameHostOps):
                                                               "protocol": P.VERSION}))
             return
         # The tenant whose token the proof answers (each tenant's key tried, in constant time).
-        tenant = self.server.tenants.authenticate(nonce, args.get("client"), args.get("proof"))
+        tenant = self.ctx.tenants.authenticate(nonce, args.get("client"), args.get("proof"))
         if tenant is None:
             raise _Fatal(P.Status.AUTH, "wrong or missing token (HELLO proof does not match)")
         if self.tenant is not None and tenant is not self.tenant:
             # its leases and reservations are in the first tenant's space: never handed to another
             raise _Fatal(P.Status.AUTH, "a connection cannot change tenants; open a new one")
         self.authed, self.tenant = True, tenant
-        await self._reply(P.Op.HELLO, rid, P.encode_json(self.server.hello_info(self.local, tenant)))
+        await self._reply(P.Op.HELLO, rid, P.encode_json(self.ctx.hello_info(self.local, tenant)))
 
     async def _op_ping(self, rid: int, args: None, header: P.Header) -> None:
         await self._reply(P.Op.PING, rid)
 
     async def _op_stats(self, rid: int, args: None, header: P.Header) -> None:
-        stats = await self.loop.run_in_executor(None, self.server.stats, self.tenant)
+        stats = await self.loop.run_in_executor(None, self.ctx.stats, self.tenant)
         await self._reply(P.Op.STATS, rid, P.encode_json(stats))
 
     async def _op_lookup(self, rid: int, args: tuple, header: P.Header) -> None:
         lease_s, keys = args
-        store = self.server.store
+        store = self.ctx.store
         if getattr(store, "discovers", False):   # may ask shared tiers (Redis, S3, Mooncake) over the network
             n = await self.loop.run_in_executor(None, store.lookup, keys, lease_s)
         else:
@@ -321,50 +322,50 @@ class Connection(SameHostOps):
 
     async def _op_hint(self, rid: int, args: tuple, header: P.Header) -> None:
         hint, keys = args
-        await self._reply(P.Op.HINT, rid, P.encode_u32(self.server.store.hint(keys, hint)))
+        await self._reply(P.Op.HINT, rid, P.encode_u32(self.ctx.store.hint(keys, hint)))
 
     async def _op_contains(self, rid: int, keys: list, header: P.Header) -> None:
-        await self._reply(P.Op.CONTAINS, rid, bytes(self.server.store.contains(keys)))
+        await self._reply(P.Op.CONTAINS, rid, bytes(self.ctx.store.contains(keys)))
 
     async def _op_release(self, rid: int, keys: list, header: P.Header) -> None:
-        self.server.store.release(keys)
+        self.ctx.store.release(keys)
         await self._reply(P.Op.RELEASE, rid)
 
     async def _op_delete(self, rid: int, keys: list, header: P.Header) -> None:
-        n = await self.loop.run_in_executor(None, self.server.store.delete, keys)
+        n = await self.loop.run_in_executor(None, self.ctx.store.delete, keys)
         await self._reply(P.Op.DELETE, rid, P.encode_u32(n))
 
     async def _op_clear(self, rid: int, namespaces: list, header: P.Header) -> None:
         """Remove the tenant's blocks (every block without tenants), or those of the
         given namespaces. Needs only what every op needs: an authenticated connection."""
-        n = await self.loop.run_in_executor(None, _clear, self.server.store, self.tenant, namespaces)
+        n = await self.loop.run_in_executor(None, _clear, self.ctx.store, self.tenant, namespaces)
         await self._reply(P.Op.CLEAR, rid, P.encode_u64(n))
 
     async def _op_put(self, rid: int, args: tuple, header: P.Header) -> None:
         keys, rec = args
-        keys = self.server.intern(keys)
+        keys = self.ctx.served.intern(keys)
         total = header.payload_len
         buf = (await self._buffer(total))[:total]   # exactly this request's bytes: no slice reaches past them
         await self._recv_exact(memoryview(buf))  # straight off the socket, no copy
-        self.server.metrics.bytes.labels("in", "tcp").inc(total)
+        self.ctx.metrics.bytes.labels("in", "tcp").inc(total)
         srcs, pos = [], 0
         for n in rec["nbytes"].tolist():
             srcs.append(buf[pos:pos + n])
             pos += n
         # The Store checks each block against the checksum its client computed before
         # sending: a block changed on the way is refused (False, counted), not stored.
-        ok = await asyncio.wrap_future(self.server.store.save(keys, srcs, checksums=rec["checksum"].tolist())) \
+        ok = await asyncio.wrap_future(self.ctx.store.save(keys, srcs, checksums=rec["checksum"].tolist())) \
             if keys else []
         await self._reply(P.Op.PUT, rid, bytes(ok))
 
     async def _op_get(self, rid: int, args: tuple, header: P.Header) -> None:
         keys, rec = args
-        keys = self.server.intern(keys)
+        keys = self.ctx.served.intern(keys)
         want = rec["nbytes"].tolist()
         sizes = [P.MISS] * len(keys)
-        with self.server.borrow(keys) as views:
+        with self.ctx.served.borrow(keys) as views:
             srcs: list[Any] = [None] * len(keys)
-            sums = self.server.store.checksums(keys)   # as stored; the client verifies what arrives
+            sums = self.ctx.store.checksums(keys)   # as stored; the client verifies what arrives
             lower = []
             for i, v in enumerate(views):
                 if v is None:
@@ -383,9 +384,9 @@ class Connection(SameHostOps):
             if self.tls is not None:
                 await self.tls.send(frame, total)
             else:
-                await self.server.sender.send(self.loop, self.sock, frame, total)  # header and blocks, vectored
-            self.server.metrics.bytes.labels("out", "tcp").inc(total)
-        if self.server.tenants.enabled:
+                await self.ctx.sender.send(self.loop, self.sock, frame, total)  # header and blocks, vectored
+            self.ctx.metrics.bytes.labels("out", "tcp").inc(total)
+        if self.ctx.tenants.enabled:
             self.tenant.served(sizes)
 
     async def _load_lower(self, keys: list, want: list[int], idx: list[int], buf: np.ndarray, base: int,
@@ -393,7 +394,7 @@ class Connection(SameHostOps):
         """Load blocks the first tier does not hold (slower tiers) into ``buf`` from
         ``base`` on; fills ``sizes``, ``srcs`` (views of ``buf``) and ``sums`` (the
         checksum of each loaded copy, which those tiers verified) for the hits."""
-        store = self.server.store
+        store = self.ctx.store
         idx = [i for i, c in zip(idx, store.contains([keys[i] for i in idx])) if c]
         dsts, pos = [], base
         for i in idx:
@@ -419,22 +420,22 @@ class Connection(SameHostOps):
     # -- NIXL (see kvstore/net/server/_nixl.py) ----------------------------------------------------
 
     async def _op_nixl_hello(self, rid: int, metadata: bytes, header: P.Header) -> None:
-        if self.server.tenants.enabled:   # before any metadata is loaded (see NixlService.hello)
+        if self.ctx.tenants.enabled:   # before any metadata is loaded (see NixlService.hello)
             raise TransportError("NIXL is not offered with server.tenants; use TCP")
-        if not self.server.nixl.offered():
+        if not self.ctx.nixl.offered():
             raise TransportError("this server does not offer NIXL")
-        meta = await self.loop.run_in_executor(None, self.server.nixl.hello, self, metadata)
+        meta = await self.loop.run_in_executor(None, self.ctx.nixl.hello, self, metadata)
         await self._reply(P.Op.NIXL_HELLO, rid, meta)
 
     async def _op_nixl_get(self, rid: int, args: tuple, header: P.Header) -> None:
-        sizes, sums = await self.loop.run_in_executor(None, self.server.nixl.get, self, args)
-        self.server.metrics.bytes.labels("out", "nixl").inc(sum(s for s in sizes if s > 0))
-        if self.server.tenants.enabled:
+        sizes, sums = await self.loop.run_in_executor(None, self.ctx.nixl.get, self, args)
+        self.ctx.metrics.bytes.labels("out", "nixl").inc(sum(s for s in sizes if s > 0))
+        if self.ctx.tenants.enabled:
             self.tenant.served(sizes)
         await self._reply(P.Op.NIXL_GET, rid, P.encode_summed(sizes, sums))
 
     async def _op_nixl_put(self, rid: int, args: tuple, header: P.Header) -> None:
-        ok = await self.loop.run_in_executor(None, self.server.nixl.put, self, args)
-        self.server.metrics.bytes.labels("in", "nixl").inc(int(args[3]["nbytes"].sum()))
+        ok = await self.loop.run_in_executor(None, self.ctx.nixl.put, self, args)
+        self.ctx.metrics.bytes.labels("in", "nixl").inc(int(args[3]["nbytes"].sum()))
         await self._reply(P.Op.NIXL_PUT, rid, bytes(ok))
 

@@ -22,12 +22,12 @@ from kvstore.net.server._shm import Lease, Staging
 
 
 class SameHostOps:
-    """SHM_* handlers; relies on the Connection's state and helpers (``server``,
+    """SHM_* handlers; relies on the Connection's state and helpers (``ctx``,
     ``loop``, ``local``, ``leases``, ``reservations``, ``staging``, ``_reply``,
     ``_load_lower``, ``_release_lease``)."""
 
     def _need_local(self) -> None:
-        if not self.local or self.server.arena is None:
+        if not self.local or self.ctx.arena is None:
             raise _Fatal(P.Status.UNAVAILABLE, "shared memory is only offered to same-host clients "
                          "of a server whose first tier is a shared DRAM arena")
 
@@ -36,7 +36,7 @@ class SameHostOps:
         # gets into it. Only the process that created it may attach it, so only on the
         # Unix socket, whose peer the kernel names (SO_PEERCRED: the file's owner and the
         # pid in its name), and never with tenants (who share a uid, and no arena).
-        if self.server.tenants.enabled:
+        if self.ctx.tenants.enabled:
             raise _Fatal(P.Status.UNAVAILABLE, "SHM_ATTACH is not offered with server.tenants")
         if self.sock.family != socket.AF_UNIX:
             raise _Fatal(P.Status.UNAVAILABLE, "SHM_ATTACH is only offered on the server's Unix socket")
@@ -46,19 +46,19 @@ class SameHostOps:
         pid, uid, _ = struct.unpack("3i", self.sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
                                                                struct.calcsize("3i")))
         self.staging = Staging.attach(args.get("path"), args.get("nbytes"),
-                                      self.server.config.server.max_inflight_bytes, peer_pid=pid, peer_uid=uid)
+                                      self.ctx.max_inflight_bytes, peer_pid=pid, peer_uid=uid)
         await self._reply(P.Op.SHM_ATTACH, rid)
 
     async def _op_shm_get(self, rid: int, args: tuple, header: P.Header) -> None:
         self._need_local()
         keys, rec = args
-        keys = self.server.intern(keys)
+        keys = self.ctx.served.intern(keys)
         n = len(keys)
         want = rec["nbytes"].tolist()
         sizes, offsets, where = [P.MISS] * n, [0] * n, [P.WHERE_ARENA] * n
-        lease = Lease(self.server.borrow(keys, offsets=True))
+        lease = Lease(self.ctx.served.borrow(keys, offsets=True))
         try:
-            sums = self.server.store.checksums(keys)   # as stored; the client verifies its copy
+            sums = self.ctx.store.checksums(keys)   # as stored; the client verifies its copy
             lower, leased = [], 0
             for i, slot in enumerate(lease.views):
                 if slot is None:
@@ -69,7 +69,7 @@ class SameHostOps:
                     sizes[i], offsets[i] = want[i], slot[0]
                     leased += want[i]
             lease.nbytes = leased
-            if self.leased_bytes + leased > self.server.config.server.max_inflight_bytes:
+            if self.leased_bytes + leased > self.ctx.max_inflight_bytes:
                 raise _Busy(f"{self.leased_bytes + leased} leased bytes would exceed "
                             f"max_inflight_bytes; release earlier leases first")
             if lower:
@@ -93,8 +93,8 @@ class SameHostOps:
         placed = np.empty(n, dtype=P.PLACED)
         placed["nbytes"], placed["offset"], placed["where"] = sizes, offsets, where
         placed["checksum"] = [c or 0 for c in sums]
-        self.server.metrics.bytes.labels("out", "shm").inc(lease.nbytes)
-        if self.server.tenants.enabled:   # a block left for a socket GET is counted by that GET
+        self.ctx.metrics.bytes.labels("out", "shm").inc(lease.nbytes)
+        if self.ctx.tenants.enabled:   # a block left for a socket GET is counted by that GET
             self.tenant.served([s if w != P.WHERE_SOCKET else 0 for s, w in zip(sizes, where)])
         await self._reply(P.Op.SHM_GET, rid, P.encode_placed(lid, placed))
 
@@ -102,7 +102,7 @@ class SameHostOps:
                      offsets: list[int], where: list[int]) -> list[int]:
         """Blocks held only below the first tier: into the client's staging region while
         it has room (returned, to be loaded there), the rest marked for a socket GET."""
-        present = self.server.store.contains([keys[i] for i in lower])
+        present = self.ctx.store.contains([keys[i] for i in lower])
         room = self.staging.nbytes if self.staging is not None else 0
         staged, pos = [], 0
         for i, there in zip(lower, present):
@@ -122,11 +122,11 @@ class SameHostOps:
         if self.staging is None:
             raise InvalidArgumentError("SHM_PUT needs an attached staging region (SHM_ATTACH)")
         keys, rec = args
-        keys = self.server.intern(keys)
+        keys = self.ctx.served.intern(keys)
         srcs = [self.staging.slice(int(off), int(n)) for n, off in zip(rec["nbytes"], rec["offset"])]
-        ok = await asyncio.wrap_future(self.server.store.save(keys, srcs, checksums=rec["checksum"].tolist())) \
+        ok = await asyncio.wrap_future(self.ctx.store.save(keys, srcs, checksums=rec["checksum"].tolist())) \
             if keys else []
-        self.server.metrics.bytes.labels("in", "shm").inc(int(rec["nbytes"].sum()))
+        self.ctx.metrics.bytes.labels("in", "shm").inc(int(rec["nbytes"].sum()))
         await self._reply(P.Op.SHM_PUT, rid, bytes(ok))
 
     async def _op_shm_reserve(self, rid: int, args: tuple, header: P.Header) -> None:
@@ -135,18 +135,18 @@ class SameHostOps:
         in-flight bytes, and are freed if the connection closes first."""
         self._need_local()
         keys, rec = args
-        keys = self.server.intern(keys)
+        keys = self.ctx.served.intern(keys)
         sizes = rec["nbytes"].tolist()
         total = sum(sizes)
-        limit = self.server.config.server.max_inflight_bytes
+        limit = self.ctx.max_inflight_bytes
         if self.leased_bytes + total > limit:
             raise _Busy(f"{self.leased_bytes + total} reserved and leased bytes would exceed max_inflight_bytes "
                         f"{limit}; commit or release earlier ones first")
-        res = await self.loop.run_in_executor(None, self.server.store.reserve, keys, sizes)
+        res = await self.loop.run_in_executor(None, self.ctx.store.reserve, keys, sizes)
         n = len(keys)
         placed = np.zeros(n, dtype=P.PLACED)
         got, offsets, reserved = [P.MISS] * n, [0] * n, 0
-        base = self.server.arena.base_address
+        base = self.ctx.arena.base_address
         for i, (present, view) in enumerate(zip(res.present, res.views)):
             if present:
                 got[i] = P.PRESENT
@@ -177,7 +177,7 @@ class SameHostOps:
         if commit:
             # Each slot is published only when its bytes match the client's checksum.
             ok = await self.loop.run_in_executor(None, res.commit, sums.tolist())
-            self.server.metrics.bytes.labels("in", "shm").inc(nbytes)
+            self.ctx.metrics.bytes.labels("in", "shm").inc(nbytes)
         else:
             await self.loop.run_in_executor(None, res.abort)
             ok = res.present

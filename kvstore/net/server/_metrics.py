@@ -1,11 +1,13 @@
-"""Prometheus metrics of one server: request latency and counts from the server, tier
-counters read from the Store at scrape time (so they can never drift from ``stats()``).
+"""Prometheus metrics of one server: request latency and counts from the server, tier,
+hint and tenant counters read from the Store at scrape time (so they can never drift
+from ``stats()``).
 
 Each server owns its own registry, so several servers can live in one process (tests).
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any, Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -28,6 +30,19 @@ _TIER_COUNTERS = {
 }
 _TIER_GAUGES = {"used_bytes": "payload bytes stored", "capacity_bytes": "configured capacity",
                 "blocks": "blocks stored"}
+# retention hints (kvstore.store.hints): stats()["hints"], and each tier's HintTrust
+# (stats()["tiers"][i]["hint_trust"], kvstore.policies.retention)
+_HINT_COUNTERS = {
+    "given": "hints given, per key and call",
+    "hit": "hinted blocks hit before their hint expired (once per hint)",
+    "expired": "hints that expired, or whose block left after expiry, without a hit",
+    "discarded": "discard blocks evicted and not spilled",
+}
+_HINT_TRUST_PROTECT = ("kvstore_tier_hint_trust_protect_seconds",
+                       "age up to which a live hint protects its blocks in this tier (+Inf: in full)")
+_HINT_TRUST_REUSE = ("kvstore_tier_hint_trust_reuse_ratio",
+                     "reuse rate of the blocks watched at the eviction end, per class (absent: none seen yet)")
+_HINT_TRUST_WATCHED = ("kvstore_tier_hint_trust_watched", "blocks the tier's hint trust watches now")
 # KV events (kvstore._events), when the config has an events section
 _EVENT_COUNTERS = {
     "batches": "event batches published (the next one gets sequence number batches)",
@@ -85,6 +100,7 @@ class _StoreCollector:
             for t in stats["tiers"]:
                 fam.add_metric([t["name"], t["kind"]], float(t.get(name, 0)))
             yield fam
+        yield from _hint_families(stats)
         for name, doc in {**COUNTERS, **GAUGES}.items():
             family = CounterMetricFamily if name in COUNTERS else GaugeMetricFamily
             fam = family(f"kvstore_connector_{name}", doc, labels=["connector"])
@@ -102,6 +118,30 @@ class _StoreCollector:
                 yield GaugeMetricFamily(metric, doc, value=events[name])
         if self._tenants is not None:
             yield from _tenant_families(self._tenants(stats.get("tenants", {})))
+
+
+def _hint_families(stats: dict[str, Any]) -> Iterator[Any]:
+    """``stats()["hints"]`` and each tier's ``hint_trust`` (absent from a store without hints)."""
+    hints = stats.get("hints")
+    if hints is not None:
+        for name, doc in _HINT_COUNTERS.items():
+            yield CounterMetricFamily(f"kvstore_hints_{name}", doc, value=hints.get(name, 0))
+        yield GaugeMetricFamily("kvstore_hints_live", "keys with a retention hint now", value=hints.get("live", 0))
+    trusted = [t for t in stats["tiers"] if t.get("hint_trust") is not None]
+    if not trusted:
+        return
+    protect = GaugeMetricFamily(*_HINT_TRUST_PROTECT, labels=["tier", "kind"])
+    reuse = GaugeMetricFamily(*_HINT_TRUST_REUSE, labels=["tier", "kind", "class"])
+    watched = GaugeMetricFamily(*_HINT_TRUST_WATCHED, labels=["tier", "kind"])
+    for t in trusted:
+        trust, labels = t["hint_trust"], [t["name"], t["kind"]]
+        protect_s = trust.get("protect_s")     # None: hints protect for as long as they live
+        protect.add_metric(labels, math.inf if protect_s is None else float(protect_s))
+        for cls in ("hinted", "unhinted"):
+            if trust.get(f"{cls}_reuse") is not None:
+                reuse.add_metric([*labels, cls], float(trust[f"{cls}_reuse"]))
+        watched.add_metric(labels, float(trust.get("watched", 0)))
+    yield from (protect, reuse, watched)
 
 
 def _tenant_families(tenants: dict[str, Any]) -> Iterator[Any]:

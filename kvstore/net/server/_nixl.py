@@ -29,16 +29,14 @@ import logging
 import os
 import threading
 from contextlib import ExitStack
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, cast
 
 import numpy as np
 
 from kvstore.errors import TransportError
 from kvstore.net import protocol as P
+from kvstore.net.server._served import ServedStore
 from kvstore.tiers.base import HostArena
-
-if TYPE_CHECKING:
-    from kvstore.net.server._server import Server
 
 log = logging.getLogger("kvstore.server")
 _MEM = {0: "DRAM", 1: "VRAM"}
@@ -51,10 +49,15 @@ _PREWARM_BUFFERS, _PREWARM_BYTES = 2, 64 << 20  # made when NIXL starts, before 
 
 
 class NixlService:
-    """Thread-safe; every NIXL call goes through one endpoint (read-write sync mode)."""
+    """Serves ``served``'s first tier over NIXL. ``transport`` is ``server.transport``
+    (NIXL only with ``auto`` or ``nixl``); ``tenants``: the server has tenants (NIXL is
+    then never offered); ``max_inflight_bytes`` bounds one put. Thread-safe; every NIXL
+    call goes through one endpoint (read-write sync mode)."""
 
-    def __init__(self, server: "Server") -> None:
-        self.server = server
+    def __init__(self, served: ServedStore, *, transport: str, tenants: bool, max_inflight_bytes: int) -> None:
+        self._served = served
+        self._transport, self._tenants = transport, tenants
+        self._max_inflight_bytes = max_inflight_bytes
         self._lock = threading.Lock()
         self._endpoint: Any = None
         self._start_error: str | None = None
@@ -71,10 +74,9 @@ class NixlService:
         the first tier is borrowable host memory)."""
         from kvstore.net.nixl import nixl_available
 
-        if self.server.config.server.transport not in ("auto", "nixl") or self._start_error \
-                or self.server.tenants.enabled:
+        if self._transport not in ("auto", "nixl") or self._start_error or self._tenants:
             return False
-        return bool(self.server._borrowable and nixl_available()[0])
+        return bool(self._served.borrowable and nixl_available()[0])
 
     def _ensure_endpoint(self) -> Any:
         with self._lock:
@@ -86,7 +88,7 @@ class NixlService:
 
             try:
                 ep = NixlEndpoint("server", workers=_UCX_WORKERS, threads=_UCX_THREADS, progress_thread=False)
-                first = self.server.store.tiers[0]
+                first = self._served.store.tiers[0]
                 if not first.capabilities.host_arena:
                     raise TransportError("the first tier has no host arena to register")
                 ep.register(cast(HostArena, first).arena)
@@ -97,7 +99,7 @@ class NixlService:
                 raise TransportError(self._start_error) from exc
             self._endpoint = ep
         # pre-touched, registered staging for the first puts (faulting pages in is slow here)
-        size = min(_PREWARM_BYTES, self.server.config.server.max_inflight_bytes)
+        size = min(_PREWARM_BYTES, self._max_inflight_bytes)
         warm = [self._take_staging(size) for _ in range(_PREWARM_BUFFERS)]
         for staging in warm:
             self._give_staging(staging)
@@ -115,7 +117,7 @@ class NixlService:
         ``get_partial_agent_metadata`` can send the connection info without memory
         descriptors: the way to offer NIXL to tenants again, since the server starts
         every transfer.)"""
-        if self.server.tenants.enabled:
+        if self._tenants:
             raise TransportError("NIXL is not offered with server.tenants; use TCP")
         ep = self._ensure_endpoint()
         name = ep.add_peer(metadata)
@@ -171,9 +173,9 @@ class NixlService:
         peer = self._peer_of(conn)
         keys, want, remote = self._remote(args)
         sizes = [P.MISS] * len(keys)
-        store = self.server.store
+        store = self._served.store
         with ExitStack() as stack:
-            views = stack.enter_context(self.server.borrow(keys))
+            views = stack.enter_context(self._served.borrow(keys))
             stored = store.checksums(keys)
             lower = [i for i, v in enumerate(views) if v is None]
             if lower:
@@ -218,7 +220,7 @@ class NixlService:
         peer = self._peer_of(conn)
         keys, want, remote = self._remote(args)
         total = sum(want)
-        limit = self.server.config.server.max_inflight_bytes
+        limit = self._max_inflight_bytes
         if total > limit:
             raise TransportError(f"NIXL_PUT of {total} bytes exceeds max_inflight_bytes {limit}")
         staging = self._take_staging(total)
@@ -235,7 +237,7 @@ class NixlService:
                     self._endpoint.keep_forever(staging)
                     staging = None
                 raise
-            ok = self.server.store.save(keys, views, checksums=args[3]["checksum"].tolist()).result()
+            ok = self._served.store.save(keys, views, checksums=args[3]["checksum"].tolist()).result()
         finally:
             if staging is not None:
                 self._give_staging(staging)

@@ -16,25 +16,26 @@ import signal
 import socket
 import tempfile
 import time
-from contextlib import nullcontext
-from typing import Any, Sequence
+from typing import Any
 
 from kvstore import __version__
 from kvstore.config import DramTierConfig, StoreConfig
 from kvstore.errors import ConfigError
 from kvstore.net import protocol as P
-from kvstore.net.server._admin import MAX_CONNECTIONS as ADMIN_MAX_CONNECTIONS, AdminServer
+from kvstore.net.server._admin import (MAX_CONNECTIONS as ADMIN_MAX_CONNECTIONS, AdminContext, AdminServer,
+                                      require_aiohttp)
 from kvstore.net.server._budget import ByteBudget
 from kvstore.net.server._conn import Connection
+from kvstore.net.server._context import ConnContext
 from kvstore.net.server._metrics import ServerMetrics
 from kvstore.net.server._paths import (ARENA_PREFIX, SHM_DIR, is_loopback, remove_stale_arenas, remove_stale_sockets,
                                    take_socket_path)
 from kvstore.net.server._nixl import NixlService
 from kvstore.net.server._send import Sender
+from kvstore.net.server._served import ServedStore
 from kvstore.net.server._shm import Arena
 from kvstore.net.server._tenants import Tenant, Tenants
 
-_INTERN_MAX = 1 << 16   # interned keys kept (about 25 MiB at most)
 log = logging.getLogger("kvstore.server")
 
 
@@ -83,26 +84,27 @@ class Server:
         # same-host, private to this user). Built before anything listens: a bad file
         # stops the start with a ConfigError.
         self.tls_context = _tls_context(cfg)
-        self._admin = AdminServer(self) if cfg.admin_port is not None else None   # before any resource
+        if cfg.admin_port is not None:
+            require_aiohttp()   # before any resource: a missing aiohttp is a ConfigError
         self._owns_store = store is None
         self.store = store if store is not None else build_store(config)
         if self.tenants.enabled:
             self._attach_tenants()
         self.limits = P.Limits(cfg.max_frame_bytes, cfg.max_batch)
         first = self.store.tiers[0]
-        # Zero-copy sends and shared memory need the first tier to be host memory.
-        self._borrowable = first.capabilities.device == "cpu" and first.capabilities.zero_copy_view
+        # Zero-copy sends, shared memory and NIXL need the first tier to be host memory.
+        self.served = ServedStore(self.store)
         # With tenants the arena is never offered (HELLO names none, SHM_* ops are refused):
         # a process that maps it reads and writes every tenant's hot-tier bytes. Tenants'
         # same-host clients take the copy path (TCP or the Unix socket).
-        self.arena = Arena.of(first) if cfg.transport in ("auto", "shm") and self._borrowable \
+        self.arena = Arena.of(first) if cfg.transport in ("auto", "shm") and self.served.borrowable \
             and not self.tenants.enabled else None
         self.metrics = ServerMetrics(self.store, self.tenants.stats if self.tenants.enabled else None)
-        self.nixl = NixlService(self)
+        self.nixl = NixlService(self.served, transport=cfg.transport, tenants=self.tenants.enabled,
+                                max_inflight_bytes=cfg.max_inflight_bytes)
         self.sender = Sender(cfg.send_threads, cfg.idle_timeout_s)
         self.buffers = ByteBudget(cfg.max_inflight_bytes_total)   # every connection's scratch buffer
         self.max_connections = cfg.max_connections                # lowered at start to fit the fd limit
-        self._interned: dict[bytes, Any] = {}
         self.conns: set[Connection] = set()
         self.closing = False
         self.port = 0
@@ -116,6 +118,19 @@ class Server:
         # Names this server instance in every HELLO: a same-host client checks that the
         # server behind the Unix socket is the one whose arena it mapped.
         self.instance_id = secrets.token_hex(8)
+        self._admin = AdminServer(self.admin_context()) if cfg.admin_port is not None else None
+        self._conn_context = ConnContext(
+            served=self.served, metrics=self.metrics, tenants=self.tenants, limits=self.limits,
+            max_inflight_bytes=cfg.max_inflight_bytes, idle_timeout_s=cfg.idle_timeout_s,
+            tls_context=self.tls_context, sender=self.sender, buffers=self.buffers, nixl=self.nixl,
+            arena=self.arena, hello_info=self.hello_info, stats=self.stats, reclaim_buffers=self.reclaim_buffers,
+            closing=lambda: self.closing, forget=self.conns.discard)
+
+    def admin_context(self) -> AdminContext:
+        """What an admin port (:class:`AdminServer`) serves of this server. ``stats`` is
+        looked up on this server at each request."""
+        return AdminContext(store=self.store, metrics=self.metrics, tenants=self.tenants,
+                            stats=lambda tenant: self.stats(tenant), closing=lambda: self.closing)
 
     def _attach_tenants(self) -> None:
         """Bytes per tenant and tier, and the quotas, kept by the Store's eviction."""
@@ -261,7 +276,7 @@ class Server:
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             peer = "unix" if unix else f"{addr[0]}:{addr[1]}"
             local = unix or is_loopback(addr[0])
-            conn = Connection(self, sock, peer, local)
+            conn = Connection(self._conn_context, sock, peer, local)
             conn.peer_ip = None if unix else addr[0]
             self.conns.add(conn)
             conn.task = asyncio.create_task(conn.run())
@@ -297,23 +312,6 @@ class Server:
         for c in self.conns:
             if not c.busy:
                 c.drop_buffer()
-
-    def intern(self, keys: list[Any]) -> list[Any]:
-        """The same key objects for the same digests, request after request: the Store's
-        dicts then match a looked-up key by identity instead of calling ``__eq__`` on
-        every probe (several per key per request). Bounded; cleared when full."""
-        cache = self._interned
-        if len(cache) > _INTERN_MAX:
-            cache.clear()
-        return [cache.setdefault(k.digest, k) for k in keys]
-
-    def borrow(self, keys: Sequence[Any], offsets: bool = False) -> Any:
-        """The first tier's blocks, unverified here: every caller sends the Store's
-        ``checksums`` with them and the client verifies the bytes it receives (one hash
-        per block, on the reader's side, instead of two)."""
-        if self._borrowable:
-            return self.store.borrow(keys, offsets=offsets, verify=False)
-        return nullcontext([None] * len(keys))
 
     def hello_info(self, local: bool, tenant: Tenant | None = None) -> dict[str, Any]:
         return {"server": "kvstore", "version": __version__, "protocol": P.VERSION, "instance": self.instance_id,

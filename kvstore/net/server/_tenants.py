@@ -42,7 +42,7 @@ from kvstore.net import protocol as P
 from kvstore.net.auth import hello_proof
 
 _KDF_SALT = b"kvstore/tenant/v1"
-_CACHE_MAX = 1 << 16       # mapped keys kept per tenant (as Server.intern keeps)
+_CACHE_MAX = 1 << 16       # mapped keys kept per tenant (as ServedStore.intern keeps)
 DEFAULT = "default"        # the tenant of server.token
 
 # Every op, by where its arguments carry keys (a new op must be added here, or it is refused).
@@ -97,7 +97,7 @@ class Tenant:
 
     def keys(self, keys: Sequence[BlockKey], *, cached: bool = True) -> list[BlockKey]:
         """The Store's keys for a client's keys (the same objects for the same digests,
-        request after request, as :meth:`Server.intern` keeps them). ``cached=False``
+        request after request, as :meth:`ServedStore.intern` keeps them). ``cached=False``
         off the event loop (the admin port's lookup)."""
         if not self.mapped:
             return list(keys)
