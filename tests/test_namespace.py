@@ -72,8 +72,8 @@ def test_the_wheel_holds_the_folders_inside_kvstore(tmp_path):
 def test_a_bare_checkout_on_sys_path_imports_the_mapped_names(tmp_path):
     # no install at all: -S skips site's .pth files (so no editable finder); the checkout and
     # the dependencies are on PYTHONPATH, as for a peer venv or a benchmark's sys.path.insert
-    code = ("import sys, kvstore.tiers.dram as d, kvstore.policies as p, kvstore.store\n"
-            "print(d.__file__); print(p.__file__)\n"
+    code = ("import sys, pathlib, kvstore.tiers.dram as d, kvstore.policies as p, kvstore.store\n"
+            "print(pathlib.Path(d.__file__).resolve()); print(pathlib.Path(p.__file__).resolve())\n"
             "print(any(type(f).__name__ == '_EditableFinder' for f in sys.meta_path))\n")
     env = {"PYTHONPATH": f"{ROOT}:{site.getsitepackages()[0]}", "PATH": "/usr/bin:/bin"}
     out = subprocess.run([sys.executable, "-S", "-c", code], cwd=tmp_path, env=env, capture_output=True,
