@@ -126,7 +126,9 @@ def test_a_client_of_another_user_falls_back_to_tcp(tmp_path):
     """The arena is private to the server's user: a client running as another user uses
     TCP instead of failing with PermissionError."""
     uid, gid = other_user()                                # skips unless root
-    server = ThreadServer(config_dict("4MiB"))
+    # transport shm: same-host or TCP, never NIXL (an auto server offers NIXL too, and a
+    # client that cannot map the arena then takes NIXL where its agent starts)
+    server = ThreadServer(config_dict("4MiB", transport="shm"))
     try:
         with Client(server.address) as c:                  # loads every module the child needs
             assert c.transport == "shm"

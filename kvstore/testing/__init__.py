@@ -5,7 +5,9 @@
 - :mod:`kvstore.testing.policy_conformance`: :class:`PolicyConformance`, the behaviour
   every eviction policy must have, and :func:`fill`, :func:`evict`, :func:`drain` that
   drive a policy as a Store does;
-- :mod:`kvstore.testing.env`: :func:`free_port` and :data:`IN_CI`.
+- :mod:`kvstore.testing.env`: :func:`free_port` and :data:`IN_CI`;
+- :mod:`kvstore.testing.store_model`: the Store against a model of what it holds
+  (Hypothesis state machines; imported on its own, not from here).
 
 Needs the test extra (pytest, hypothesis).
 """
