@@ -79,3 +79,11 @@ def test_the_no_engine_rule_names_every_kvstore_module_but_the_connectors():
                or (p.is_dir() and not p.is_symlink() and (p / "__init__.py").exists())}
     present |= {"kvstore.tiers", "kvstore.policies"}
     assert listed == present, f"add to core-no-engine: {sorted(present - listed)}; gone: {sorted(listed - present)}"
+
+
+def test_the_public_names_rule_forbids_every_private_core_module():
+    parser = configparser.ConfigParser()
+    parser.read(ROOT / ".importlinter")
+    forbidden = set(parser["importlinter:contract:connectors-public-names"]["forbidden_modules"].split())
+    private = {f"kvstore.{p.stem}" for p in (ROOT / "kvstore").glob("_*.py") if p.stem not in ("__init__", "__main__")}
+    assert private <= forbidden, f"add to connectors-public-names: {sorted(private - forbidden)}"

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import site
 import subprocess
 import sys
@@ -58,8 +59,16 @@ def test_outside_the_checkout_only_the_kvstore_names_import(tmp_path):
 
 
 def test_the_wheel_holds_the_folders_inside_kvstore(tmp_path):
+    # built from a copy: setuptools writes build/ and *.egg-info beside the sources
+    src = tmp_path / "src"
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc", *MAPPED)
+    for name in ("kvstore", *MAPPED):
+        shutil.copytree(ROOT / name, src / name, ignore=ignore if name == "kvstore" else shutil.ignore_patterns(
+            "__pycache__", "*.pyc"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, src / name)
     out = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
-                          "-w", str(tmp_path), str(ROOT)], capture_output=True, text=True, timeout=600)
+                          "-w", str(tmp_path), str(src)], capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout + out.stderr
     (wheel,) = tmp_path.glob("kvstore-*.whl")
     names = zipfile.ZipFile(wheel).namelist()

@@ -24,7 +24,7 @@ from contextlib import contextmanager, nullcontext
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
 from kvstore._events import open_events
-from kvstore._stats import sum_stat_sources
+from kvstore.stats import sum_stat_sources
 from kvstore.buffers import nbytes_of
 from kvstore.buffers.streams import capture, submit
 from kvstore.config import StoreConfig, load_config

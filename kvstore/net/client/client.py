@@ -41,7 +41,7 @@ from contextlib import contextmanager
 from functools import partial
 from typing import Any, Callable, Iterator, Sequence
 
-from kvstore._stats import sum_stat_sources
+from kvstore.stats import sum_stat_sources
 from kvstore.buffers import nbytes_of
 from kvstore.buffers.streams import capture, submit
 from kvstore.errors import (InvalidArgumentError, KVStoreError, NotSupportedError, StoreClosedError,

@@ -13,7 +13,7 @@ from typing import Any, Callable, Iterator
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from kvstore._stats import COUNTERS, GAUGES
+from kvstore.stats import COUNTERS, GAUGES
 
 _TIER_COUNTERS = {
     "hits": "blocks served from this tier",

@@ -1,5 +1,6 @@
 """Counters that other components (engine connectors) attach to a Store or Client, so
-that one ``stats()`` call reports them beside the store's own."""
+that one ``stats()`` call reports them beside the store's own. Public: the connectors
+count exactly :data:`COUNTERS` and :data:`GAUGES`."""
 
 from __future__ import annotations
 
