@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import threading
 
-from kvstore._stats import COUNTERS, GAUGES
+from kvstore.stats import COUNTERS, GAUGES
 from kvstore.api import StoreAPI
 
 
