@@ -49,25 +49,28 @@ def test_every_import_contract_is_kept(installed_layout):
     assert "kvstore.tiers" in out.stdout or "Tiers" in out.stdout   # the mapped packages were linted
 
 
+def _lint_one_rule(layout: Path, tmp_path: Path, name: str, source: str, forbidden: str) -> str:
+    """Lint ``layout`` against one rule, "``source`` never imports ``forbidden``"; its output."""
+    config = tmp_path / "one.ini"
+    config.write_text(f"[importlinter]\nroot_packages =\n    kvstore\n\n"
+                      f"[importlinter:contract:one]\nname = {name}\ntype = forbidden\n"
+                      f"source_modules =\n    {source}\nforbidden_modules =\n    {forbidden}\n")
+    out = _lint_imports(config, layout)
+    assert out.returncode != 0, out.stdout + out.stderr
+    return out.stdout
+
+
 def test_a_broken_contract_fails_and_is_named(installed_layout, tmp_path):
     # keys.py imports errors.py: a rule forbidding that must be reported broken
-    config = tmp_path / "broken.ini"
-    config.write_text("[importlinter]\nroot_packages =\n    kvstore\n\n"
-                      "[importlinter:contract:keys-alone]\nname = keys imports nothing\ntype = forbidden\n"
-                      "source_modules =\n    kvstore.keys\nforbidden_modules =\n    kvstore.errors\n")
-    out = _lint_imports(config, installed_layout)
-    assert out.returncode != 0
-    assert "keys imports nothing BROKEN" in out.stdout and "kvstore.keys -> kvstore.errors" in out.stdout
+    out = _lint_one_rule(installed_layout, tmp_path, "keys imports nothing", "kvstore.keys", "kvstore.errors")
+    assert "keys imports nothing BROKEN" in out and "kvstore.keys -> kvstore.errors" in out
 
 
 def test_a_broken_rule_in_a_mapped_folder_is_seen(installed_layout, tmp_path):
     # the tiers/ folder is linted as kvstore.tiers: its imports of kvstore.buffers are real edges
-    config = tmp_path / "tiers.ini"
-    config.write_text("[importlinter]\nroot_packages =\n    kvstore\n\n"
-                      "[importlinter:contract:dram-alone]\nname = dram imports no buffers\ntype = forbidden\n"
-                      "source_modules =\n    kvstore.tiers.dram\nforbidden_modules =\n    kvstore.buffers\n")
-    out = _lint_imports(config, installed_layout)
-    assert out.returncode != 0 and "dram imports no buffers BROKEN" in out.stdout, out.stdout + out.stderr
+    out = _lint_one_rule(installed_layout, tmp_path, "dram imports no buffers", "kvstore.tiers.dram",
+                         "kvstore.buffers")
+    assert "dram imports no buffers BROKEN" in out
 
 
 def test_the_no_engine_rule_names_every_kvstore_module_but_the_connectors():
