@@ -5,7 +5,7 @@ verified block format and staging buffer, the raw client with ``batch_put_from``
 
 The raw calls go through the tier's own ``MooncakeDistributedStore`` instance (its
 transfer engine, its connections), not a second client: two client instances in one
-process doing the identical raw get differ by 0.77-1.10x from one process to the next
+process doing the identical raw get differ by 0.77-1.26x from one process to the next
 (``python -m benchmarks.mooncake_clients``), so a second client measured the luck of the
 instance, not the tier. The tier reads and writes its own unregistered copies of the
 buffers, so the registration the raw calls need does not help it.
