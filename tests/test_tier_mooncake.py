@@ -123,6 +123,82 @@ def test_corrupt_object_is_a_miss_and_removed(pool, where):
         tier.close()
 
 
+def _block(key, src, where: str) -> bytes:
+    """The stored form of ``src`` under ``key``, damaged as ``where`` says."""
+    block = bytearray(HEADER_BYTES + src.nbytes)
+    encode_header(key.digest, src, block)
+    block[HEADER_BYTES:] = src.tobytes()
+    if where == "payload":
+        block[-1] ^= 0x01
+    elif where == "header":
+        block[HEADER_BYTES - 1] ^= 0x01          # the header checksum
+    elif where == "truncated":
+        block = block[:-4096]
+    elif where == "longer":
+        block += b"\0"
+    return bytes(block)
+
+
+@pytest.mark.parametrize("how", ["upsert", "remove-put"])
+@pytest.mark.parametrize("where", ["exact", "payload", "header", "truncated", "longer"])
+def test_object_rewritten_by_another_node(pool, how, where):
+    """An object another node overwrote (upsert) or removed and wrote again under the same
+    name, after this tier wrote and read it: only the exact block reads True; a damaged,
+    shorter or longer object is never served (a block this tier has read before gets no
+    shortcut: its next read checks the object that is there now)."""
+    tier = _tier(pool, 1 << 20)
+    raw = _raw(pool)
+    try:
+        key = make_keys(1, salt=f"rewrite-{how}-{where}")
+        src = payload(5, 3 * 4096)
+        assert tier.write(key, [src]) == [True]
+        dst = np.zeros(src.nbytes, np.uint8)
+        assert tier.read_into(key, [dst]) == [True] and np.array_equal(dst, src)
+        name = _object_name(tier.prefix, key[0])
+        if how == "upsert":
+            assert raw.upsert(name, _block(key[0], src, where)) == 0
+        else:
+            assert raw.batch_remove([name], True) == [0]
+            assert raw.put(name, _block(key[0], src, where)) == 0
+        dst[:] = 0
+        got = tier.read_into(key, [dst])
+        if where == "exact":
+            assert got == [True] and np.array_equal(dst, src)
+            assert tier.stats()["corrupt_blocks"] == 0
+        else:
+            assert got == [False]
+            if where in ("payload", "header"):
+                assert tier.stats()["corrupt_blocks"] == 1
+                assert raw.batch_is_exist([name]) == [0]
+    finally:
+        raw.close()
+        tier.close()
+
+
+@pytest.mark.parametrize("where", ["payload", "header"])
+def test_corrupt_block_another_node_wrote_is_never_served(pool, where):
+    """A node that found a block in the pool (it did not write it) checks header and
+    payload on its first read, and on every later one."""
+    a = _tier(pool, 1 << 20, prefix=f"shared-corrupt-{where}")
+    b = _tier(pool, 1 << 20, prefix=f"shared-corrupt-{where}")
+    raw = _raw(pool)
+    try:
+        keys = make_keys(2, salt=f"found-{where}")
+        srcs = [payload(i, 4096) for i in range(2)]
+        assert a.write(keys, srcs) == [True, True]
+        assert b.find(keys) == [4096, 4096]
+        dsts = [np.zeros(4096, np.uint8) for _ in keys]
+        assert b.read_into(keys[1:], dsts[1:]) == [True]   # read once: the header seen
+        for key, src in zip(keys, srcs):
+            assert raw.upsert(_object_name(b.prefix, key), _block(key, src, where)) == 0
+        assert b.read_into(keys, dsts) == [False, False]
+        assert b.stats()["corrupt_blocks"] == 2
+    finally:
+        raw.close()
+        a.close()
+        b.close()
+
+
 def test_size_mismatch_raises_before_copy(pool):
     tier = _tier(pool, 1 << 20)
     try:
