@@ -1,13 +1,20 @@
 """Retention classes over any eviction policy: one layer that makes every policy honour
 client hints, so the policies themselves stay unaware of them.
 
-Victims come in three classes, each in the wrapped policy's own order:
+Victims come in three classes:
 
 1. ``discard`` blocks (one-shot), oldest hint first;
 2. unhinted blocks, blocks whose hint has expired (an expired hint is ignored: the
    block sits wherever the policy's own history puts it), and blocks whose hint is
-   older than the tier's trust in hints (``protect_s``, below);
-3. blocks held by a live hint, lowest priority class first.
+   older than the tier's trust in hints (``protect_s``, below), in the wrapped
+   policy's own order;
+3. blocks held by a live hint, lowest priority class first; within a class the oldest
+   hint first (in the order the tier got them), and of the hints the tier got at one
+   time (one request's blocks) the last first, so a request's deepest blocks leave
+   before its prefix. Reads since the hint do not count: the hint a client gave last
+   is its latest word on a block's future (a conversation that came back without
+   hinting again has had its turn). Lineage keeps its own order here (leaves first,
+   which a prefix-aware policy needs within a class).
 
 A hint protects no block in ``unprotected`` (``None``, the default: a hint may protect
 every block). The Store sets it for the cache server's tenants
@@ -22,7 +29,8 @@ without hints; the layer only filters its walk. A class-3 block is offered only 
 the walk has passed every block of classes 1 and 2. Walking past a hinted block is a
 skip as far as the policy can tell (as for a leased block: S3-FIFO and SIEVE move such
 keys on). Cost: a victim walk steps over the live-hinted blocks ahead of the first
-unhinted one; class 3 walks the policy once more per priority class present.
+unhinted one; class 3 then walks a snapshot of the hinted blocks of each priority class
+present (lineage: its own order once more per class).
 
 **Hints must earn their keep** (:class:`HintTrust`, one per tier). A client whose hints
 are wrong would otherwise fill the tier with blocks nobody reads again while the
@@ -286,12 +294,8 @@ class RetentionClasses(EvictionPolicy):
                     yield key
 
     def _held_walk(self, priority: int) -> Iterator[Hashable]:
-        """Class 3 candidates of one priority: the oldest hint first, and of the hints
-        given at one time (one request's blocks) the last given first, so a request's
-        deepest blocks go before its prefix. Whether a block was read since its hint does
-        not count: a hint is the client's word on the block's future, and the hint it gave
-        last is the freshest. Lineage instead walks its own order (leaves first), which a
-        prefix-aware policy needs within a class. The caller re-checks each key's hint."""
+        """Class 3 candidates of one priority, in the order of the module docstring
+        (lineage: its own walk). The caller re-checks each key's hint."""
         if not self._by_age:
             yield from self.inner.victims()
             return
