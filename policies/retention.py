@@ -1,13 +1,20 @@
 """Retention classes over any eviction policy: one layer that makes every policy honour
 client hints, so the policies themselves stay unaware of them.
 
-Victims come in three classes, each in the wrapped policy's own order:
+Victims come in three classes:
 
 1. ``discard`` blocks (one-shot), oldest hint first;
 2. unhinted blocks, blocks whose hint has expired (an expired hint is ignored: the
    block sits wherever the policy's own history puts it), and blocks whose hint is
-   older than the tier's trust in hints (``protect_s``, below);
-3. blocks held by a live hint, lowest priority class first.
+   older than the tier's trust in hints (``protect_s``, below), in the wrapped
+   policy's own order;
+3. blocks held by a live hint, lowest priority class first; within a class the oldest
+   hint first (in the order the tier got them), and of the hints the tier got at one
+   time (one request's blocks) the last first, so a request's deepest blocks leave
+   before its prefix. Reads since the hint do not count: the hint a client gave last
+   is its latest word on a block's future (a conversation that came back without
+   hinting again has had its turn). Lineage keeps its own order here (leaves first,
+   which a prefix-aware policy needs within a class).
 
 A hint protects no block in ``unprotected`` (``None``, the default: a hint may protect
 every block). The Store sets it for the cache server's tenants
@@ -22,7 +29,8 @@ without hints; the layer only filters its walk. A class-3 block is offered only 
 the walk has passed every block of classes 1 and 2. Walking past a hinted block is a
 skip as far as the policy can tell (as for a leased block: S3-FIFO and SIEVE move such
 keys on). Cost: a victim walk steps over the live-hinted blocks ahead of the first
-unhinted one; class 3 walks the policy once more per priority class present.
+unhinted one; class 3 then walks a snapshot of the hinted blocks of each priority class
+present (lineage: its own order once more per class).
 
 **Hints must earn their keep** (:class:`HintTrust`, one per tier). A client whose hints
 are wrong would otherwise fill the tier with blocks nobody reads again while the
@@ -187,6 +195,11 @@ class RetentionClasses(EvictionPolicy):
         self._hints = hints
         self._clock = clock
         self._discard: OrderedDict[Hashable, None] = OrderedDict()
+        # class 3 by hint age, per priority: key -> its record, in the order the tier got
+        # the hints (lineage keeps its own leaf-first order instead: see _held_walk)
+        self._by_age = not inner.uses_parent
+        self._held: dict[int, OrderedDict[Hashable, Any]] = {}
+        self._held_at: dict[Hashable, int] = {}      # key -> its priority in _held
         self.trust = HintTrust()
         self._offered: tuple[Hashable, bool] | None = None   # the walk's last victim, hinted?
         # per walk: the keys a live hint may not protect here (the Store's tenants); None: none
@@ -211,14 +224,27 @@ class RetentionClasses(EvictionPolicy):
             self.trust.forget(key)
         self._offered = None
         self._discard.pop(key, None)
+        self._unhold(key)
 
     def rehint(self, key: Hashable) -> None:
         """``key``'s hint changed (set, merged or dropped)."""
         hint = self._hints.get(key)
+        self._unhold(key)
         if hint is not None and hint.discard and key in self.inner:
             self._discard[key] = None
-        else:
-            self._discard.pop(key, None)
+            return
+        self._discard.pop(key, None)
+        if hint is not None and self._by_age and key in self.inner:
+            self._held.setdefault(hint.priority, OrderedDict())[key] = hint
+            self._held_at[key] = hint.priority
+
+    def _unhold(self, key: Hashable) -> None:
+        priority = self._held_at.pop(key, None)
+        if priority is not None:
+            bucket = self._held[priority]
+            del bucket[key]
+            if not bucket:
+                del self._held[priority]
 
     def set_capacity(self, capacity_bytes: int) -> None:
         self.inner.set_capacity(capacity_bytes)
@@ -260,12 +286,37 @@ class RetentionClasses(EvictionPolicy):
                         oldest = age
         trust.oldest = oldest
         for priority in sorted(kept):
-            for key in self.inner.victims():
+            for key in self._held_walk(priority):
                 hint = hints.get(key)
                 if (hint is not None and not hint.discard and hint.expires > now and hint.priority == priority
                         and now - hint.given < limit and (unprotected is None or key not in unprotected)):
                     self._offered = (key, True)
                     yield key
+
+    def _held_walk(self, priority: int) -> Iterator[Hashable]:
+        """Class 3 candidates of one priority, in the order of the module docstring
+        (lineage: its own walk). The caller re-checks each key's hint."""
+        if not self._by_age:
+            yield from self.inner.victims()
+            return
+        bucket = self._held.get(priority)
+        if bucket is None:
+            return
+        # a snapshot: the walk reaches class 3 only after passing every block the tier
+        # holds, so one more O(n) costs nothing extra, and evictions between yields
+        # leave it intact
+        group: list[Hashable] = []
+        at = None
+        for key in list(bucket):
+            rec = bucket.get(key)
+            if rec is None:
+                continue
+            if group and rec.given != at:
+                yield from (k for k in reversed(group) if k in bucket)
+                group = []
+            group.append(key)
+            at = rec.given
+        yield from (k for k in reversed(group) if k in bucket)
 
     def hint_stats(self) -> dict[str, Any]:
         """This tier's :class:`HintTrust` state (``stats()["tiers"][i]["hint_trust"]``)."""

@@ -212,3 +212,43 @@ def test_hints_of_blocks_no_tier_took_are_dropped():
         big = np.zeros(4 * BLOCK, np.uint8)
         assert store.save([KEYS[0]], [big], hint=Hint(None, discard=True)).result() == [False]
         assert store.stats()["hints"]["live"] == 0
+
+
+# -- within the hinted class: the oldest hint first --------------------------------------
+
+@pytest.mark.parametrize("policy", [p for p in EVICTION_NAMES if p != "lineage"])
+def test_hinted_blocks_leave_oldest_hint_first_whatever_was_read_since(policy):
+    """A block read after its hint (the conversation came back without asking again)
+    leaves before one whose hint is fresher; the hint last given is the client's
+    latest word. Of one request's blocks, the deepest leave first."""
+    clock = FakeClock()
+    out = np.empty(BLOCK, np.uint8)
+    with dram_store(policy, 6, clock) as store:
+        save(store, [0], Hint(600))
+        clock.now += 1
+        save(store, [1], Hint(600))
+        clock.now += 1
+        save(store, [2, 3, 4], Hint(600))             # one request: 4 is its deepest block
+        clock.now += 1
+        save(store, [5], Hint(600))
+        for _ in range(3):                            # 0 read again and again, unhinted
+            assert store.load([KEYS[0]], [out]).result() == [True]
+        clock.now += 1
+        store.hint([KEYS[1]], Hint(600))              # 1's hint given again: the freshest
+        gone = []
+        for filler in range(10, 16):
+            clock.now += 1
+            save(store, [filler], Hint(600))
+            gone += [i for i, h in zip(range(6), held(store, range(6))) if not h and i not in gone]
+        assert gone == [0, 4, 3, 2, 5, 1]
+
+
+def test_lineage_keeps_its_leaf_first_order_among_hinted_blocks():
+    clock = FakeClock()
+    chain = NS.chunk_keys(np.arange(100, 104))
+    with dram_store("lineage", 4, clock) as store:
+        store.save(chain, [block(i) for i in range(4)], hint=Hint(600)).result()
+        clock.now += 1
+        other = NS.chunk_keys(np.arange(200, 201))
+        store.save(other, [block(0)], hint=Hint(600)).result()
+        assert store.tiers[0].contains(chain) == [True, True, True, False]   # the leaf went
