@@ -68,6 +68,15 @@ class AdminContext:
     closing: Callable[[], bool]
 
 
+class _Opening:
+    """An accepted socket on its way into aiohttp: the handler aiohttp made for it, once made."""
+
+    __slots__ = ("handler",)
+
+    def __init__(self) -> None:
+        self.handler: Any = None
+
+
 class AdminServer:
     """The admin port over ``context``: :meth:`start` listens, :meth:`close` stops."""
 
@@ -80,7 +89,7 @@ class AdminServer:
         self._runner: Any = None
         self._sock: socket.socket | None = None
         self._accepting: asyncio.Task | None = None
-        self._connecting: set[asyncio.Future] = set()
+        self._connecting: dict[asyncio.Future, _Opening] = {}   # accepted, not yet (or just) listed by aiohttp
 
     async def start(self, host: str, port: int, *, ssl_context: ssl.SSLContext | None = None) -> int:
         """Listen on ``host:port`` (HTTPS with ``ssl_context``); returns the bound port."""
@@ -132,22 +141,34 @@ class AdminServer:
                 log.warning("admin port: accept failed: %s", exc)
                 await asyncio.sleep(0.05)
                 continue
-            if len(protocols.connections) + len(self._connecting) >= MAX_CONNECTIONS:
+            # each connection counts once: a socket still on its way in is counted until
+            # aiohttp lists its handler (a task ends a loop step or more after that)
+            live = protocols.connections
+            opening = sum(1 for p in self._connecting.values() if p.handler is None or p.handler not in live)
+            if len(live) + opening >= MAX_CONNECTIONS:
                 self._ctx.metrics.refused.labels("admin_max_connections").inc()
                 sock.close()
                 continue
-            task = asyncio.ensure_future(self._serve(loop, protocols, sock, ssl_context))
-            self._connecting.add(task)
-            task.add_done_callback(self._connecting.discard)
+            pending = _Opening()
+            task = asyncio.ensure_future(self._serve(loop, protocols, pending, sock, ssl_context))
+            self._connecting[task] = pending
+            task.add_done_callback(self._connected)
+
+    def _connected(self, task: asyncio.Future) -> None:
+        self._connecting.pop(task, None)
 
     @staticmethod
-    async def _serve(loop: asyncio.AbstractEventLoop, protocols: Any, sock: socket.socket,
+    async def _serve(loop: asyncio.AbstractEventLoop, protocols: Any, pending: "_Opening", sock: socket.socket,
                      ssl_context: ssl.SSLContext | None) -> None:
+        def handler() -> Any:
+            pending.handler = protocols()
+            return pending.handler
+
         try:
             if ssl_context is None:
-                await loop.connect_accepted_socket(protocols, sock)
+                await loop.connect_accepted_socket(handler, sock)
             else:
-                await loop.connect_accepted_socket(protocols, sock, ssl=ssl_context,
+                await loop.connect_accepted_socket(handler, sock, ssl=ssl_context,
                                                    ssl_handshake_timeout=HEAD_TIMEOUT_S)
         except (OSError, ssl.SSLError, asyncio.TimeoutError) as exc:
             log.info("admin port: connection dropped before its first request: %s", exc)
