@@ -1,14 +1,10 @@
 """kvstore: a content-addressed, tiered store for LLM KV-cache blocks."""
 
-from pathlib import Path as _Path
-
-from kvstore import _checkout
 from kvstore.errors import KVStoreError
 from kvstore.hint import Hint
 from kvstore.keys import BlockKey, Namespace
 
 __version__ = "0.1.0"
-_checkout.install(_Path(__file__).resolve().parent)   # kvstore.tiers & co. from a bare checkout
 
 
 def __getattr__(name: str):

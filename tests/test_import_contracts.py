@@ -2,73 +2,63 @@
 the tree, and it does fail, naming the contract, when a rule is broken.
 
 ``tiers/``, ``policies/`` and ``connectors/`` install as ``kvstore.tiers``,
-``kvstore.policies`` and ``kvstore.connectors`` (pyproject.toml's ``package-dir``), but
-import-linter finds a package's modules by walking its folder. So the tests lint a copy of
-the sources laid out as they install: ``kvstore/`` with the three folders inside it."""
+``kvstore.policies`` and ``kvstore.connectors`` (pyproject.toml's ``package-dir``); the
+links ``kvstore/tiers -> ../tiers`` (and so on) give the checkout that layout, so
+import-linter, which finds a package's modules by walking its folder, lints the tree as
+it is: plain ``lint-imports`` in the checkout is the same check."""
 
 from __future__ import annotations
 
 import configparser
-import os
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).resolve().parents[1]
-MAPPED = {"tiers": "tiers", "policies": "policies", "connectors": "connectors"}   # folder -> kvstore.<name>
+MAPPED = ("tiers", "policies", "connectors")
 
 
-@pytest.fixture(scope="module")
-def installed_layout(tmp_path_factory) -> Path:
-    """A copy of the package's ``.py`` files laid out as ``pip install`` lays them out."""
-    top = tmp_path_factory.mktemp("layout")
-    ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
-    # a development worktree may link kvstore/tiers -> ../tiers (and so on); the folders are copied once
-    shutil.copytree(ROOT / "kvstore", top / "kvstore", ignore=shutil.ignore_patterns("__pycache__", "*.pyc", *MAPPED))
-    for folder, name in MAPPED.items():
-        shutil.copytree(ROOT / folder, top / "kvstore" / name, ignore=ignore)
-    return top
+def test_the_checkout_links_the_mapped_folders_into_kvstore():
+    for name in MAPPED:
+        link = ROOT / "kvstore" / name
+        assert link.is_symlink() and link.resolve() == (ROOT / name).resolve(), f"kvstore/{name} -> ../{name}"
 
 
-def _lint_imports(config: Path, layout: Path) -> subprocess.CompletedProcess:
+def _lint_imports(config: Path) -> subprocess.CompletedProcess:
     exe = Path(sys.executable).with_name("lint-imports")
     cmd = str(exe) if exe.exists() else shutil.which("lint-imports")
     assert cmd, "lint-imports not found: install the test extra (pip install -e '.[test]')"
-    env = dict(os.environ, PYTHONPATH=str(layout))
-    return subprocess.run([cmd, "--no-cache", str(config)], cwd=layout, env=env,
-                          capture_output=True, text=True, timeout=300)
+    return subprocess.run([cmd, "--no-cache", str(config)], cwd=ROOT, capture_output=True, text=True, timeout=300)
 
 
-def test_every_import_contract_is_kept(installed_layout):
-    out = _lint_imports(ROOT / ".importlinter", installed_layout)
+def test_every_import_contract_is_kept():
+    out = _lint_imports(ROOT / ".importlinter")
     assert out.returncode == 0, out.stdout + out.stderr
     assert "0 broken" in out.stdout
     assert "kvstore.tiers" in out.stdout or "Tiers" in out.stdout   # the mapped packages were linted
 
 
-def _lint_one_rule(layout: Path, tmp_path: Path, name: str, source: str, forbidden: str) -> str:
-    """Lint ``layout`` against one rule, "``source`` never imports ``forbidden``"; its output."""
+def _lint_one_rule(tmp_path: Path, name: str, source: str, forbidden: str) -> str:
+    """Lint the tree against one rule, "``source`` never imports ``forbidden``"; its output."""
     config = tmp_path / "one.ini"
     config.write_text(f"[importlinter]\nroot_packages =\n    kvstore\n\n"
                       f"[importlinter:contract:one]\nname = {name}\ntype = forbidden\n"
                       f"source_modules =\n    {source}\nforbidden_modules =\n    {forbidden}\n")
-    out = _lint_imports(config, layout)
+    out = _lint_imports(config)
     assert out.returncode != 0, out.stdout + out.stderr
     return out.stdout
 
 
-def test_a_broken_contract_fails_and_is_named(installed_layout, tmp_path):
+def test_a_broken_contract_fails_and_is_named(tmp_path):
     # keys.py imports errors.py: a rule forbidding that must be reported broken
-    out = _lint_one_rule(installed_layout, tmp_path, "keys imports nothing", "kvstore.keys", "kvstore.errors")
+    out = _lint_one_rule(tmp_path, "keys imports nothing", "kvstore.keys", "kvstore.errors")
     assert "keys imports nothing BROKEN" in out and "kvstore.keys -> kvstore.errors" in out
 
 
-def test_a_broken_rule_in_a_mapped_folder_is_seen(installed_layout, tmp_path):
+def test_a_broken_rule_in_a_mapped_folder_is_seen(tmp_path):
     # the tiers/ folder is linted as kvstore.tiers: its imports of kvstore.buffers are real edges
-    out = _lint_one_rule(installed_layout, tmp_path, "dram imports no buffers", "kvstore.tiers.dram",
+    out = _lint_one_rule(tmp_path, "dram imports no buffers", "kvstore.tiers.dram",
                          "kvstore.buffers")
     assert "dram imports no buffers BROKEN" in out
 

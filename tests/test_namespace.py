@@ -59,12 +59,11 @@ def test_outside_the_checkout_only_the_kvstore_names_import(tmp_path):
 
 
 def test_the_wheel_holds_the_folders_inside_kvstore(tmp_path):
-    # built from a copy: setuptools writes build/ and *.egg-info beside the sources
+    # built from a copy of the checkout, its kvstore/tiers (etc.) links kept as links:
+    # setuptools writes build/ and *.egg-info beside the sources
     src = tmp_path / "src"
-    ignore = shutil.ignore_patterns("__pycache__", "*.pyc", *MAPPED)
     for name in ("kvstore", *MAPPED):
-        shutil.copytree(ROOT / name, src / name, ignore=ignore if name == "kvstore" else shutil.ignore_patterns(
-            "__pycache__", "*.pyc"))
+        shutil.copytree(ROOT / name, src / name, symlinks=True, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(ROOT / name, src / name)
     out = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
@@ -76,11 +75,13 @@ def test_the_wheel_holds_the_folders_inside_kvstore(tmp_path):
                  "kvstore/connectors/vllm.py", "kvstore/store/facade.py"):
         assert must in names, must
     assert not [n for n in names if n.split("/")[0] in MAPPED], "a top-level package would be installed"
+    assert len(names) == len(set(names)), "a file is in the wheel twice"
 
 
 def test_a_bare_checkout_on_sys_path_imports_the_mapped_names(tmp_path):
     # no install at all: -S skips site's .pth files (so no editable finder); the checkout and
-    # the dependencies are on PYTHONPATH, as for a peer venv or a benchmark's sys.path.insert
+    # the dependencies are on PYTHONPATH, as for a peer venv or a benchmark's sys.path.insert:
+    # the kvstore/tiers (etc.) links make the names resolve
     code = ("import sys, pathlib, kvstore.tiers.dram as d, kvstore.policies as p, kvstore.store\n"
             "print(pathlib.Path(d.__file__).resolve()); print(pathlib.Path(p.__file__).resolve())\n"
             "print(any(type(f).__name__ == '_EditableFinder' for f in sys.meta_path))\n")
