@@ -23,6 +23,7 @@ from kvstore.errors import ConfigError, ProtocolError, TierUnavailableError  # n
 from kvstore.net import protocol as P  # noqa: E402
 from kvstore.store import Store  # noqa: E402
 from kvstore.testing import make_keys, payload  # noqa: E402
+from tests._flip_proxy import ByteFlipProxy  # noqa: E402
 from tests._hello import raw_hello  # noqa: E402
 from tests._pki import encrypted_key, make_pki  # noqa: E402
 from tests._servers import ThreadServer, config_dict  # noqa: E402
@@ -219,7 +220,7 @@ def test_a_byte_changed_on_the_wire_is_a_tls_error_never_stored(tls_server, pki)
     keys = make_keys(1, salt="tamper")
     src = payload(11, 2 << 20)
     before = _refused(tls_server, "tls_error")
-    with _Flipper(("127.0.0.1", tls_server.server.port), after=1 << 20) as proxy:
+    with ByteFlipProxy(("127.0.0.1", tls_server.server.port), after=1 << 20) as proxy:
         with Client(proxy.address, transport="tcp", pool_size=1, tls=pki.client_tls()) as c:
             try:
                 ok = c.save(keys, [src]).result(WAIT_S)
@@ -416,58 +417,6 @@ def _wait_for(cond, timeout_s: float = WAIT_S) -> None:
     while not cond():
         assert time.monotonic() < deadline, "condition not reached"
         time.sleep(0.02)
-
-
-class _Flipper:
-    """A byte-level loopback proxy: flips one client-to-server byte ``after`` bytes in
-    (the first connection only)."""
-
-    def __init__(self, upstream: tuple[str, int], after: int) -> None:
-        self.upstream, self.after, self.flipped = upstream, after, False
-        self._listener = socket.create_server(("127.0.0.1", 0))
-        self.address = f"127.0.0.1:{self._listener.getsockname()[1]}"
-        self._socks: list[socket.socket] = []
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                client, _ = self._listener.accept()
-            except OSError:
-                return
-            server = socket.create_connection(self.upstream)
-            self._socks += [client, server]
-            threading.Thread(target=self._pump, args=(client, server, True), daemon=True).start()
-            threading.Thread(target=self._pump, args=(server, client, False), daemon=True).start()
-
-    def _pump(self, src: socket.socket, dst: socket.socket, flip: bool) -> None:
-        seen = 0
-        try:
-            while True:
-                chunk = bytearray(src.recv(1 << 16))
-                if not chunk:
-                    break
-                if flip and not self.flipped and seen + len(chunk) > self.after:
-                    chunk[self.after - seen] ^= 0x40
-                    self.flipped = True
-                seen += len(chunk)
-                dst.sendall(chunk)
-        except OSError:
-            pass
-        finally:
-            for s in (src, dst):
-                try:
-                    s.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
-
-    def __enter__(self) -> "_Flipper":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._listener.close()
-        for s in self._socks:
-            s.close()
 
 
 def test_a_connector_reaches_a_tls_server_through_open_store(mtls_server, pki):
