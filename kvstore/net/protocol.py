@@ -334,10 +334,7 @@ def encode_u64(value: int) -> bytes:
 
 
 def decode_u64(body: Any) -> int:
-    mv = memoryview(body).cast("B")
-    if mv.nbytes != 8:
-        raise ProtocolError(f"expected an 8-byte body, got {mv.nbytes}")
-    return _U64.unpack_from(mv, 0)[0]
+    return _decode_one(body, _U64)
 
 
 def encode_u32(value: int) -> bytes:
@@ -345,10 +342,14 @@ def encode_u32(value: int) -> bytes:
 
 
 def decode_u32(body: Any) -> int:
+    return _decode_one(body, _U32)
+
+
+def _decode_one(body: Any, fmt: struct.Struct) -> int:
     mv = memoryview(body).cast("B")
-    if mv.nbytes != 4:
-        raise ProtocolError(f"expected a 4-byte body, got {mv.nbytes}")
-    return _U32.unpack_from(mv, 0)[0]
+    if mv.nbytes != fmt.size:
+        raise ProtocolError(f"expected a {fmt.size}-byte body, got {mv.nbytes}")
+    return fmt.unpack_from(mv, 0)[0]
 
 
 def encode_nixl(mem_kind: int, device: int, keys: Sequence[BlockKey], sizes: Sequence[int],

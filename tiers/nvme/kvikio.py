@@ -123,26 +123,23 @@ class KvikioFile:
 
     def read_into(self, dst: Any, offset: int) -> int:
         """Fill all of the device buffer ``dst`` from ``offset``; returns bytes read."""
-        _device_ptr_check(dst)
-        n = _nbytes(dst)
-        try:
-            got = self._f.pread(dst, n, offset).get()
-        except Exception as exc:
-            raise TierIOError(f"kvikio read of {n} bytes at {offset} in {self.path!r} failed: {exc}") from exc
-        if got != n:
-            raise TierIOError(f"short kvikio read in {self.path!r}: {got} of {n} bytes at {offset}")
-        return got
+        return self._io(self._f.pread, dst, offset, "read")
 
     def write_from(self, src: Any, offset: int) -> int:
         """Write all of the device buffer ``src`` at ``offset``; returns bytes written."""
-        _device_ptr_check(src)
-        n = _nbytes(src)
+        return self._io(self._f.pwrite, src, offset, "write")
+
+    def _io(self, op: Any, buf: Any, offset: int, what: str) -> int:
+        """All of ``buf`` through ``op`` (``pread``/``pwrite``) at ``offset``; a failure or
+        a short transfer is a :class:`TierIOError`."""
+        _device_ptr_check(buf)
+        n = _nbytes(buf)
         try:
-            got = self._f.pwrite(src, n, offset).get()
+            got = op(buf, n, offset).get()
         except Exception as exc:
-            raise TierIOError(f"kvikio write of {n} bytes at {offset} in {self.path!r} failed: {exc}") from exc
+            raise TierIOError(f"kvikio {what} of {n} bytes at {offset} in {self.path!r} failed: {exc}") from exc
         if got != n:
-            raise TierIOError(f"short kvikio write in {self.path!r}: {got} of {n} bytes at {offset}")
+            raise TierIOError(f"short kvikio {what} in {self.path!r}: {got} of {n} bytes at {offset}")
         return got
 
     def close(self) -> None:
