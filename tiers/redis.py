@@ -40,6 +40,7 @@ import numpy as np
 
 from kvstore.block import EXT_HEADER_BYTES, encode_ext_header
 from kvstore.buffers import copy_bytes, host_view, is_device, nbytes_of
+from kvstore.buffers.views import ThreadBuffer
 from kvstore.config.tiers import RedisTierConfig
 from kvstore.errors import ConfigError, CorruptBlockError, InvalidArgumentError, TierIOError, TierUnavailableError
 from kvstore.keys import BlockKey
@@ -109,7 +110,7 @@ class RedisTier(Tier):
             raise
         self._health = Health(name, self._endpoints.probe)
         self._pool = ThreadPoolExecutor(concurrency, thread_name_prefix=f"kvstore-{name}")
-        self._local = threading.local()
+        self._staging = ThreadBuffer()   # this thread's host buffer for device blocks
         self._index: dict[BlockKey, _Entry] = {}
         self._used = 0
         self._reserved = 0
@@ -222,15 +223,6 @@ class RedisTier(Tier):
         self._health.failed(first)
         raise TierUnavailableError(f"{len(faults)} node request(s) failed: {first}", tier=self.name)
 
-    def _staging(self, nbytes: int) -> np.ndarray:
-        """This thread's host buffer for device blocks, grown on demand and reused."""
-        buf = getattr(self._local, "buf", None)
-        if buf is None or buf.nbytes < nbytes:
-            buf = np.empty(max(nbytes, 1 << 20), np.uint8)
-            buf.fill(0)   # touch the pages once now, not on every request
-            self._local.buf = buf
-        return buf[:nbytes]
-
     # -- reads ------------------------------------------------------------------------------
 
     def read_into(self, keys: Sequence[BlockKey], dsts: Sequence[Any]) -> list[bool]:
@@ -240,7 +232,7 @@ class RedisTier(Tier):
             return []
         names = [self.key_name(k) for k in keys]
         staged = [is_device(d) for d in dsts]
-        host = self._staging(sum(nbytes_of(d) for d, s in zip(dsts, staged) if s)) if any(staged) else None
+        host = self._staging.get(sum(nbytes_of(d) for d, s in zip(dsts, staged) if s)) if any(staged) else None
         targets, at = [], 0
         for dst, s in zip(dsts, staged):
             if s:
@@ -333,7 +325,7 @@ class RedisTier(Tier):
             return []
         names = [self.key_name(k) for k in keys]
         sizes = [nbytes_of(s) for s in srcs]
-        host = self._staging(sum(n for s, n in zip(srcs, sizes) if is_device(s))) if any(map(is_device, srcs)) \
+        host = self._staging.get(sum(n for s, n in zip(srcs, sizes) if is_device(s))) if any(map(is_device, srcs)) \
             else None
         payloads, at = [], 0
         for src, n in zip(srcs, sizes):

@@ -6,6 +6,7 @@ the caller's memory and copies into or out of it once.
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import numpy as np
@@ -106,4 +107,23 @@ def copy_bytes(dst: Any, src: Any) -> None:
     np.copyto(d, s, casting="no")
 
 
-__all__ = ["copy_bytes", "device_view", "host_view", "is_device", "is_torch", "nbytes_of"]
+class ThreadBuffer:
+    """One reusable host buffer per thread, grown on demand (1 MiB at least) and touched
+    once when made, so a request never faults its pages in. For staging a block on its way
+    to or from a device or the network; a thread must be done with its buffer before it
+    asks again (the same thread gets the same memory)."""
+
+    def __init__(self) -> None:
+        self._local = threading.local()
+
+    def get(self, nbytes: int) -> np.ndarray:
+        """This thread's buffer, its first ``nbytes`` bytes."""
+        buf = getattr(self._local, "buf", None)
+        if buf is None or buf.nbytes < nbytes:
+            buf = np.empty(max(nbytes, 1 << 20), np.uint8)
+            buf.fill(0)
+            self._local.buf = buf
+        return buf[:nbytes]
+
+
+__all__ = ["ThreadBuffer", "copy_bytes", "device_view", "host_view", "is_device", "is_torch", "nbytes_of"]

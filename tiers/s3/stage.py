@@ -14,6 +14,7 @@ import numpy as np
 
 from kvstore.block import EXT_HEADER_BYTES, encode_ext_header
 from kvstore.buffers import copy_bytes, host_view, is_device
+from kvstore.buffers.views import ThreadBuffer
 from kvstore.keys import BlockKey
 
 
@@ -24,16 +25,12 @@ class Staging:
     def __init__(self, part_size: int, multipart_threshold: int) -> None:
         self._part_size = part_size
         self._multipart_threshold = multipart_threshold
-        self._local = threading.local()
+        self._local = threading.local()   # this thread's upload buffers
+        self._host = ThreadBuffer()
 
     def host(self, nbytes: int) -> np.ndarray:
         """This thread's reusable staging buffer, at least ``nbytes`` long."""
-        buf = getattr(self._local, "buf", None)
-        if buf is None or buf.nbytes < nbytes:
-            buf = np.empty(max(nbytes, 1 << 20), np.uint8)
-            buf.fill(0)  # touch the pages once now, not on every request
-            self._local.buf = buf
-        return buf[:nbytes]
+        return self._host.get(nbytes)
 
     def stage(self, key: BlockKey, src: Any, n: int, payload_checksum: int | None = None) -> list[bytearray]:
         """Version-2 header + payload copied once into this thread's upload buffers: one
