@@ -332,3 +332,27 @@ def test_store_finds_what_another_store_saved_after_it_started(server):
         wrong = [np.zeros(len(srcs[0]) - 1, np.uint8)]
         assert writer.save(make_keys(1, salt="store-find-size"), srcs[:1]).result() == [True]
         assert reader.load(make_keys(1, salt="store-find-size"), wrong).result() == [False]   # another size: a miss
+
+
+def test_blocks_found_in_a_shared_tier_are_counted_for_their_tenant(server):
+    # a block another node wrote and this node found is a tenant's block like one it
+    # saved: counted in the tenant's bytes (so evicting it later cannot go negative) and,
+    # with no quota in that tier, listed as one whose hints protect nothing there
+    from kvstore.store.tenants import TAG_BYTES, TenantLedger
+
+    prefix = f"t{uuid.uuid4().hex[:8]}"
+    keys = make_keys(3, salt="tenant-found")
+    srcs = [payload(i) for i in range(3)]
+    with _store(server, prefix) as reader, _store(server, prefix) as writer:
+        ledger = TenantLedger({k.digest[:TAG_BYTES]: "n" for k in keys}, {"n": {}}, ["shared"])
+        reader.set_tenants(ledger)
+        assert writer.save(keys, srcs).result() == [True] * 3
+        assert reader.lookup(keys) == 3 and reader.stats()["shared_found"] == 3
+        held = reader.stats()["tenants"]["n"]["tiers"]["shared"]
+        assert held["blocks"] == 3 and held["used_bytes"] == sum(len(s) for s in srcs)
+        with reader._lock:
+            unprotected = ledger.hint_bound(0)()
+            assert unprotected is not None and set(keys) <= set(unprotected)
+        reader.delete(keys)
+        held = reader.stats()["tenants"]["n"]["tiers"]["shared"]
+        assert held["blocks"] == 0 and held["used_bytes"] == 0

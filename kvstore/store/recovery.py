@@ -86,6 +86,8 @@ class Discovery:
                     where[key] = mask | 1 << i
                     sizes[key] = n
                     lvl.policy.on_insert(key, n, parent_of(key) if lvl.policy.uses_parent else None)
+                    if self.mover.tenants is not None:   # counted as every indexed block is
+                        self.mover.tenants.add(key, i, n)
                     fresh.append(key)
                 self.ops["shared_found"] += len(fresh)
                 if self.events is not None and fresh:

@@ -92,20 +92,19 @@ class TenantLedger:
         for unbound in self._unbound:
             unbound.clear()
         for key, mask in where.items():
-            name = self.owner(key)
             for i in range(len(self.levels)):
-                if not mask >> i & 1:
-                    continue
-                if name is None or self._quota[name][i] is None:
-                    self._unbound[i].add(key)
-                if name is not None:
-                    self._used[name][i] += sizes.get(key, 0)
-                    self._blocks[name][i] += 1
+                if mask >> i & 1:
+                    self.add(key, i, sizes.get(key, 0))
+
+    def _unbounded(self, name: str | None, i: int) -> bool:
+        """Hints of ``name``'s blocks protect nothing in level ``i``: nobody's blocks, or a
+        tenant with no quota there."""
+        return name is None or self._quota[name][i] is None
 
     def add(self, key: BlockKey, i: int, nbytes: int) -> None:
         """``key`` entered level ``i``'s index."""
         name = self.owner(key)
-        if name is None or self._quota[name][i] is None:
+        if self._unbounded(name, i):
             self._unbound[i].add(key)
         if name is not None:
             self._used[name][i] += nbytes
@@ -114,7 +113,7 @@ class TenantLedger:
     def remove(self, key: BlockKey, i: int, nbytes: int, *, evicted: bool = False) -> None:
         """``key`` left level ``i``'s index (``evicted``: as a victim)."""
         name = self.owner(key)
-        if name is None or self._quota[name][i] is None:
+        if self._unbounded(name, i):
             self._unbound[i].discard(key)
         if name is not None:
             self._used[name][i] -= nbytes
