@@ -8,7 +8,6 @@ re-hashed into a "good" copy."""
 from __future__ import annotations
 
 import threading
-from contextlib import contextmanager
 
 import numpy as np
 import pytest
@@ -18,8 +17,9 @@ from kvstore.block import EXT_HEADER_BYTES, checksum, parse_block_header
 from kvstore.config import load_config
 from kvstore.testing import make_keys, payload
 from kvstore.tiers.s3.stage import Staging
-from kvstore.tiers.dram import DramTier
 from kvstore.tiers.nvme import NvmeTier
+
+from tests._stray_dram import StrayWriteDram
 
 BLOCK = 64 * 1024
 
@@ -90,26 +90,13 @@ def test_write_through_of_a_reservation_never_copies_a_corrupt_slot_down(tmp_pat
         assert store.stats()["background_errors"] == 0
 
 
-class _StrayWriteDram(DramTier):
-    """A DRAM tier whose spill views see one stray write land right after their check:
-    the moment between DRAM's verification and a lower tier's write."""
-
-    @contextmanager
-    def view(self, key):
-        with super().view(key) as got:
-            if got is not None:
-                offset, _ = self.offset_of(key)
-                self.arena[offset + 5] ^= 0x01
-            yield got
-
-
 def test_a_spill_keeps_drams_checksum_so_bytes_changed_after_its_check_fail_below(tmp_path):
     keys = make_keys(4, salt="spill-sum")
     srcs = [payload(20 + i, BLOCK) for i in range(4)]
     nvme_dir = str(tmp_path / "nvme")
     cfg = load_config({"tiers": [_dram(2 * BLOCK), {"name": "warm", "kind": "nvme", "path": nvme_dir,
                                                     "capacity": "4MiB"}]})
-    tiers = [_StrayWriteDram(2 * BLOCK, name="hot", pin=False), NvmeTier(nvme_dir, 4 << 20, name="warm")]
+    tiers = [StrayWriteDram(2 * BLOCK, name="hot", pin=False), NvmeTier(nvme_dir, 4 << 20, name="warm")]
     with Store(cfg, tiers=tiers) as store:
         assert store.save(keys[:2], srcs[:2]).result() == [True] * 2
         assert store.save(keys[2:], srcs[2:]).result() == [True] * 2   # the first two spill to NVMe

@@ -110,7 +110,7 @@ class MooncakeTier(Tier):
                                         "bytes_read", "bytes_written"), 0)
         self._closed = False
         self.capabilities = TierCapabilities(device="mooncake", persistent=False, alignment=1, max_concurrency=1,
-                                             shared=True)
+                                             write_checksums=True, shared=True)
 
     def _probe(self) -> None:
         rc = self._store.batch_is_exist([f"{self.prefix}:.probe"])[0]
@@ -284,8 +284,16 @@ class MooncakeTier(Tier):
 
     # -- writes -----------------------------------------------------------------------------
 
-    def write(self, keys: Sequence[BlockKey], srcs: Sequence[Any]) -> list[bool]:
+    def write(self, keys: Sequence[BlockKey], srcs: Sequence[Any],
+              checksums: Sequence[int | None] | None = None) -> list[bool]:
+        """See :meth:`Tier.write`; ``checksums`` (the writer's XXH3-64 per source, as a
+        spill from DRAM hands them) go into the object headers as they are: no second hash
+        of the payload, and a source changed since its writer hashed it is a corrupt
+        object on its first read."""
         check_batch(keys, srcs)
+        if checksums is not None:
+            check_batch(keys, checksums, "checksums")
+        sums = list(checksums) if checksums is not None else [None] * len(keys)
         self._health.check()
         out = [False] * len(keys)
         todo: list[int] = []
@@ -307,13 +315,13 @@ class MooncakeTier(Tier):
         direct = {j: self._direct(srcs[j]) for j in todo}
         with self._batch_lock:
             for rnd in self._rounds([sizes[j] for j in todo], [direct[j] for j in todo]):
-                self._write_round(keys, srcs, [todo[r] for r in rnd], sizes, direct, out)
+                self._write_round(keys, srcs, sums, [todo[r] for r in rnd], sizes, direct, out)
         for j, key in enumerate(keys):
             out[j] = out[first[key]]
         return out
 
-    def _write_round(self, keys, srcs, idx: list[int], sizes: dict[int, int], direct: dict[int, bool],
-                     out: list[bool]) -> None:
+    def _write_round(self, keys, srcs, sums: list[int | None], idx: list[int], sizes: dict[int, int],
+                     direct: dict[int, bool], out: list[bool]) -> None:
         base = self._staging.ctypes.data
         ptrs, at = [], 0
         for j in idx:
@@ -322,7 +330,7 @@ class MooncakeTier(Tier):
             if payload is None:      # device memory (or RDMA): stage it
                 payload = self._staging[at + HEADER_BYTES:at + HEADER_BYTES + n]
                 copy_bytes(payload, srcs[j])
-            encode_header(keys[j].digest, payload, self._staging[at:at + HEADER_BYTES])
+            encode_header(keys[j].digest, payload, self._staging[at:at + HEADER_BYTES], payload_checksum=sums[j])
             ptrs.append([base + at, payload.ctypes.data])
             at += HEADER_BYTES + (0 if direct[j] else n)
         names = [_object_name(self.prefix, keys[j]) for j in idx]
