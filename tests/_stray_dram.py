@@ -17,3 +17,27 @@ class StrayWriteDram(DramTier):
                 offset, _ = self.offset_of(key)
                 self.arena[offset + 5] ^= 0x01
             yield got
+
+
+def check_a_spill_keeps_drams_checksum(lower_cfg: dict, lower, block: int = 8192) -> None:
+    """Four blocks saved into a two-block StrayWriteDram over ``lower`` (its config
+    ``lower_cfg``): the two that spill were changed after DRAM verified them, so they must
+    load as misses (the lower tier holds DRAM's checksum), the other two byte-exact."""
+    import numpy as np
+
+    from kvstore.config import load_config
+    from kvstore.store import Store
+    from kvstore.testing import make_keys, payload
+
+    cfg = load_config({"tiers": [{"name": "hot", "kind": "dram", "capacity": 2 * block, "pin": False}, lower_cfg]})
+    keys = make_keys(4, salt=f"stray-{lower_cfg['kind']}")
+    srcs = [payload(60 + i, block) for i in range(4)]
+    with Store(cfg, tiers=[StrayWriteDram(2 * block, name="hot", pin=False), lower]) as store:
+        assert store.save(keys[:2], srcs[:2]).result() == [True] * 2
+        assert store.save(keys[2:], srcs[2:]).result() == [True] * 2   # the first two spill down
+        assert store.tiers[1].contains(keys[:2]) == [True, True]
+        dsts = [np.zeros(block, np.uint8) for _ in keys]
+        assert store.load(keys, dsts).result() == [False, False, True, True], \
+            "bytes changed in DRAM after its check were served from the tier below"
+        assert all(np.array_equal(dsts[i], srcs[i]) for i in (2, 3))
+        assert store.tiers[1].stats()["corrupt_blocks"] == 2

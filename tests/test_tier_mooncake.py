@@ -10,12 +10,12 @@ import time
 import numpy as np
 import pytest
 
-from kvstore.block import HEADER_BYTES, checksum, encode_header
-from kvstore.errors import BufferSizeError, ConfigError, InvalidArgumentError, TierUnavailableError
+from kvstore.block import HEADER_BYTES, encode_header
+from kvstore.errors import BufferSizeError, ConfigError, TierUnavailableError
 from kvstore.testing import IN_CI, TierConformance, make_keys, payload
 
 from tests import _mooncake
-from tests._stray_dram import StrayWriteDram
+from tests._stray_dram import check_a_spill_keeps_drams_checksum
 
 _MISSING = _mooncake.missing()
 if _MISSING is not None and not IN_CI:
@@ -251,49 +251,12 @@ def test_store_spills_to_mooncake_and_loads_exact(pool):
         store.close()
 
 
-def test_a_given_checksum_goes_into_the_header_as_it_is(pool):
-    """``write(keys, srcs, checksums)`` (a spill from DRAM) stores the writer's checksum,
-    never a re-hash: a wrong one is a corrupt object on its first read, None is hashed."""
-    tier = _tier(pool, 1 << 20)
-    try:
-        assert tier.capabilities.write_checksums
-        keys = make_keys(3, salt="given")
-        srcs = [payload(50 + i, 8192) for i in range(3)]
-        given = [checksum(srcs[0]), checksum(srcs[1]) ^ 1, None]   # right, wrong, hash it here
-        assert tier.write(keys, srcs, given) == [True] * 3
-        dsts = [np.zeros(8192, np.uint8) for _ in keys]
-        assert tier.read_into(keys, dsts) == [True, False, True]
-        assert np.array_equal(dsts[0], srcs[0]) and np.array_equal(dsts[2], srcs[2])
-        assert tier.stats()["corrupt_blocks"] == 1
-        assert tier.contains(keys) == [True, False, True]
-        with pytest.raises(InvalidArgumentError, match="3 keys but 2 checksums"):
-            tier.write(make_keys(3, salt="given-bad"), srcs, given[:2])
-    finally:
-        tier.close()
-
-
 def test_a_spill_keeps_drams_checksum_so_a_stray_write_after_its_check_is_a_miss(pool):
-    """Bytes changed in DRAM after DRAM verified them reach the pool under DRAM's
-    checksum: the pool's copy reads as a miss, never as the changed bytes."""
-    from kvstore.config import load_config
-    from kvstore.store import Store
-
     prefix = f"stray-{os.getpid()}"
-    cfg = load_config({"tiers": [
-        {"name": "hot", "kind": "dram", "capacity": 2 * 8192, "pin": False},
+    check_a_spill_keeps_drams_checksum(
         {"name": "pool", "kind": "mooncake", "capacity": "1MiB", "master": pool.master,
-         "metadata_server": pool.metadata, "prefix": prefix, "staging_bytes": "4MiB"}]})
-    tiers = [StrayWriteDram(2 * 8192, name="hot", pin=False), _tier(pool, 1 << 20, prefix=prefix, name="pool")]
-    keys = make_keys(4, salt="stray")
-    srcs = [payload(60 + i, 8192) for i in range(4)]
-    with Store(cfg, tiers=tiers) as store:
-        assert store.save(keys[:2], srcs[:2]).result() == [True] * 2
-        assert store.save(keys[2:], srcs[2:]).result() == [True] * 2   # the first two spill to the pool
-        assert store.tiers[1].contains(keys[:2]) == [True, True]
-        dsts = [np.zeros(8192, np.uint8) for _ in keys]
-        assert store.load(keys, dsts).result() == [False, False, True, True]
-        assert all(np.array_equal(dsts[i], srcs[i]) for i in (2, 3))
-        assert store.tiers[1].stats()["corrupt_blocks"] == 2
+         "metadata_server": pool.metadata, "prefix": prefix, "staging_bytes": "4MiB"},
+        _tier(pool, 1 << 20, prefix=prefix, name="pool"))
 
 
 def test_master_down_is_misses_and_the_tier_comes_back(pool):

@@ -14,6 +14,7 @@ from kvstore.errors import BufferSizeError, ConfigError, TierUnavailableError
 from kvstore.store import Store
 from kvstore.testing import CAPACITY, TierConformance, make_keys, payload
 from tests._redis import RedisServer, need_redis, running_redis
+from tests._stray_dram import check_a_spill_keeps_drams_checksum
 
 pytest.importorskip("redis", reason="redis-py is installed by scripts/deps/00-python.sh")
 pytestmark = pytest.mark.redis
@@ -114,6 +115,12 @@ def test_flipped_value_never_served_through_the_store(server, raw):
         assert store.load(keys, dsts).result() == [True, False, True]
         assert store.lookup(keys) == 1
         assert store.stats()["tiers"][0]["corrupt_blocks"] == 1
+
+
+def test_a_spill_keeps_drams_checksum_so_a_stray_write_after_its_check_is_a_miss(server):
+    prefix = f"stray{uuid.uuid4().hex[:8]}"
+    check_a_spill_keeps_drams_checksum({"name": "redis-test", "kind": "redis", "url": server.url, "prefix": prefix,
+                                        "capacity": "1MiB"}, make_tier(server, 1 << 20, prefix=prefix))
 
 
 def test_buffer_size_differs_from_unindexed_block(tier, server):

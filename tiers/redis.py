@@ -119,7 +119,7 @@ class RedisTier(Tier):
         self._counters = dict.fromkeys(("gets", "puts", "deletes", "corrupt_blocks", "vanished", "faults",
                                         "oom_refused", "found", "bytes_read", "bytes_written"), 0)
         self.capabilities = TierCapabilities(device="redis", persistent=True, max_concurrency=concurrency,
-                                             shared=True)
+                                             write_checksums=True, shared=True)
 
     def _check_access(self) -> None:
         """SET, GET, GETRANGE, STRLEN, DEL and SCAN under the prefix, as the tier will."""
@@ -293,8 +293,15 @@ class RedisTier(Tier):
 
     # -- writes -----------------------------------------------------------------------------
 
-    def write(self, keys: Sequence[BlockKey], srcs: Sequence[Any]) -> list[bool]:
+    def write(self, keys: Sequence[BlockKey], srcs: Sequence[Any],
+              checksums: Sequence[int | None] | None = None) -> list[bool]:
+        """See :meth:`Tier.write`; ``checksums`` (the writer's XXH3-64 per source, as a
+        spill from DRAM hands them) go into the value headers as they are, so a source
+        changed since its writer hashed it is a corrupt value on its first read."""
         check_batch(keys, srcs)
+        if checksums is not None:
+            check_batch(keys, checksums, "checksums")
+        sums = list(checksums) if checksums is not None else [None] * len(keys)
         self._health.check()
         first: dict[BlockKey, int] = {}
         for j, key in enumerate(keys):
@@ -312,7 +319,7 @@ class RedisTier(Tier):
                     self._reserved += n
                     todo.append(j)
         try:
-            stored = self._write_new([keys[j] for j in todo], [srcs[j] for j in todo])
+            stored = self._write_new([keys[j] for j in todo], [srcs[j] for j in todo], [sums[j] for j in todo])
         finally:
             with self._lock:
                 for j in todo:
@@ -320,7 +327,7 @@ class RedisTier(Tier):
         done.update(zip(todo, stored))
         return [done[first[k]] for k in keys]
 
-    def _write_new(self, keys: list[BlockKey], srcs: list[Any]) -> list[bool]:
+    def _write_new(self, keys: list[BlockKey], srcs: list[Any], sums: list[int | None]) -> list[bool]:
         if not keys:
             return []
         names = [self.key_name(k) for k in keys]
@@ -336,9 +343,9 @@ class RedisTier(Tier):
             else:
                 payloads.append(memoryview(host_view(src)).cast("B"))
         headers = []
-        for key, payload in zip(keys, payloads):
+        for key, payload, given in zip(keys, payloads, sums):
             header = bytearray(EXT_HEADER_BYTES)
-            encode_ext_header(key.digest, key.parent, payload, header)
+            encode_ext_header(key.digest, key.parent, payload, header, payload_checksum=given)
             headers.append(bytes(header))
         outcomes = self._run(names, lambda i: rio.pack_set(names[i], headers[i], payloads[i], self._ttl_ms),
                              lambda r, i: r.reply())

@@ -206,6 +206,24 @@ class TierConformance:
         res.abort()
         assert tier.contains(keys[2:]) == [False] and tier.used_bytes == used
 
+    def test_declares_write_checksums(self, tier):
+        """A tier that takes the writer's checksums (a spill hands DRAM's down) never
+        re-hashes the bytes: a block under a wrong one is refused at the write (DRAM checks
+        as it copies) or stored as given and a miss on its first read, never served."""
+        if not tier.capabilities.write_checksums:
+            return
+        keys = make_keys(3, salt="given-sums")
+        srcs = [payload(50 + i, self.BLOCK) for i in range(3)]
+        given = [checksum(srcs[0]), checksum(srcs[1]) ^ 1, None]   # right, wrong, hash it here
+        with pytest.raises(InvalidArgumentError, match="^3 keys but 2 checksums$"):
+            tier.write(keys, srcs, given[:2])
+        assert tier.contains(keys) == [False] * 3
+        stored = tier.write(keys, srcs, given)
+        assert stored[0] and stored[2]
+        ok, dsts = self._read_back(tier, keys)
+        assert ok == [True, False, True], "a block stored under a wrong given checksum was served"
+        assert np.array_equal(dsts[0], srcs[0]) and np.array_equal(dsts[2], srcs[2])
+
     def test_declares_slots(self, tier):
         keys = make_keys(2, salt="slots-cap")
         src = payload(50, self.BLOCK)
