@@ -256,13 +256,16 @@ class DataPath:
             where = self.index.where
             plan = [(k, where.get(k, 0)) for k in keys]
         count = 0
+        by_src: dict[int, list[BlockKey]] = {}   # one batch per source level
         for key, mask in plan:
             if mask >> target & 1:
                 count += 1
                 continue
             src = next((i for i in range(target + 1, len(self.levels)) if mask >> i & 1), None)
-            if src is not None and self.mover.copy_between(key, src, target):
-                count += 1
+            if src is not None:
+                by_src.setdefault(src, []).append(key)
+        for src, moved in by_src.items():
+            count += sum(self.mover.copy_between(moved, src, target))
         return count
 
     def flush(self) -> int:
@@ -278,21 +281,12 @@ class DataPath:
                 volatile |= 1 << i
         with self.lock:
             todo = [(k, m) for k, m in self.index.where.items() if not m & ~volatile]
-        written = 0
+        by_src: dict[int, list[BlockKey]] = {}   # one batch per source level
         for key, mask in todo:
-            src = next(i for i in range(len(levels)) if mask >> i & 1)
-            tier = levels[src].tier
-            with tier.view(key) as view:
-                if view is not None:
-                    written += bool(mover.put(target, [key], [view], tier.checksums([key]))[0])
-                    continue
-            size = self.index.sizes.get(key)
-            if size is None:
-                continue
-            with mover.scratch(size) as buf:
-                ok = mover.tier_io(levels[src], tier.read_into, [key], [buf])
-                if ok and ok[0]:
-                    written += bool(mover.put(target, [key], [buf])[0])
+            by_src.setdefault(next(i for i in range(len(levels)) if mask >> i & 1), []).append(key)
+        written = 0
+        for src, moved in by_src.items():
+            written += sum(mover.copy_between(moved, src, target))
         return written
 
 

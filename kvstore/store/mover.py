@@ -329,45 +329,77 @@ class Mover:
         return size
 
     def evict(self, i: int, victims: list[tuple[BlockKey, int]]) -> None:
-        """Spill victims down (write-back) and delete them from level ``i``."""
+        """Spill victims down (write-back, in batches: one write per batch into the level
+        below, not one per block) and delete them from level ``i``."""
         if not victims:
             return
         lvl = self.levels[i]
         below = i + 1 if i + 1 < len(self.levels) else None
-        for key, mask in victims:
-            size = self.index.sizes.get(key, 0)
-            try:
+        sizes = [self.index.sizes.get(key, 0) for key, _ in victims]
+        try:
+            spill = []
+            for key, mask in victims:
                 if self.hints.is_discard(key):
                     # one-shot: not kept past this tier
                     with self.lock:
                         self.hints.count_discarded()
-                elif below is not None and not mask >> below & 1 and self.copy_between(key, i, below):
-                    lvl.counters["spills"] += 1
-                self.tier_io(lvl, lvl.tier.delete, [key])
-            finally:
-                with self.lock:
+                elif below is not None and not mask >> below & 1:
+                    spill.append(key)
+            if spill:
+                lvl.counters["spills"] += sum(self.copy_between(spill, i, below))
+            self.tier_io(lvl, lvl.tier.delete, [key for key, _ in victims])
+        finally:
+            with self.lock:
+                for (key, _), size in zip(victims, sizes):
                     lvl.pending_free -= size
                     if not self.index.where.get(key):
                         self.forget(key)
 
-    def copy_between(self, key: BlockKey, src: int, dst: int) -> bool:
-        """Copy one block from level ``src`` into level ``dst`` (the source keeps it):
-        zero-copy from a tier that can lend a view, else through a staging buffer. A
-        block that cannot be read is forgotten in ``src``."""
-        size = self.index.sizes.get(key)
-        if size is None:
-            return False
-        tier = self.levels[src].tier
-        with tier.view(key) as view:   # verified by a tier that keeps checksums
-            if view is not None:
-                return self.put(dst, [key], [view], tier.checksums([key]))[0]
-        with self.scratch(size) as buf:
-            ok = self.tier_io(self.levels[src], tier.read_into, [key], [buf])
-            if not ok or not ok[0]:
-                with self.lock:
-                    self.drop(key, src)
-                return False
-            return self.put(dst, [key], [buf])[0]
+    def copy_between(self, keys: list[BlockKey], src: int, dst: int) -> list[bool]:
+        """Copy blocks from level ``src`` into level ``dst`` (the source keeps them);
+        returns per key whether it was written. Blocks go in groups of up to
+        :data:`MOVE_BATCH_BYTES`, one read and one write per group (a Mooncake pool, a
+        bucket or Redis pays per call, not per byte): zero-copy from a tier that lends
+        views, else through a scratch buffer. A block that cannot be read is forgotten
+        in ``src``."""
+        out = [False] * len(keys)
+        for group in _groups(keys, self.index.sizes):
+            for j, good in zip(group, self._copy_group([keys[j] for j in group], src, dst)):
+                out[j] = good
+        return out
+
+    def _copy_group(self, keys: list[BlockKey], src: int, dst: int) -> list[bool]:
+        out = [False] * len(keys)
+        lvl = self.levels[src]
+        tier = lvl.tier
+        with tier.views(keys) as views:   # verified by a tier that keeps checksums
+            lent = [n for n, view in enumerate(views) if view is not None]
+            if lent:
+                lent_keys = [keys[n] for n in lent]
+                stored = self.put(dst, lent_keys, [views[n] for n in lent], tier.checksums(lent_keys))
+                for n, good in zip(lent, stored):
+                    out[n] = good
+        rest = sorted(set(range(len(keys))) - set(lent))
+        sizes = [self.index.sizes.get(keys[n]) for n in rest]
+        rest, sizes = [n for n, size in zip(rest, sizes) if size is not None], [size for size in sizes if size is not None]
+        if not rest:
+            return out
+        with self.scratch(sum(sizes)) as buf:
+            bufs, at = [], 0
+            for size in sizes:
+                bufs.append(buf[at:at + size])
+                at += size
+            got = self.tier_io(lvl, tier.read_into, [keys[n] for n in rest], bufs) or [False] * len(rest)
+            with self.lock:
+                for n, good in zip(rest, got):
+                    if not good:
+                        self.drop(keys[n], src)
+            read = [(n, b) for n, b, good in zip(rest, bufs, got) if good]
+            if read:
+                stored = self.put(dst, [keys[n] for n, _ in read], [b for _, b in read])
+                for (n, _), good in zip(read, stored):
+                    out[n] = good
+        return out
 
     @contextmanager
     def scratch(self, nbytes: int) -> Iterator[np.ndarray]:
@@ -424,6 +456,29 @@ class Mover:
         """Drop per-key metadata once no tier holds the key."""
         self.index.forget(key)
         self.hints.forget(key)
+
+
+# A move between levels (a spill, a prefetch, a flush) reads and writes at most this many
+# bytes per tier call, which also bounds the scratch buffer of a tier that lends no views.
+MOVE_BATCH_BYTES = 64 << 20
+
+
+def _groups(keys: list[BlockKey], sizes: dict[BlockKey, int]) -> Iterator[list[int]]:
+    """Indices of ``keys`` still sized in the index, in runs of up to
+    :data:`MOVE_BATCH_BYTES` (at least one key each)."""
+    group: list[int] = []
+    total = 0
+    for j, key in enumerate(keys):
+        size = sizes.get(key)
+        if size is None:
+            continue
+        if group and total + size > MOVE_BATCH_BYTES:
+            yield group
+            group, total = [], 0
+        group.append(j)
+        total += size
+    if group:
+        yield group
 
 
 def parent_of(key: BlockKey) -> BlockKey | None:
