@@ -4,9 +4,13 @@ below, whose victim moves further down through a scratch buffer too. Each level 
 that cascade has its own buffer, so no block is stored with another block's bytes."""
 
 import numpy as np
+import pytest
 
-from kvstore.store import Store
+from kvstore.config import load_config
+from kvstore.store import Store, mover
 from kvstore.testing import make_keys
+from kvstore.tiers.dram import DramTier
+from kvstore.tiers.nvme import NvmeTier
 
 BLOCK = 64 * 1024
 
@@ -31,3 +35,71 @@ def test_a_cascade_of_spills_keeps_every_block_its_own_bytes(tmp_path):
             dst = np.zeros(BLOCK, np.uint8)
             assert store.load([key], [dst]).result() == [True]
             assert np.array_equal(dst, src), f"block {src[0]} came back holding block {dst[0]}'s bytes"
+
+
+def test_a_batched_cascade_keeps_every_block_its_own_bytes(tmp_path):
+    """A whole batch moves through one scratch buffer per level: each level's group is
+    read into slices of its own buffer while the put below evicts and spills again."""
+    cfg = {"tiers": [{"name": "hot", "kind": "dram", "capacity": 4 * BLOCK, "pin": False},
+                     _nvme("n1", tmp_path / "n1", 4), _nvme("n2", tmp_path / "n2", 4),
+                     _nvme("n3", tmp_path / "n3", 32)]}
+    rounds = [make_keys(4, salt=f"batched-cascade-{r}") for r in range(5)]
+    srcs = {key: np.full(BLOCK, 4 * r + i + 1, np.uint8) for r, keys in enumerate(rounds) for i, key in enumerate(keys)}
+    with Store.from_config(cfg) as store:
+        for keys in rounds:   # each save pushes the rounds before it one tier further down
+            assert store.save(keys, [srcs[k] for k in keys]).result() == [True] * 4
+        tiers = store.stats()["tiers"]
+        assert tiers[1]["spills"] >= 4 and tiers[2]["spills"] >= 4
+        for keys in rounds:
+            dsts = [np.zeros(BLOCK, np.uint8) for _ in keys]
+            assert store.load(keys, dsts).result() == [True] * 4
+            for key, dst in zip(keys, dsts):
+                assert np.array_equal(dst, srcs[key]), f"block {srcs[key][0]} came back holding {dst[0]}'s bytes"
+
+
+class _CountingNvme(NvmeTier):
+    """A real NVMe tier that records the size of each batch it is asked to move."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.writes: list[int] = []
+        self.reads: list[int] = []
+
+    def write(self, keys, srcs, checksums=None):
+        self.writes.append(len(keys))
+        return super().write(keys, srcs, checksums)
+
+    def read_into(self, keys, dsts):
+        self.reads.append(len(keys))
+        return super().read_into(keys, dsts)
+
+
+def _dram_over_counting_nvme(tmp_path, blocks: int):
+    cfg = load_config({"tiers": [{"name": "hot", "kind": "dram", "capacity": blocks * BLOCK, "pin": False},
+                                 _nvme("warm", tmp_path / "warm", 64)]})
+    nvme = _CountingNvme(str(tmp_path / "warm"), 64 * BLOCK, name="warm", direct_io=False, file_bytes=1 << 20)
+    return Store(cfg, tiers=[DramTier(blocks * BLOCK, name="hot", pin=False), nvme]), nvme
+
+
+@pytest.mark.parametrize("batch_blocks", [None, 3])
+def test_spills_and_prefetches_move_in_batches(tmp_path, monkeypatch, batch_blocks):
+    """A spill of 8 victims is one write below, a prefetch of 8 blocks one read (or runs of
+    at most MOVE_BATCH_BYTES when that is smaller), and every block keeps its bytes."""
+    if batch_blocks is not None:
+        monkeypatch.setattr(mover, "MOVE_BATCH_BYTES", batch_blocks * BLOCK)
+    first, second = make_keys(8, salt="batched-a"), make_keys(8, salt="batched-b")
+    srcs = [np.full(BLOCK, i + 1, np.uint8) for i in range(8)]
+    store, nvme = _dram_over_counting_nvme(tmp_path, 8)
+    with store:
+        assert store.save(first, srcs).result() == [True] * 8
+        assert nvme.writes == []
+        assert store.save(second, srcs).result() == [True] * 8   # all of `first` spills
+        runs = [8] if batch_blocks is None else [3, 3, 2]
+        assert nvme.writes == runs
+        assert store.stats()["tiers"][0]["spills"] == 8
+        assert store.prefetch(first).result() == 8   # evicts `second` (spilled: written below)
+        assert nvme.reads == runs
+        for keys in (first, second):
+            dsts = [np.zeros(BLOCK, np.uint8) for _ in keys]
+            assert store.load(keys, dsts).result() == [True] * 8
+            assert all(np.array_equal(d, s) for d, s in zip(dsts, srcs))
