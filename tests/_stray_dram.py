@@ -11,19 +11,21 @@ from kvstore.tiers.dram import DramTier
 
 class StrayWriteDram(DramTier):
     @contextmanager
-    def views(self, keys, *, verify: bool = True):   # view() borrows through views() too
-        with super().views(keys, verify=verify) as got:
-            for key, view in zip(keys, got):
+    def lend(self, keys):   # how the Store borrows the blocks it spills
+        with super().lend(keys) as (views, sums):
+            for key, view in zip(keys, views):
                 if view is not None:
                     offset, _ = self.offset_of(key)
                     self.arena[offset + 5] ^= 0x01
-            yield got
+            yield views, sums
 
 
-def check_a_spill_keeps_drams_checksum(lower_cfg: dict, lower, block: int = 8192) -> None:
+def check_a_spill_keeps_drams_checksum(lower_cfg: dict, lower, block: int = 8192, *, refused: bool = False) -> None:
     """Four blocks saved into a two-block StrayWriteDram over ``lower`` (its config
     ``lower_cfg``): the two that spill were changed after DRAM verified them, so they must
-    load as misses (the lower tier holds DRAM's checksum), the other two byte-exact."""
+    load as misses, the other two byte-exact. The lower tier either stores them under
+    DRAM's checksum and finds them corrupt on the read, or (``refused``: a cache server
+    checks the bytes it receives against it) refuses them at the write."""
     import numpy as np
 
     from kvstore.config import load_config
@@ -36,9 +38,10 @@ def check_a_spill_keeps_drams_checksum(lower_cfg: dict, lower, block: int = 8192
     with Store(cfg, tiers=[StrayWriteDram(2 * block, name="hot", pin=False), lower]) as store:
         assert store.save(keys[:2], srcs[:2]).result() == [True] * 2
         assert store.save(keys[2:], srcs[2:]).result() == [True] * 2   # the first two spill down
-        assert store.tiers[1].contains(keys[:2]) == [True, True]
+        assert store.tiers[1].contains(keys[:2]) == [not refused] * 2
         dsts = [np.zeros(block, np.uint8) for _ in keys]
         assert store.load(keys, dsts).result() == [False, False, True, True], \
             "bytes changed in DRAM after its check were served from the tier below"
         assert all(np.array_equal(dsts[i], srcs[i]) for i in (2, 3))
-        assert store.tiers[1].stats()["corrupt_blocks"] == 2
+        if not refused:
+            assert store.tiers[1].stats()["corrupt_blocks"] == 2

@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 from kvstore.client import Client
-from kvstore.errors import RemoteError, TransportError
+from kvstore.block import checksum
+from kvstore.errors import InvalidArgumentError, RemoteError, TransportError
 from kvstore.net.client.nixl import NixlClientPath, NixlTransport
 from kvstore.net.client.selection import Transport
 from kvstore.net.client.shm import SameHostTransport
@@ -51,6 +52,32 @@ def test_tcp_and_shm_clients_name_their_transport_and_round_trip():
                 dsts = [np.full(BLOCK, 0xEE, np.uint8) for _ in keys]
                 assert c.load(keys, dsts).result(10) == [True] * 4
                 assert all(np.array_equal(a, b) for a, b in zip(srcs, dsts))
+    finally:
+        s.stop()
+
+
+def _given_checksums_are_sent_as_they_are(address: str, transport: str) -> None:
+    keys = make_keys(3, salt=f"given-{transport}")
+    srcs = [payload(60 + i, BLOCK) for i in range(3)]
+    with Client(address, transport=transport, timeout_s=30) as c:
+        assert c.transport == transport
+        with pytest.raises(InvalidArgumentError, match="^3 keys but 2 checksums$"):
+            c.save(keys, srcs, checksums=[checksum(srcs[0]), None])
+        given = [checksum(srcs[0]), checksum(srcs[1]) ^ 1, None]   # right, wrong, hash it here
+        assert c.save(keys, srcs, checksums=given).result(30) == [True, False, True]
+        dsts = [np.zeros(BLOCK, np.uint8) for _ in keys]
+        assert c.load(keys, dsts).result(30) == [True, False, True]
+        assert np.array_equal(dsts[0], srcs[0]) and np.array_equal(dsts[2], srcs[2])
+
+
+def test_tcp_and_shm_send_the_writers_checksums_as_they_are():
+    """``save(checksums=...)`` (a spill from DRAM through the remote tier): the server
+    checks the bytes against the writer's checksum, not a fresh hash, and refuses a
+    mismatch."""
+    s = ThreadServer(config_dict("32MiB"))
+    try:
+        for choice in ("tcp", "shm"):
+            _given_checksums_are_sent_as_they_are(s.address, choice)
     finally:
         s.stop()
 
@@ -108,6 +135,10 @@ def test_a_nixl_failure_mid_save_redoes_the_batch_over_tcp(nixl_server, monkeypa
         assert c.load(keys, dsts).result(30) == [True] * 5
         assert all(np.array_equal(a, b) for a, b in zip(srcs, dsts)), "wrong bytes after the fallback"
         assert c.stats()["server"]["nixl"]["puts"] == 0
+
+
+def test_nixl_sends_the_writers_checksums_as_they_are(nixl_server):
+    _given_checksums_are_sent_as_they_are(nixl_server.address, "nixl")
 
 
 def _agent_never_starts(monkeypatch) -> None:

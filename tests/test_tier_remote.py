@@ -11,6 +11,7 @@ from kvstore.errors import TierUnavailableError
 from kvstore.store import Store
 from kvstore.testing import CAPACITY, TierConformance, free_port, make_keys, payload
 from tests._servers import ThreadServer, config_dict
+from tests._stray_dram import check_a_spill_keeps_drams_checksum
 from kvstore.tiers.remote import RemoteTier
 
 
@@ -52,6 +53,16 @@ def test_store_stacks_a_server_beneath_dram(server):
         dsts = [np.zeros(block, np.uint8) for _ in keys]
         assert store.load(keys, dsts).result(30) == [True] * 24
         assert all(np.array_equal(a, b) for a, b in zip(srcs, dsts))
+
+
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+def test_a_spill_keeps_drams_checksum_so_the_server_refuses_a_stray_write_after_its_check(server, transport):
+    from kvstore.client import Client
+
+    server.store.clear()
+    lower = RemoteTier(server.address, 1 << 20, name="shared", client=Client(server.address, transport=transport))
+    check_a_spill_keeps_drams_checksum({"name": "shared", "kind": "remote", "address": server.address,
+                                        "capacity": "1MiB"}, lower, refused=True)
 
 
 def test_unreachable_server_is_a_clear_error():

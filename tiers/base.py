@@ -230,6 +230,16 @@ class Tier(ABC):
         with ExitStack() as stack:
             yield [stack.enter_context(self.view(key)) for key in keys]
 
+    @contextmanager
+    def lend(self, keys: Sequence[BlockKey]) -> Iterator[tuple[list[Any], list[int | None]]]:
+        """:meth:`views` of ``keys`` (verified) and, per view, the checksum it was verified
+        against (``None`` where the tier keeps none): what a move down hands the tier
+        below, so bytes changed after the check fail there. Tiers that keep checksums
+        give the ones their check used, not a second lookup a concurrent drop could
+        empty."""
+        with self.views(keys) as views:
+            yield views, self.checksums(keys)
+
     def stats(self) -> dict[str, Any]:
         """Tier-specific counters (health, errors, I/O mode), merged into Store stats."""
         return {}

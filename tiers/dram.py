@@ -257,6 +257,15 @@ class DramTier(ArenaTier, HostArena):
             yield [ro[s.offset:s.offset + s.nbytes] if s is not None else None for s in slots]
 
     @contextmanager
+    def lend(self, keys: Sequence[BlockKey]) -> Iterator[tuple[list[np.ndarray | None], list[int | None]]]:
+        """:meth:`views` with the checksum each slot was verified against (see
+        :meth:`Tier.lend`)."""
+        with self._held(keys, True, "borrow") as slots:
+            ro = self._readonly
+            yield ([ro[s.offset:s.offset + s.nbytes] if s is not None else None for s in slots],
+                   [s.checksum if s is not None else None for s in slots])
+
+    @contextmanager
     def slots(self, keys: Sequence[BlockKey], *, verify: bool = True) -> Iterator[list[tuple[int, int] | None]]:
         """``(offset, nbytes)`` inside the arena of many blocks (``None`` where absent),
         held and verified like :meth:`views`: for a process that maps the arena itself

@@ -314,8 +314,16 @@ class MooncakeTier(Tier):
         sizes = {j: nbytes_of(srcs[j]) for j in todo}
         direct = {j: self._direct(srcs[j]) for j in todo}
         with self._batch_lock:
-            for rnd in self._rounds([sizes[j] for j in todo], [direct[j] for j in todo]):
-                self._write_round(keys, srcs, sums, [todo[r] for r in rnd], sizes, direct, out)
+            try:
+                for rnd in self._rounds([sizes[j] for j in todo], [direct[j] for j in todo]):
+                    self._write_round(keys, srcs, sums, [todo[r] for r in rnd], sizes, direct, out)
+            except TierUnavailableError:
+                # The Store counts the whole batch as failed: forget what earlier rounds
+                # put, so the budget stays in step with its index (find() sees them again).
+                for j in todo:
+                    if out[j]:
+                        self._forget(keys[j])
+                raise
         for j, key in enumerate(keys):
             out[j] = out[first[key]]
         return out

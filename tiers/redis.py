@@ -362,7 +362,10 @@ class RedisTier(Tier):
                     self._counters["oom_refused"] += 1   # maxmemory with noeviction: no room
         try:
             self._raise_faults(outcomes)
-        except TierUnavailableError:
+            for name, o in zip(names, outcomes):
+                if isinstance(o, rio.ReplyError) and o.kind != "OOM":
+                    raise TierIOError(f"SET {name.decode()}: {o}", tier=self.name)
+        except (TierUnavailableError, TierIOError):
             # The Store counts the whole batch as failed: forget what did land so the
             # budget stays in step with its index (recover() finds those values again).
             with self._lock:
@@ -370,9 +373,6 @@ class RedisTier(Tier):
                     if ok:
                         self._forget(key)
             raise
-        for name, o in zip(names, outcomes):
-            if isinstance(o, rio.ReplyError) and o.kind != "OOM":
-                raise TierIOError(f"SET {name.decode()}: {o}", tier=self.name)
         return result
 
     # -- removal, listing, recovery ---------------------------------------------------------

@@ -42,7 +42,8 @@ class RemoteTier(Tier):
         self._sizes: dict[BlockKey, int] = {}
         self._used = 0
         self._lock = threading.Lock()
-        self.capabilities = TierCapabilities(device="remote", persistent=False, alignment=1, max_concurrency=8)
+        self.capabilities = TierCapabilities(device="remote", persistent=False, alignment=1, max_concurrency=8,
+                                             write_checksums=True)
 
     def nbytes(self, key: BlockKey) -> int | None:
         return self._sizes.get(key)
@@ -62,8 +63,14 @@ class RemoteTier(Tier):
             self._forget(gone)
         return ok
 
-    def write(self, keys: Sequence[BlockKey], srcs: Sequence[Any]) -> list[bool]:
+    def write(self, keys: Sequence[BlockKey], srcs: Sequence[Any],
+              checksums: Sequence[int | None] | None = None) -> list[bool]:
+        """See :meth:`Tier.write`; ``checksums`` (the writer's XXH3-64 per source, as a
+        spill from DRAM hands them) are sent as the blocks' checksums, so the server
+        refuses a source changed since its writer hashed it."""
         check_batch(keys, srcs)
+        if checksums is not None:
+            check_batch(keys, checksums, "checksums")
         out = [False] * len(keys)
         todo: list[int] = []
         with self._lock:
@@ -78,7 +85,9 @@ class RemoteTier(Tier):
         if not todo:
             return out
         try:
-            ok = self._call(lambda: self._client.save([keys[j] for j in todo], [srcs[j] for j in todo]).result())
+            sums = None if checksums is None else [checksums[j] for j in todo]
+            ok = self._call(lambda: self._client.save([keys[j] for j in todo], [srcs[j] for j in todo],
+                                                      checksums=sums).result())
         except BaseException:
             with self._lock:
                 self._used -= reserved

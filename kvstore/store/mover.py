@@ -345,9 +345,11 @@ class Mover:
                         self.hints.count_discarded()
                 elif below is not None and not mask >> below & 1:
                     spill.append(key)
-            if spill:
-                lvl.counters["spills"] += sum(self.copy_between(spill, i, below))
-            self.tier_io(lvl, lvl.tier.delete, [key for key, _ in victims])
+            try:
+                if spill:
+                    lvl.counters["spills"] += sum(self.copy_between(spill, i, below))
+            finally:   # out of the index already: a failed spill must not strand their bytes here
+                self.tier_io(lvl, lvl.tier.delete, [key for key, _ in victims])
         finally:
             with self.lock:
                 for (key, _), size in zip(victims, sizes):
@@ -359,9 +361,11 @@ class Mover:
         """Copy blocks from level ``src`` into level ``dst`` (the source keeps them);
         returns per key whether it was written. Blocks go in groups of up to
         :data:`MOVE_BATCH_BYTES`, one read and one write per group (a Mooncake pool, a
-        bucket or Redis pays per call, not per byte): zero-copy from a tier that lends
-        views, else through a scratch buffer. A block that cannot be read is forgotten
-        in ``src``."""
+        bucket or Redis pays per call, not per byte). Down (``dst > src``), from a tier
+        that lends views: zero-copy, with the checksums the views were verified against.
+        Otherwise, and always up, through a scratch buffer: a put into a faster level
+        evicts into the slower ones, and views held on them would pin the room that
+        eviction needs. A block that cannot be read is forgotten in ``src``."""
         out = [False] * len(keys)
         for group in _groups(keys, self.index.sizes):
             for j, good in zip(group, self._copy_group([keys[j] for j in group], src, dst)):
@@ -372,13 +376,14 @@ class Mover:
         out = [False] * len(keys)
         lvl = self.levels[src]
         tier = lvl.tier
-        with tier.views(keys) as views:   # verified by a tier that keeps checksums
-            lent = [n for n, view in enumerate(views) if view is not None]
-            if lent:
-                lent_keys = [keys[n] for n in lent]
-                stored = self.put(dst, lent_keys, [views[n] for n in lent], tier.checksums(lent_keys))
-                for n, good in zip(lent, stored):
-                    out[n] = good
+        lent: list[int] = []
+        if dst > src and tier.capabilities.zero_copy_view:
+            with tier.lend(keys) as (views, sums):   # verified by a tier that keeps checksums
+                lent = [n for n, view in enumerate(views) if view is not None]
+                if lent:
+                    stored = self.put(dst, [keys[n] for n in lent], [views[n] for n in lent], [sums[n] for n in lent])
+                    for n, good in zip(lent, stored):
+                        out[n] = good
         rest = sorted(set(range(len(keys))) - set(lent))
         sizes = [self.index.sizes.get(keys[n]) for n in rest]
         rest, sizes = [n for n, size in zip(rest, sizes) if size is not None], [size for size in sizes if size is not None]

@@ -295,17 +295,24 @@ class Client:
     # -- data operations ---------------------------------------------------------------------------
 
     def save(self, keys: Sequence[BlockKey], srcs: Sequence[Any], *,
-             hint: Hint | None = None) -> "Future[list[bool]]":
+             checksums: Sequence[int | None] | None = None, hint: Hint | None = None) -> "Future[list[bool]]":
         """Store copies of ``srcs`` on the server; resolves to whether each is stored.
+        ``checksums``: the writer's XXH3-64 (:func:`kvstore.block.checksum`) of each
+        source (``None`` entries: hashed here), sent instead of a fresh hash, so the
+        server refuses a source changed since its writer hashed it (``False``).
         ``hint`` goes to every key the server holds after the save (one HINT request),
         before the future resolves."""
         keys, srcs = _check_pairs(keys, srcs)
+        if checksums is not None and len(checksums) != len(keys):
+            raise InvalidArgumentError(f"{len(keys)} keys but {len(checksums)} checksums")
+        sums = list(checksums) if checksums is not None else None
         if check_hint(hint) is not None:
-            return self._submit(partial(self._save_hinted, hint=hint), keys, srcs)
-        return self._submit(self._save, keys, srcs)
+            return self._submit(partial(self._save_hinted, hint=hint, sums=sums), keys, srcs)
+        return self._submit(partial(self._save, sums=sums), keys, srcs)
 
-    def _save_hinted(self, keys: list[BlockKey], srcs: list[Any], hint: Hint) -> list[bool]:
-        out = self._save(keys, srcs)
+    def _save_hinted(self, keys: list[BlockKey], srcs: list[Any], hint: Hint,
+                     sums: list[int | None] | None) -> list[bool]:
+        out = self._save(keys, srcs, sums)
         if keys:
             self._hint_quietly(keys, hint)
         return out
@@ -321,12 +328,13 @@ class Client:
             raise StoreClosedError("the Client is closed")
         return submit(self._pool, capture(bufs), fn, keys, bufs)
 
-    def _save(self, keys: list[BlockKey], srcs: list[Any]) -> list[bool]:
+    def _save(self, keys: list[BlockKey], srcs: list[Any], sums: list[int | None] | None = None) -> list[bool]:
         out: list[bool] = []
         if not keys:
             return out
         for lo, hi in self._batches(srcs, self._transport.put_limit(self._max_payload)):
-            out += self._run(lambda c: self._transport.put(c, keys[lo:hi], srcs[lo:hi]))
+            out += self._run(lambda c: self._transport.put(c, keys[lo:hi], srcs[lo:hi],
+                                                           None if sums is None else sums[lo:hi]))
         return out
 
     def _load(self, keys: list[BlockKey], dsts: list[Any]) -> list[bool]:

@@ -89,9 +89,10 @@ class NixlTransport:
                 out[i] = ok
         return out
 
-    def put(self, conn: Any, keys: list[BlockKey], srcs: list[Any]) -> list[bool]:
-        res = self._call(conn, lambda p: p.put(conn, keys, srcs))
-        return self._tcp.put(conn, keys, srcs) if res is None else res
+    def put(self, conn: Any, keys: list[BlockKey], srcs: list[Any],
+            sums: list[int | None] | None = None) -> list[bool]:
+        res = self._call(conn, lambda p: p.put(conn, keys, srcs, sums))
+        return self._tcp.put(conn, keys, srcs, sums) if res is None else res
 
     def _call(self, conn: Any, fn: Callable[["NixlClientPath"], Any]) -> Any:
         """Run a NIXL operation; on a NIXL/UCX failure (the connection itself intact)
@@ -221,14 +222,16 @@ class NixlClientPath:
             self._integrity.failed(bad)
         return out, later
 
-    def put(self, conn: Any, keys: list[BlockKey], srcs: list[Any]) -> list[bool]:
+    def put(self, conn: Any, keys: list[BlockKey], srcs: list[Any],
+            given: list[int | None] | None = None) -> list[bool]:
         sizes = [nbytes_of(s) for s in srcs]
         descs, staged, staging = self._place(srcs)
         try:
             if staged is not None:
                 for view, src in zip(staged, srcs):
                     copy_bytes(view, src)
-            sums = [_hash(b) for b in (staged if staged is not None else srcs)]   # before the server reads
+            sums = [_hash(b) if g is None else g   # before the server reads (or the writer's)
+                    for b, g in zip(staged if staged is not None else srcs, given or [None] * len(srcs))]
             self.introduce(conn)
             body = P.encode_nixl(_KIND[descs.mem], int(descs.rows[0, 2]), keys, sizes, descs.rows[:, 0].tolist(),
                                  sums)

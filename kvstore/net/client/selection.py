@@ -49,8 +49,11 @@ class Transport(Protocol):
         """Finish setting up once the client's pool exists (``run`` runs a function on a
         pooled connection, retrying once); may fall back instead of raising."""
 
-    def put(self, conn: Conn, keys: list[BlockKey], srcs: list[Any]) -> list[bool]:
-        """Store one batch; per key whether the server holds it now."""
+    def put(self, conn: Conn, keys: list[BlockKey], srcs: list[Any],
+            sums: list[int | None] | None = None) -> list[bool]:
+        """Store one batch; per key whether the server holds it now. ``sums``: the
+        writer's XXH3-64 of each source (``None``: hash it here), sent as the block's
+        checksum, so the server refuses a source changed since its writer hashed it."""
 
     def get(self, conn: Conn, keys: list[BlockKey], dsts: list[Any]) -> list[bool]:
         """Load one batch into ``dsts``; ``True`` only for a block verified there."""

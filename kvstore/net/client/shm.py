@@ -102,9 +102,11 @@ class SameHostTransport:
             return False
         return True
 
-    def put(self, conn: Conn, keys: list[BlockKey], srcs: list[Any]) -> list[bool]:
+    def put(self, conn: Conn, keys: list[BlockKey], srcs: list[Any],
+            sums: list[int | None] | None = None) -> list[bool]:
+        given = sums or [None] * len(keys)
         if not self.arena.writable:
-            return self._staged_put(conn, keys, srcs)
+            return self._staged_put(conn, keys, srcs, given)
         # Reserve slots in the server's arena, write the blocks straight into them,
         # commit: one copy, no staging. Blocks it found no room for go through staging.
         sizes = [nbytes_of(s) for s in srcs]
@@ -112,7 +114,7 @@ class SameHostTransport:
         rid, placed = P.decode_placed(body, len(keys))
         got = placed["nbytes"]
         take = np.flatnonzero(got >= 0)
-        sums = [0] * len(keys)
+        sent = [0] * len(keys)
         try:
             if len(take):
                 off = placed["offset"][take]
@@ -124,24 +126,25 @@ class SameHostTransport:
                                            self.arena.address, off.tolist(), True, self._copier,
                                            self._copy_threads, self.arena.pin, hash_source=True)
                 for i, csum in zip(idx, copied):
-                    sums[i] = csum
+                    sent[i] = csum if given[i] is None else given[i]
         except BaseException:
             if rid and not conn.broken:
                 conn.call(P.Op.SHM_COMMIT, P.encode_commit(rid, False))
             raise
-        out = P.decode_flags(conn.call(P.Op.SHM_COMMIT, P.encode_commit(rid, True, sums))[1], len(keys)) if rid \
+        out = P.decode_flags(conn.call(P.Op.SHM_COMMIT, P.encode_commit(rid, True, sent))[1], len(keys)) if rid \
             else [False] * len(keys)
         for i in np.flatnonzero(got == P.PRESENT).tolist():
             out[i] = True
         rest = np.flatnonzero(got == P.MISS).tolist()
         if rest:
-            for i, ok in zip(rest, self._staged_put(conn, [keys[i] for i in rest], [srcs[i] for i in rest])):
+            for i, ok in zip(rest, self._staged_put(conn, [keys[i] for i in rest], [srcs[i] for i in rest],
+                                                    [given[i] for i in rest])):
                 out[i] = ok
         return out
 
-    def _staged_put(self, conn: Conn, keys: list[BlockKey], srcs: list[Any]) -> list[bool]:
+    def _staged_put(self, conn: Conn, keys: list[BlockKey], srcs: list[Any], given: list[int | None]) -> list[bool]:
         if not self._attach(conn):
-            return tcp_put(conn, keys, srcs, self._integrity)
+            return tcp_put(conn, keys, srcs, self._integrity, given)
         staging = conn.staging
         sizes, offsets, pos = [], [], 0
         for src in srcs:
@@ -151,6 +154,7 @@ class SameHostTransport:
             pos += n
         sums = copy_batch_hashed(srcs, sizes, staging.array, staging.address, offsets, True, self._copier,
                                  self._copy_threads, hash_source=True)
+        sums = [csum if g is None else g for csum, g in zip(sums, given)]
         _, body = conn.call(P.Op.SHM_PUT, P.encode_records(P.STAGED, keys, sizes, offsets, sums))
         return P.decode_flags(body, len(keys))
 

@@ -49,8 +49,9 @@ class TcpTransport:
     def start(self, run: Any) -> None:
         """Nothing to set up: the HELLO was all."""
 
-    def put(self, conn: Conn, keys: list[BlockKey], srcs: list[Any]) -> list[bool]:
-        return tcp_put(conn, keys, srcs, self._integrity)
+    def put(self, conn: Conn, keys: list[BlockKey], srcs: list[Any],
+            sums: list[int | None] | None = None) -> list[bool]:
+        return tcp_put(conn, keys, srcs, self._integrity, sums)
 
     def get(self, conn: Conn, keys: list[BlockKey], dsts: list[Any]) -> list[bool]:
         return tcp_get(conn, keys, dsts, self._integrity)
@@ -65,10 +66,13 @@ class TcpTransport:
         """Nothing of its own to close (the connections are the Client's)."""
 
 
-def tcp_put(conn: Conn, keys: list[BlockKey], srcs: list[Any], integrity: Integrity | None = None) -> list[bool]:
+def tcp_put(conn: Conn, keys: list[BlockKey], srcs: list[Any], integrity: Integrity | None = None,
+            given: list[int | None] | None = None) -> list[bool]:
+    """PUT one batch; ``given``: the writer's checksums (see :meth:`Transport.put`)."""
     sizes = [nbytes_of(s) for s in srcs]
     views = [_host_copy(s) for s in srcs]
-    sums = [checksum(v) for v in views]   # before the bytes leave: the server refuses a changed block
+    # taken before the bytes leave (or the writer's): the server refuses a changed block
+    sums = [checksum(v) if g is None else g for v, g in zip(views, given or [None] * len(views))]
     _, body = conn.call(P.Op.PUT, P.encode_records(P.PUT_REC, keys, sizes, sums), [memoryview(v) for v in views])
     return P.decode_flags(body, len(keys))
 
