@@ -33,6 +33,7 @@ import numpy as np
 
 from kvstore.block import HEADER_BYTES, VERSION, encode_header, parse_block_header, verify_payload
 from kvstore.buffers import copy_bytes, host_view, is_device, nbytes_of
+from kvstore.buffers.runs import runs
 from kvstore.config.tiers import MooncakeTierConfig
 from kvstore.errors import ConfigError, CorruptBlockError, InvalidArgumentError, TierUnavailableError
 from kvstore.keys import BlockKey
@@ -130,19 +131,11 @@ class MooncakeTier(Tier):
         """Split a batch into rounds of indexes whose staged bytes (every header, and the
         payloads that do not move directly) fit the staging buffer."""
         cap = self._staging.nbytes
-        current: list[int] = []
-        used = 0
-        for i, (n, d) in enumerate(zip(sizes, direct)):
-            need = HEADER_BYTES + (0 if d else n)
+        needs = [HEADER_BYTES + (0 if d else n) for n, d in zip(sizes, direct)]
+        for n, need in zip(sizes, needs):
             if need > cap:
                 raise InvalidArgumentError(f"[{self.name}] a {n}-byte block does not fit staging_bytes {cap}")
-            if used + need > cap:
-                yield current
-                current, used = [], 0
-            current.append(i)
-            used += need
-        if current:
-            yield current
+        yield from runs(needs, cap)
 
     def _direct(self, buf: Any) -> bool:
         """Whether a payload moves straight between the caller's memory and the pool: host

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, TypeVar
 import numpy as np
 
 from kvstore.buffers import nbytes_of
+from kvstore.buffers.runs import runs
 from kvstore.errors import BufferSizeError, TierError
 from kvstore.keys import BlockKey
 from kvstore.policies.base import AdmissionPolicy, Decision, EvictionPolicy
@@ -471,19 +472,9 @@ MOVE_BATCH_BYTES = 64 << 20
 def _groups(keys: list[BlockKey], sizes: dict[BlockKey, int]) -> Iterator[list[int]]:
     """Indices of ``keys`` still sized in the index, in runs of up to
     :data:`MOVE_BATCH_BYTES` (at least one key each)."""
-    group: list[int] = []
-    total = 0
-    for j, key in enumerate(keys):
-        size = sizes.get(key)
-        if size is None:
-            continue
-        if group and total + size > MOVE_BATCH_BYTES:
-            yield group
-            group, total = [], 0
-        group.append(j)
-        total += size
-    if group:
-        yield group
+    sized = [j for j, key in enumerate(keys) if key in sizes]
+    for run in runs([sizes.get(keys[j], 0) for j in sized], MOVE_BATCH_BYTES):
+        yield [sized[r] for r in run]
 
 
 def parent_of(key: BlockKey) -> BlockKey | None:
