@@ -60,12 +60,12 @@ class StoreAPI(Protocol):
     lends_memory: bool
 
     def save(self, keys: Sequence[BlockKey], srcs: Sequence[Any], *,
-             checksums: Sequence[int] | None = None, hint: Hint | None = None) -> "Future[list[bool]]":
+             checksums: Sequence[int | None] | None = None, hint: Hint | None = None) -> "Future[list[bool]]":
         """Store a copy of each buffer; resolves to whether each block is stored.
         Callers must not modify ``srcs`` until the future is done. ``checksums``: the
         writer's XXH3-64 (:func:`kvstore.block.checksum`) of each host buffer, taken
-        when its bytes were known good; a buffer that no longer matches is not stored
-        (``False``). ``hint``: a retention hint for every key (:class:`kvstore.Hint`)."""
+        when its bytes were known good (``None`` entries: none given); a buffer that no
+        longer matches is not stored (``False``). ``hint``: a retention hint for every key (:class:`kvstore.Hint`)."""
 
     def load(self, keys: Sequence[BlockKey], dsts: Sequence[Any]) -> "Future[list[bool]]":
         """Copy blocks into caller-owned buffers; ``True`` only where the bytes in

@@ -70,6 +70,28 @@ def _given_checksums_are_sent_as_they_are(address: str, transport: str) -> None:
         assert np.array_equal(dsts[0], srcs[0]) and np.array_equal(dsts[2], srcs[2])
 
 
+def test_shm_staging_sends_the_writers_checksums_as_they_are():
+    """The same-host path's staged put (blocks the server's arena had no slot for, or a
+    read-only mapping) and its TCP fallback carry the writer's checksums too."""
+    s = ThreadServer(config_dict("32MiB"))
+    try:
+        keys = make_keys(3, salt="given-staged")
+        srcs = [payload(80 + i, BLOCK) for i in range(3)]
+        given = [checksum(srcs[0]), checksum(srcs[1]) ^ 1, None]
+        with Client(s.address, transport="shm", timeout_s=30) as c:
+            transport = c._transport
+            assert c._run(lambda conn: transport._staged_put(conn, keys, srcs, given)) == [True, False, True]
+            more = make_keys(3, salt="given-staged-tcp")
+            transport._staging_refused = True   # the server's staging refused: over the socket
+            assert c._run(lambda conn: transport._staged_put(conn, more, srcs, given)) == [True, False, True]
+            for ks in (keys, more):
+                dsts = [np.zeros(BLOCK, np.uint8) for _ in ks]
+                assert c.load(ks, dsts).result(30) == [True, False, True]
+                assert np.array_equal(dsts[0], srcs[0]) and np.array_equal(dsts[2], srcs[2])
+    finally:
+        s.stop()
+
+
 def test_tcp_and_shm_send_the_writers_checksums_as_they_are():
     """``save(checksums=...)`` (a spill from DRAM through the remote tier): the server
     checks the bytes against the writer's checksum, not a fresh hash, and refuses a
@@ -139,6 +161,19 @@ def test_a_nixl_failure_mid_save_redoes_the_batch_over_tcp(nixl_server, monkeypa
 
 def test_nixl_sends_the_writers_checksums_as_they_are(nixl_server):
     _given_checksums_are_sent_as_they_are(nixl_server.address, "nixl")
+
+
+def test_a_nixl_failure_mid_save_redoes_it_over_tcp_with_the_writers_checksums(nixl_server, monkeypatch):
+    keys = make_keys(3, salt="given-nixl-fallback")
+    srcs = [payload(90 + i, BLOCK) for i in range(3)]
+    with Client(nixl_server.address, transport="nixl", timeout_s=30) as c:
+        calls = _fail_once(monkeypatch, "put")
+        given = [checksum(srcs[0]), checksum(srcs[1]) ^ 1, None]
+        assert c.save(keys, srcs, checksums=given).result(30) == [True, False, True]
+        assert len(calls) == 1 and c.transport == "tcp"
+        dsts = [np.zeros(BLOCK, np.uint8) for _ in keys]
+        assert c.load(keys, dsts).result(30) == [True, False, True]
+        assert np.array_equal(dsts[0], srcs[0]) and np.array_equal(dsts[2], srcs[2])
 
 
 def _agent_never_starts(monkeypatch) -> None:

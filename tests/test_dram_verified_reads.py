@@ -15,6 +15,7 @@ import pytest
 from kvstore import Store
 from kvstore.block import EXT_HEADER_BYTES, checksum, parse_block_header
 from kvstore.config import load_config
+from kvstore.errors import InvalidArgumentError
 from kvstore.testing import make_keys, payload
 from kvstore.tiers.s3.stage import Staging
 from kvstore.tiers.nvme import NvmeTier
@@ -138,3 +139,17 @@ def test_an_s3_object_header_carries_the_given_checksum():
         pieces = stage.stage(key, src, BLOCK, given)
         head = parse_block_header(bytes(pieces[0][:EXT_HEADER_BYTES]), digest=key.digest)
         assert head.checksum == (checksum(src) if given is None else given)
+
+
+def test_store_save_checks_each_given_checksum_and_hashes_where_none_is_given():
+    keys = make_keys(3, salt="store-given")
+    srcs = [payload(70 + i, BLOCK) for i in range(3)]
+    with _store([_dram()]) as store:
+        with pytest.raises(InvalidArgumentError, match="3 keys but 2 checksums"):
+            store.save(keys, srcs, checksums=[None, None])
+        assert store.save(keys, srcs, checksums=[checksum(srcs[0]), None, checksum(srcs[2]) ^ 1]).result() == \
+            [True, True, False]
+        assert store.stats()["refused_checksum"] == 1
+        dsts = [np.zeros(BLOCK, np.uint8) for _ in keys]
+        assert store.load(keys, dsts).result() == [True, True, False]
+        assert np.array_equal(dsts[0], srcs[0]) and np.array_equal(dsts[1], srcs[1])

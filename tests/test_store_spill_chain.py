@@ -8,6 +8,7 @@ import pytest
 
 from kvstore.config import load_config
 from kvstore.store import Store, mover
+from kvstore.store.build import build_tier
 from kvstore.testing import make_keys
 from kvstore.tiers.dram import DramTier
 from kvstore.tiers.nvme import NvmeTier
@@ -105,22 +106,39 @@ def test_spills_and_prefetches_move_in_batches(tmp_path, monkeypatch, batch_bloc
             assert all(np.array_equal(d, s) for d, s in zip(dsts, srcs))
 
 
+class _LendCounting(DramTier):
+    """A real DRAM tier that counts the blocks it copies out through read_into (what a
+    move through scratch does; a borrowed view copies nothing here)."""
+    copied_out = 0
+
+    def read_into(self, keys, dsts):
+        self.copied_out += len(keys)
+        return super().read_into(keys, dsts)
+
+
+@pytest.mark.parametrize("dram_room", [False, True])
 @pytest.mark.parametrize("top", ["gpu", "dram"])
-def test_a_prefetch_up_from_dram_keeps_every_block(tmp_path, top):
+def test_a_prefetch_up_from_dram_keeps_every_block(tmp_path, top, dram_room):
     """A prefetch into the level above DRAM evicts that level, whose victims spill back
-    into DRAM: DRAM must have the room, so the prefetch holds no DRAM views meanwhile
-    (views pin slots that eviction has already counted as free)."""
+    into DRAM. With DRAM full, DRAM must evict for them, so the prefetch holds no DRAM
+    views meanwhile (a lent slot stays taken: evicting it frees nothing); with room in
+    DRAM it borrows them (zero-copy). Either way no block is lost or changed."""
     first = {"name": "top", "kind": "gpu", "device": "cpu", "capacity": 4 * BLOCK} if top == "gpu" else \
         {"name": "top", "kind": "dram", "capacity": 4 * BLOCK, "pin": False}
-    cfg = {"tiers": [first, {"name": "hot", "kind": "dram", "capacity": 4 * BLOCK, "pin": False},
-                     _nvme("n", tmp_path / "n", 64)]}
+    dram_blocks = 12 if dram_room else 4   # with room: rounds 0 and 1 in DRAM, 4 blocks free
+    cfg = load_config({"tiers": [first, {"name": "hot", "kind": "dram", "capacity": dram_blocks * BLOCK, "pin": False},
+                                 _nvme("n", tmp_path / "n", 64)]})
+    tiers = [build_tier(cfg.tiers[0]), _LendCounting(dram_blocks * BLOCK, name="hot", pin=False),
+             build_tier(cfg.tiers[2])]
     rounds = [make_keys(4, salt=f"up-{r}") for r in range(3)]
     srcs = {k: np.full(BLOCK, 10 * r + i + 1, np.uint8) for r, keys in enumerate(rounds) for i, k in enumerate(keys)}
-    with Store.from_config(cfg) as store:
+    with Store(cfg, tiers=tiers) as store:
         for keys in rounds:
             assert store.save(keys, [srcs[k] for k in keys]).result() == [True] * 4
+        tiers[1].copied_out = 0
         assert store.prefetch(rounds[1], 0).result() == 4   # round 1 is in DRAM; round 2 leaves the top
         assert store.stats()["tiers"][1]["full"] == 0
+        assert tiers[1].copied_out == (0 if dram_room else 4), "borrowed DRAM's views with DRAM full, or not with room"
         for keys in rounds:
             dsts = [np.zeros(BLOCK, np.uint8) for _ in keys]
             assert store.load(keys, dsts).result() == [True] * 4, "a prefetch lost blocks"

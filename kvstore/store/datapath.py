@@ -70,13 +70,14 @@ class DataPath:
             return stored
         return self._save_new(keys, srcs, sums)
 
-    def save_checked(self, keys: list[BlockKey], srcs: list[Any], sums: list[int]) -> list[bool]:
-        """:meth:`save` of the sources that match their writer's checksum (``sums``);
-        the others are not stored (``False``, counted in ``refused_checksum``)."""
+    def save_checked(self, keys: list[BlockKey], srcs: list[Any], sums: list[int | None]) -> list[bool]:
+        """:meth:`save` of the sources that match their writer's checksum (``sums``;
+        ``None``: none given, hashed as it is stored); the others are not stored
+        (``False``, counted in ``refused_checksum``)."""
         # Checked here, and handed down: a tier that takes checksums (DRAM) checks the
         # bytes again as they landed in it, so a source changed by another writer (a
         # shared staging region) between this check and the tier's copy is refused.
-        good = [j for j, (src, csum) in enumerate(zip(srcs, sums)) if checksum(host_view(src)) == csum]
+        good = [j for j, (src, csum) in enumerate(zip(srcs, sums)) if csum is None or checksum(host_view(src)) == csum]
         if len(good) == len(keys):
             return self.save(keys, srcs, sums)
         with self.lock:

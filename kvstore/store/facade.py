@@ -117,7 +117,7 @@ class Store:
     # -- public API ---------------------------------------------------------------------
 
     def save(self, keys: Sequence[BlockKey], srcs: Sequence[Any], *,
-             checksums: Sequence[int] | None = None,
+             checksums: Sequence[int | None] | None = None,
              token_ids: Sequence[Sequence[int]] | None = None, hint: Hint | None = None) -> "Future[list[bool]]":
         """Store a copy of each buffer under its key. The future resolves to whether each
         block is stored (``False``: rejected by admission or no room). Callers must not
@@ -125,8 +125,8 @@ class Store:
         ``hint`` (:class:`kvstore.Hint`): applies to every key, stored now or already.
         ``checksums``: the writer's XXH3-64 (:func:`kvstore.block.checksum`) of each
         host buffer, computed before the bytes travelled (the cache server passes its
-        clients'); a buffer that does not match is not stored (``False``, counted in
-        ``refused_checksum``). ``token_ids``: each key's chunk tokens, published with
+        clients'; ``None`` entries: none given); a buffer that does not match is not
+        stored (``False``, counted in ``refused_checksum``). ``token_ids``: each key's chunk tokens, published with
         its ``BlockStored`` KV events (unused without an ``events`` config)."""
         self._check_open()
         self._check_pairs(keys, srcs)

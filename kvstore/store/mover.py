@@ -362,11 +362,10 @@ class Mover:
         """Copy blocks from level ``src`` into level ``dst`` (the source keeps them);
         returns per key whether it was written. Blocks go in groups of up to
         :data:`MOVE_BATCH_BYTES`, one read and one write per group (a Mooncake pool, a
-        bucket or Redis pays per call, not per byte). Down (``dst > src``), from a tier
-        that lends views: zero-copy, with the checksums the views were verified against.
-        Otherwise, and always up, through a scratch buffer: a put into a faster level
-        evicts into the slower ones, and views held on them would pin the room that
-        eviction needs. A block that cannot be read is forgotten in ``src``."""
+        bucket or Redis pays per call, not per byte). From a tier that lends views
+        (:meth:`_may_lend`): zero-copy, with the checksums the views were verified
+        against; otherwise through a scratch buffer. A block that cannot be read is
+        forgotten in ``src``."""
         out = [False] * len(keys)
         for group in _groups(keys, self.index.sizes):
             for j, good in zip(group, self._copy_group([keys[j] for j in group], src, dst)):
@@ -378,7 +377,7 @@ class Mover:
         lvl = self.levels[src]
         tier = lvl.tier
         lent: list[int] = []
-        if dst > src and tier.capabilities.zero_copy_view:
+        if self._may_lend(src, dst, keys):
             with tier.lend(keys) as (views, sums):   # verified by a tier that keeps checksums
                 lent = [n for n, view in enumerate(views) if view is not None]
                 if lent:
@@ -406,6 +405,23 @@ class Mover:
                 for (n, _), good in zip(read, stored):
                     out[n] = good
         return out
+
+    def _may_lend(self, src: int, dst: int, keys: list[BlockKey]) -> bool:
+        """Whether a move from ``src`` into ``dst`` may borrow ``src``'s views. Down, yes:
+        the put evicts only ``dst`` and the levels below it. Up (a prefetch), only while
+        ``src`` has free room for what the put's own eviction may spill back into it: a
+        lent block's slot stays taken until the view is returned, so evicting it there
+        frees nothing and the spill would find no room. Then the move goes through
+        scratch; a DRAM -> GPU promotion with room to spare stays zero-copy from DRAM's
+        pinned arena."""
+        lvl = self.levels[src]
+        if not lvl.tier.capabilities.zero_copy_view:
+            return False
+        if dst > src:
+            return True
+        need = sum(self.index.sizes.get(key, 0) for key in keys)
+        with self.lock:
+            return lvl.tier.capacity_bytes - lvl.tier.used_bytes + lvl.pending_free >= need
 
     @contextmanager
     def scratch(self, nbytes: int) -> Iterator[np.ndarray]:
