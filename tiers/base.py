@@ -31,6 +31,16 @@ def check_batch(keys: Sequence[Any], items: Sequence[Any], what: str = "buffers"
         raise InvalidArgumentError(f"{len(keys)} keys but {len(items)} {what}")
 
 
+def given_checksums(keys: Sequence[Any], checksums: Sequence[int | None] | None) -> list[int | None]:
+    """The writer's checksums of ``write(keys, srcs, checksums)``, one per key (``None``:
+    hash it here); raises :class:`~kvstore.errors.InvalidArgumentError` ("N keys but M
+    checksums") on a count mismatch."""
+    if checksums is None:
+        return [None] * len(keys)
+    check_batch(keys, checksums, "checksums")
+    return list(checksums)
+
+
 def buffer_size_error(have: int, block: int, tier: str | None = None) -> BufferSizeError:
     """The error for a caller buffer of ``have`` bytes given for a block of ``block``
     bytes, prefixed with ``[tier]`` when given."""

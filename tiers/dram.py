@@ -253,17 +253,18 @@ class DramTier(ArenaTier, HostArena):
         a caller that sends :meth:`checksums` along to a reader that verifies the bytes
         it receives (the cache server's clients)."""
         with self._held(keys, verify, "borrow") as slots:
-            ro = self._readonly
-            yield [ro[s.offset:s.offset + s.nbytes] if s is not None else None for s in slots]
+            yield self._views_of(slots)
 
     @contextmanager
     def lend(self, keys: Sequence[BlockKey]) -> Iterator[tuple[list[np.ndarray | None], list[int | None]]]:
         """:meth:`views` with the checksum each slot was verified against (see
         :meth:`Tier.lend`)."""
         with self._held(keys, True, "borrow") as slots:
-            ro = self._readonly
-            yield ([ro[s.offset:s.offset + s.nbytes] if s is not None else None for s in slots],
-                   [s.checksum if s is not None else None for s in slots])
+            yield self._views_of(slots), [s.checksum if s is not None else None for s in slots]
+
+    def _views_of(self, slots: Sequence[Any]) -> list[np.ndarray | None]:
+        ro = self._readonly
+        return [ro[s.offset:s.offset + s.nbytes] if s is not None else None for s in slots]
 
     @contextmanager
     def slots(self, keys: Sequence[BlockKey], *, verify: bool = True) -> Iterator[list[tuple[int, int] | None]]:

@@ -38,7 +38,7 @@ from kvstore.config.tiers import MooncakeTierConfig
 from kvstore.errors import ConfigError, CorruptBlockError, InvalidArgumentError, TierUnavailableError
 from kvstore.keys import BlockKey
 from kvstore.tiers._health import Health
-from kvstore.tiers.base import Tier, TierCapabilities, buffer_size_error, check_batch
+from kvstore.tiers.base import Tier, TierCapabilities, buffer_size_error, check_batch, given_checksums
 
 log = logging.getLogger(__name__)
 _D = MooncakeTierConfig.defaults()   # keyword defaults: the config model's (one definition)
@@ -284,9 +284,7 @@ class MooncakeTier(Tier):
         of the payload, and a source changed since its writer hashed it is a corrupt
         object on its first read."""
         check_batch(keys, srcs)
-        if checksums is not None:
-            check_batch(keys, checksums, "checksums")
-        sums = list(checksums) if checksums is not None else [None] * len(keys)
+        sums = given_checksums(keys, checksums)
         self._health.check()
         out = [False] * len(keys)
         todo: list[int] = []

@@ -48,7 +48,8 @@ from kvstore.tiers import _redisio as rio
 from kvstore.tiers._redisconn import FAULTS, Endpoints, Fault, RedisSettings, startup_error
 from kvstore.tiers._redisrecover import NO_NAMESPACE, check_header, header_requests, parse_name, read_header_replies
 from kvstore.tiers._health import Health
-from kvstore.tiers.base import RecoveredBlock, Tier, TierCapabilities, buffer_size_error, check_batch, check_sizes
+from kvstore.tiers.base import (RecoveredBlock, Tier, TierCapabilities, buffer_size_error, check_batch, check_sizes,
+                                given_checksums)
 
 log = logging.getLogger(__name__)
 _D = RedisTierConfig.defaults()   # keyword defaults: the config model's (one definition)
@@ -299,9 +300,7 @@ class RedisTier(Tier):
         spill from DRAM hands them) go into the value headers as they are, so a source
         changed since its writer hashed it is a corrupt value on its first read."""
         check_batch(keys, srcs)
-        if checksums is not None:
-            check_batch(keys, checksums, "checksums")
-        sums = list(checksums) if checksums is not None else [None] * len(keys)
+        sums = given_checksums(keys, checksums)
         self._health.check()
         first: dict[BlockKey, int] = {}
         for j, key in enumerate(keys):

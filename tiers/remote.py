@@ -20,7 +20,7 @@ from kvstore.buffers import nbytes_of
 from kvstore.config.tiers import RemoteTierConfig
 from kvstore.errors import BufferSizeError, KVStoreError, TierIOError, TierUnavailableError
 from kvstore.keys import BlockKey
-from kvstore.tiers.base import Tier, TierCapabilities, buffer_size_error, check_batch
+from kvstore.tiers.base import Tier, TierCapabilities, buffer_size_error, check_batch, given_checksums
 
 _D = RemoteTierConfig.defaults()   # keyword defaults: the config model's (one definition)
 
@@ -69,8 +69,7 @@ class RemoteTier(Tier):
         spill from DRAM hands them) are sent as the blocks' checksums, so the server
         refuses a source changed since its writer hashed it."""
         check_batch(keys, srcs)
-        if checksums is not None:
-            check_batch(keys, checksums, "checksums")
+        sums = given_checksums(keys, checksums)
         out = [False] * len(keys)
         todo: list[int] = []
         with self._lock:
@@ -85,9 +84,8 @@ class RemoteTier(Tier):
         if not todo:
             return out
         try:
-            sums = None if checksums is None else [checksums[j] for j in todo]
             ok = self._call(lambda: self._client.save([keys[j] for j in todo], [srcs[j] for j in todo],
-                                                      checksums=sums).result())
+                                                      checksums=[sums[j] for j in todo]).result())
         except BaseException:
             with self._lock:
                 self._used -= reserved

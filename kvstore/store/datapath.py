@@ -256,23 +256,20 @@ class DataPath:
             self.ops["prefetches"] += len(keys)
             where = self.index.where
             plan = [(k, where.get(k, 0)) for k in keys]
-        count = 0
-        by_src: dict[int, list[BlockKey]] = {}   # one batch per source level
+        count, moves = 0, []
         for key, mask in plan:
             if mask >> target & 1:
                 count += 1
                 continue
             src = next((i for i in range(target + 1, len(self.levels)) if mask >> i & 1), None)
             if src is not None:
-                by_src.setdefault(src, []).append(key)
-        for src, moved in by_src.items():
-            count += sum(self.mover.copy_between(moved, src, target))
-        return count
+                moves.append((key, src))
+        return count + self._copy_into(moves, target)
 
     def flush(self) -> int:
         """Write blocks held only in volatile levels down into the first persistent one;
         returns how many were written (see :meth:`kvstore.store.Store.flush`)."""
-        levels, mover = self.levels, self.mover
+        levels = self.levels
         target = next((i for i, lvl in enumerate(levels) if lvl.tier.capabilities.persistent), None)
         if target is None:
             return 0
@@ -282,13 +279,16 @@ class DataPath:
                 volatile |= 1 << i
         with self.lock:
             todo = [(k, m) for k, m in self.index.where.items() if not m & ~volatile]
-        by_src: dict[int, list[BlockKey]] = {}   # one batch per source level
-        for key, mask in todo:
-            by_src.setdefault(next(i for i in range(len(levels)) if mask >> i & 1), []).append(key)
-        written = 0
-        for src, moved in by_src.items():
-            written += sum(mover.copy_between(moved, src, target))
-        return written
+        return self._copy_into([(key, next(i for i in range(len(levels)) if mask >> i & 1)) for key, mask in todo],
+                               target)
+
+    def _copy_into(self, moves: list[tuple[BlockKey, int]], target: int) -> int:
+        """Copy each ``(key, source level)`` into level ``target``, one batch per source
+        level; returns how many were written."""
+        by_src: dict[int, list[BlockKey]] = {}
+        for key, src in moves:
+            by_src.setdefault(src, []).append(key)
+        return sum(sum(self.mover.copy_between(keys, src, target)) for src, keys in by_src.items())
 
 
 __all__ = ["DataPath"]

@@ -384,9 +384,13 @@ class Mover:
                     stored = self.put(dst, [keys[n] for n in lent], [views[n] for n in lent], [sums[n] for n in lent])
                     for n, good in zip(lent, stored):
                         out[n] = good
-        rest = sorted(set(range(len(keys))) - set(lent))
-        sizes = [self.index.sizes.get(keys[n]) for n in rest]
-        rest, sizes = [n for n, size in zip(rest, sizes) if size is not None], [size for size in sizes if size is not None]
+        borrowed = set(lent)
+        rest, sizes = [], []   # the rest, still sized in the index
+        for n, key in enumerate(keys):
+            size = None if n in borrowed else self.index.sizes.get(key)
+            if size is not None:
+                rest.append(n)
+                sizes.append(size)
         if not rest:
             return out
         with self.scratch(sum(sizes)) as buf:

@@ -44,7 +44,7 @@ from kvstore.tiers.s3.client import (S3Settings, check_bucket, is_bad_range, is_
 from kvstore.tiers.s3.http import ObjectRequests
 from kvstore.tiers._health import Health
 from kvstore.tiers.s3.stage import Staging
-from kvstore.tiers.base import RecoveredBlock, Tier, TierCapabilities, check_batch, check_sizes
+from kvstore.tiers.base import RecoveredBlock, Tier, TierCapabilities, check_batch, check_sizes, given_checksums
 
 log = logging.getLogger(__name__)
 _D = S3TierConfig.defaults()   # keyword defaults: the config model's (one definition)
@@ -288,9 +288,7 @@ class S3Tier(Tier):
         into the object headers as they are, so a source changed since its writer hashed
         it is a corrupt object on its first read."""
         check_batch(keys, srcs)
-        if checksums is not None:
-            check_batch(keys, checksums, "checksums")
-        sums = list(checksums) if checksums is not None else [None] * len(keys)
+        sums = given_checksums(keys, checksums)
         self._health.check()
         first: dict[BlockKey, int] = {}
         for j, key in enumerate(keys):
