@@ -281,3 +281,18 @@ def test_master_down_is_misses_and_the_tier_comes_back(pool):
         assert tier.read_into(keys[:1], [dst]) == [False]
     finally:
         tier.close()
+
+
+def test_the_clusters_benchmark_rows_put_and_get_every_block():
+    """``benchmarks.cluster``'s Mooncake rows on a pool of their own: the tier against the
+    raw client, and the block format priced with the raw client alone (one piece, two
+    pieces); each timed call asserts its batch landed whole."""
+    from benchmarks._cluster_mooncake import mooncake_rows
+
+    rows = mooncake_rows(64 * 1024, 4, 1)
+    assert [r["op"] for r in rows] == ["put", "put (spill from DRAM)", "get",
+                                       "put, header + payload in one piece", "put, header and payload as two pieces"]
+    for r in rows[:3]:
+        assert r["kvstore_gbps"] > 0 and r["baseline_gbps"] > 0 and r["ratio"] > 0
+    for r in rows[3:]:
+        assert r["raw_framed_gbps"] > 0 and r["raw_gbps"] > 0 and r["ratio"] > 0
