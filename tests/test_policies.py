@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from kvstore.testing import NBYTES, PolicyConformance, drain, evict, fill
@@ -188,6 +190,45 @@ def test_lineage_late_parent_starts_as_interior():
     fill(policy, "p")
     assert not policy.is_leaf("p")
     assert drain(policy) == ["c", "p"]
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_lineage_walks_keep_leaves_skipped_by_earlier_walks_in_priority_order(seed):
+    """Leaves the Store skipped (a lease, a live hint) are parked and come back on the
+    next walk. Across walks that stop early, skip, evict, touch and insert (enough
+    touches to compact the heap), every full walk still offers each held key exactly
+    once, and every held leaf before any interior key, lowest priority first."""
+    rnd = random.Random(seed)
+    policy = make_eviction("lineage")
+    held, skip, nxt = [], set(), 0
+    for _ in range(3000):
+        r = rnd.random()
+        if r < 0.2 or len(held) < 8:
+            parent = rnd.choice(held) if held and rnd.random() < 0.6 else None
+            policy.on_insert(nxt, NBYTES, parent)
+            held.append(nxt)
+            if rnd.random() < 0.6:
+                skip.add(nxt)
+            nxt += 1
+        elif r < 0.8:
+            policy.on_access(rnd.choice(held))
+        elif r < 0.95:                      # a walk that evicts up to two and stops
+            want = rnd.randint(1, 2)
+            for key in policy.victims():
+                if key in skip:
+                    continue
+                policy.on_remove(key)
+                held.remove(key)
+                want -= 1
+                if want == 0 or len(held) < 8:
+                    break
+        else:                               # a full walk that evicts nothing
+            walk = list(policy.victims())
+            leaves = [k for k in held if policy.is_leaf(k)]
+            assert sorted(walk) == sorted(held)
+            assert set(walk[:len(leaves)]) == set(leaves)
+            priorities = [policy.priority(k) for k in walk[:len(leaves)]]
+            assert priorities == sorted(priorities)
 
 
 # ---------------------------------------------------------------- admission
