@@ -14,7 +14,7 @@ Each is shown next to the same bytes through the tier directly, in the same run:
 
 - ``tier batch``: one ``write`` / ``read_into`` per round (the ceiling for the Store);
 - ``tier per block``: one call per block, which is how the Store moved blocks before
-  moves went in batches (``kvstore.store.mover.MOVE_BATCH_BYTES``).
+  moves went in batches (``kvstore.store.copies.MOVE_BATCH_BYTES``).
 
 Columns: Store / tier batch (what the Store's move costs over the tier's own batch: a DRAM
 copy, eviction bookkeeping) and Store / tier per block (what batching the moves buys).

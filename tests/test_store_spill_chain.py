@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from kvstore.config import load_config
-from kvstore.store import Store, mover
+from kvstore.store import Store, copies
 from kvstore.store.build import build_tier
 from kvstore.testing import make_keys
 from kvstore.tiers.dram import DramTier
@@ -87,7 +87,7 @@ def test_spills_and_prefetches_move_in_batches(tmp_path, monkeypatch, batch_bloc
     """A spill of 8 victims is one write below, a prefetch of 8 blocks one read (or runs of
     at most MOVE_BATCH_BYTES when that is smaller), and every block keeps its bytes."""
     if batch_blocks is not None:
-        monkeypatch.setattr(mover, "MOVE_BATCH_BYTES", batch_blocks * BLOCK)
+        monkeypatch.setattr(copies, "MOVE_BATCH_BYTES", batch_blocks * BLOCK)
     first, second = make_keys(8, salt="batched-a"), make_keys(8, salt="batched-b")
     srcs = [np.full(BLOCK, i + 1, np.uint8) for i in range(8)]
     store, nvme = _dram_over_counting_nvme(tmp_path, 8)

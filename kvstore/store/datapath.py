@@ -288,7 +288,7 @@ class DataPath:
         by_src: dict[int, list[BlockKey]] = {}
         for key, src in moves:
             by_src.setdefault(src, []).append(key)
-        return sum(sum(self.mover.copy_between(keys, src, target)) for src, keys in by_src.items())
+        return sum(sum(self.mover.copies.between(keys, src, target)) for src, keys in by_src.items())
 
 
 __all__ = ["DataPath"]

@@ -1,6 +1,7 @@
-"""How the Store moves blocks between its tiers: admission and capacity on the way in,
-victim choice and spill on the way out, copies between tiers, and the mapping of tier
-failures into counted misses (:meth:`Mover.tier_io`).
+"""How the Store places blocks in its tiers: admission and capacity on the way in, victim
+choice and spill on the way out, and the mapping of tier failures into counted misses
+(:meth:`Mover.tier_io`). The copies between tiers that a spill, a prefetch and a flush
+make are :mod:`kvstore.store.copies` (``Mover.copies``).
 
 One :class:`Mover` per Store, built over the Store's index, levels, hints and KV events;
 the data path (``datapath``), the reservation (``reservation``) and the tenant ledger
@@ -10,18 +11,14 @@ the data path (``datapath``), the reservation (``reservation``) and the tenant l
 from __future__ import annotations
 
 import logging
-import threading
-from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Iterator, TypeVar
-
-import numpy as np
+from typing import TYPE_CHECKING, Any, Callable, TypeVar
 
 from kvstore.buffers import nbytes_of
-from kvstore.buffers.runs import runs
 from kvstore.errors import BufferSizeError, TierError
 from kvstore.keys import BlockKey
 from kvstore.policies.base import AdmissionPolicy, Decision, EvictionPolicy
+from kvstore.store.copies import Copies
 from kvstore.store.index import Index
 from kvstore.tiers.base import Tier
 
@@ -109,7 +106,7 @@ class Mover:
         self.events = events
         self.clock = clock
         self.tenants: "TenantLedger | None" = None
-        self._local = threading.local()    # per-thread scratch buffers (scratch)
+        self.copies = Copies(self)
 
     def put(self, i: int, keys: list[BlockKey], srcs: list[Any],
              checksums: list[int | None] | None = None) -> list[bool]:
@@ -348,7 +345,7 @@ class Mover:
                     spill.append(key)
             try:
                 if spill:
-                    lvl.counters["spills"] += sum(self.copy_between(spill, i, below))
+                    lvl.counters["spills"] += sum(self.copies.between(spill, i, below))
             finally:   # out of the index already: a failed spill must not strand their bytes here
                 self.tier_io(lvl, lvl.tier.delete, [key for key, _ in victims])
         finally:
@@ -357,98 +354,6 @@ class Mover:
                     lvl.pending_free -= size
                     if not self.index.where.get(key):
                         self.forget(key)
-
-    def copy_between(self, keys: list[BlockKey], src: int, dst: int) -> list[bool]:
-        """Copy blocks from level ``src`` into level ``dst`` (the source keeps them);
-        returns per key whether it was written. Blocks go in groups of up to
-        :data:`MOVE_BATCH_BYTES`, one read and one write per group (a Mooncake pool, a
-        bucket or Redis pays per call, not per byte). From a tier that lends views
-        (:meth:`_may_lend`): zero-copy, with the checksums the views were verified
-        against; otherwise through a scratch buffer. A block that cannot be read is
-        forgotten in ``src``."""
-        out = [False] * len(keys)
-        for group in _groups(keys, self.index.sizes):
-            for j, good in zip(group, self._copy_group([keys[j] for j in group], src, dst)):
-                out[j] = good
-        return out
-
-    def _copy_group(self, keys: list[BlockKey], src: int, dst: int) -> list[bool]:
-        out = [False] * len(keys)
-        lvl = self.levels[src]
-        tier = lvl.tier
-        lent: list[int] = []
-        if self._may_lend(src, dst, keys):
-            with tier.lend(keys) as (views, sums):   # verified by a tier that keeps checksums
-                lent = [n for n, view in enumerate(views) if view is not None]
-                if lent:
-                    stored = self.put(dst, [keys[n] for n in lent], [views[n] for n in lent], [sums[n] for n in lent])
-                    for n, good in zip(lent, stored):
-                        out[n] = good
-        borrowed = set(lent)
-        rest, sizes = [], []   # the rest, still sized in the index
-        for n, key in enumerate(keys):
-            size = None if n in borrowed else self.index.sizes.get(key)
-            if size is not None:
-                rest.append(n)
-                sizes.append(size)
-        if not rest:
-            return out
-        with self.scratch(sum(sizes)) as buf:
-            bufs, at = [], 0
-            for size in sizes:
-                bufs.append(buf[at:at + size])
-                at += size
-            got = self.tier_io(lvl, tier.read_into, [keys[n] for n in rest], bufs) or [False] * len(rest)
-            with self.lock:
-                for n, good in zip(rest, got):
-                    if not good:
-                        self.drop(keys[n], src)
-            read = [(n, b) for n, b, good in zip(rest, bufs, got) if good]
-            if read:
-                stored = self.put(dst, [keys[n] for n, _ in read], [b for _, b in read])
-                for (n, _), good in zip(read, stored):
-                    out[n] = good
-        return out
-
-    def _may_lend(self, src: int, dst: int, keys: list[BlockKey]) -> bool:
-        """Whether a move from ``src`` into ``dst`` may borrow ``src``'s views. Down, yes:
-        the put evicts only ``dst`` and the levels below it. Up (a prefetch), only while
-        ``src`` has free room for what the put's own eviction may spill back into it: a
-        lent block's slot stays taken until the view is returned, so evicting it there
-        frees nothing and the spill would find no room. Then the move goes through
-        scratch; a DRAM -> GPU promotion with room to spare stays zero-copy from DRAM's
-        pinned arena."""
-        lvl = self.levels[src]
-        if not lvl.tier.capabilities.zero_copy_view:
-            return False
-        if dst > src:
-            return True
-        need = sum(self.index.sizes.get(key, 0) for key in keys)
-        with self.lock:
-            return lvl.tier.capacity_bytes - lvl.tier.used_bytes + lvl.pending_free >= need
-
-    @contextmanager
-    def scratch(self, nbytes: int) -> Iterator[np.ndarray]:
-        """A per-thread scratch buffer, grown on demand and reused (no per-block alloc).
-        Nested uses get a buffer each: a put through a scratch buffer may evict from a
-        full tier and spill the victim through a scratch buffer of its own (one per
-        level down), so the block being moved is never overwritten before it is written."""
-        local = self._local
-        bufs = getattr(local, "scratch", None)
-        if bufs is None:
-            bufs = local.scratch = []
-            local.depth = 0
-        depth = local.depth
-        if depth == len(bufs):
-            bufs.append(None)
-        buf = bufs[depth]
-        if buf is None or buf.nbytes < nbytes:
-            buf = bufs[depth] = np.empty(max(nbytes, 1 << 20), dtype=np.uint8)
-        local.depth = depth + 1
-        try:
-            yield buf[:nbytes]
-        finally:
-            local.depth = depth
 
     def tier_io(self, lvl: Level, call: Callable[..., T], *args: Any) -> T | None:
         """``call(*args)``, one of ``lvl.tier``'s methods; a tier failure (``TierError``,
@@ -482,19 +387,6 @@ class Mover:
         """Drop per-key metadata once no tier holds the key."""
         self.index.forget(key)
         self.hints.forget(key)
-
-
-# A move between levels (a spill, a prefetch, a flush) reads and writes at most this many
-# bytes per tier call, which also bounds the scratch buffer of a tier that lends no views.
-MOVE_BATCH_BYTES = 64 << 20
-
-
-def _groups(keys: list[BlockKey], sizes: dict[BlockKey, int]) -> Iterator[list[int]]:
-    """Indices of ``keys`` still sized in the index, in runs of up to
-    :data:`MOVE_BATCH_BYTES` (at least one key each)."""
-    sized = [j for j, key in enumerate(keys) if key in sizes]
-    for run in runs([sizes.get(keys[j], 0) for j in sized], MOVE_BATCH_BYTES):
-        yield [sized[r] for r in run]
 
 
 def parent_of(key: BlockKey) -> BlockKey | None:
