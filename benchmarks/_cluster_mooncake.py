@@ -1,7 +1,12 @@
 """The mooncake tier against Mooncake's own Python client on the same pool (the rows
 ``benchmarks/cluster.py`` prints): one batch of blocks put and got, the tier through its
 verified block format and staging buffer, the raw client with ``batch_put_from`` /
-``batch_get_into`` on a registered buffer (no header, no verification, no copy).
+``batch_get_into`` on a registered buffer (no header, no verification, no copy). The
+spill rows put a DRAM tier's lent views with their checksums, as the Store's spill does:
+from a DRAM tier with header frames (what the Store's build makes over a Mooncake tier:
+one piece per block) and, for comparison, from one without (its blocks staged behind
+their headers). DRAM lends (and verifies) the views before each timed put, as the
+Store's spill has them before it calls the tier.
 
 The raw calls go through the tier's own ``MooncakeDistributedStore`` instance (its
 transfer engine, its connections), not a second client: two client instances in one
@@ -27,7 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks._cluster_redis import _paired
-from kvstore.block import HEADER_BYTES, checksum
+from kvstore.block import HEADER_BYTES
 from kvstore.testing import make_keys
 
 _runs = itertools.count()
@@ -35,6 +40,7 @@ _runs = itertools.count()
 
 def mooncake_rows(block_bytes: int = 1 << 20, blocks: int = 64, repeat: int = 7) -> list[dict]:
     from tests._mooncake import MooncakePool
+    from kvstore.tiers.dram import DramTier
     from kvstore.tiers.mooncake import MooncakeTier
 
     batch = block_bytes * blocks
@@ -60,12 +66,30 @@ def mooncake_rows(block_bytes: int = 1 << 20, blocks: int = 64, repeat: int = 7)
                 assert tier.write(keys, srcs) == [True] * blocks
                 tier.delete(keys)
 
-            kept = [checksum(s) for s in srcs]   # what a DRAM tier keeps per slot
+            # The Store's spill: a DRAM tier's lent views with their checksums, from a
+            # tier with header frames (as the build makes it over a Mooncake tier: one
+            # piece per block) and, for the row before them, from one without (two)
+            drams = {framed: DramTier(batch, pin=False, header_frames=framed) for framed in (True, False)}
+            dram_keys = make_keys(blocks, salt="dram")
+            for dram in drams.values():
+                assert dram.write(dram_keys, srcs) == [True] * blocks
 
-            def tier_spill():   # the Store's spill from DRAM: DRAM's checksums, no re-hash
-                keys = make_keys(blocks, salt=f"spill{next(_runs)}")
-                assert tier.write(keys, srcs, kept) == [True] * blocks
-                tier.delete(keys)
+            def tier_spill_from(dram):
+                """The tier's part of a spill: the views are lent (and verified by DRAM)
+                before the clock starts and returned after it stops."""
+                def setup():
+                    lent = dram.lend(dram_keys)
+                    return make_keys(blocks, salt=f"spill{next(_runs)}"), lent, lent.__enter__()
+
+                def spill(state):
+                    keys, _, (views, sums) = state
+                    assert tier.write(keys, views, sums) == [True] * blocks
+
+                def teardown(state):
+                    keys, lent, _ = state
+                    lent.__exit__(None, None, None)
+                    tier.delete(keys)
+                return setup, spill, teardown
 
             def raw_put():
                 names = [f"raw{next(_runs)}:{i}" for i in range(blocks)]
@@ -84,14 +108,19 @@ def mooncake_rows(block_bytes: int = 1 << 20, blocks: int = 64, repeat: int = 7)
                 assert raw.batch_get_into(names, optrs, sizes) == sizes
 
             rows = []
-            for op, ours, theirs in (("put", tier_put, raw_put), ("put (spill from DRAM)", tier_spill, raw_put),
-                                     ("get", tier_get, raw_get)):
-                t_ours, t_raw, ratio = _paired(plain(ours), plain(theirs), repeat)
+            for op, ours, theirs in (("put", plain(tier_put), raw_put),
+                                     ("put (spill from DRAM)", tier_spill_from(drams[True]), raw_put),
+                                     ("put (spill from DRAM without header frames)", tier_spill_from(drams[False]),
+                                      raw_put),
+                                     ("get", plain(tier_get), raw_get)):
+                t_ours, t_raw, ratio = _paired(ours, plain(theirs), repeat)
                 rows.append({"path": "mooncake (tcp, 1 storage node)", "op": op, "block_bytes": block_bytes,
                              "blocks": blocks, "kvstore_gbps": batch / t_ours / 1e9,
                              "baseline": "Mooncake Python client (the tier's instance), registered buffer",
                              "baseline_gbps": batch / t_raw / 1e9, "ratio": ratio})
             rows += format_rows(raw, buf, block_bytes, blocks, repeat, raw_put)
+            for dram in drams.values():
+                dram.close()
             raw.unregister_buffer(buf.ctypes.data)
             raw.unregister_buffer(out.ctypes.data)
             tier.close()

@@ -20,12 +20,14 @@ class StrayWriteDram(DramTier):
             yield views, sums
 
 
-def check_a_spill_keeps_drams_checksum(lower_cfg: dict, lower, block: int = 8192, *, refused: bool = False) -> None:
+def check_a_spill_keeps_drams_checksum(lower_cfg: dict, lower, block: int = 8192, *, refused: bool = False,
+                                       header_frames: bool = False) -> None:
     """Four blocks saved into a two-block StrayWriteDram over ``lower`` (its config
     ``lower_cfg``): the two that spill were changed after DRAM verified them, so they must
     load as misses, the other two byte-exact. The lower tier either stores them under
     DRAM's checksum and finds them corrupt on the read, or (``refused``: a cache server
-    checks the bytes it receives against it) refuses them at the write."""
+    checks the bytes it receives against it) refuses them at the write. ``header_frames``:
+    the DRAM tier lends framed views (as the build makes it over a Mooncake tier)."""
     import numpy as np
 
     from kvstore.config import load_config
@@ -35,7 +37,8 @@ def check_a_spill_keeps_drams_checksum(lower_cfg: dict, lower, block: int = 8192
     cfg = load_config({"tiers": [{"name": "hot", "kind": "dram", "capacity": 2 * block, "pin": False}, lower_cfg]})
     keys = make_keys(4, salt=f"stray-{lower_cfg['kind']}")
     srcs = [payload(60 + i, block) for i in range(4)]
-    with Store(cfg, tiers=[StrayWriteDram(2 * block, name="hot", pin=False), lower]) as store:
+    hot = StrayWriteDram(2 * block, name="hot", pin=False, header_frames=header_frames)
+    with Store(cfg, tiers=[hot, lower]) as store:
         assert store.save(keys[:2], srcs[:2]).result() == [True] * 2
         assert store.save(keys[2:], srcs[2:]).result() == [True] * 2   # the first two spill down
         assert store.tiers[1].contains(keys[:2]) == [not refused] * 2

@@ -38,10 +38,18 @@ class SlotIndex:
     so concurrent writers never overshoot the capacity), :meth:`commit_many` publishes
     keys once their bytes are in place, :meth:`abort_many` returns the room after a
     failed copy, :meth:`abandon_many` keeps it for good (a transfer that could not be
-    cancelled may still write it). Batch methods take the lock once per batch."""
+    cancelled may still write it). Batch methods take the lock once per batch.
 
-    def __init__(self, capacity_bytes: int, arena_bytes: int, align: int) -> None:
+    ``frame_bytes`` (a multiple of ``align``; 0: none): each slot also takes that many
+    arena bytes right before its payload, its header frame (see
+    :class:`~kvstore.tiers.dram.DramTier`'s ``header_frames``). Offsets are always the
+    payload's; frames are not counted against the capacity."""
+
+    def __init__(self, capacity_bytes: int, arena_bytes: int, align: int, frame_bytes: int = 0) -> None:
+        if frame_bytes % align:
+            raise ValueError(f"frame_bytes {frame_bytes} is not a multiple of the alignment {align}")
         self.capacity_bytes = int(capacity_bytes)
+        self.frame_bytes = frame_bytes
         self._alloc = ExtentAllocator(arena_bytes, align)
         self._slots: dict[BlockKey, Slot] = {}
         self._used = 0
@@ -73,7 +81,7 @@ class SlotIndex:
                 if key in self._slots:
                     out.append(True)
                     continue
-                offset = self._alloc.alloc(nbytes) if self._used + nbytes <= self.capacity_bytes else None
+                offset = self._take(nbytes) if self._used + nbytes <= self.capacity_bytes else None
                 if offset is None:
                     out.append(None)
                     continue
@@ -96,7 +104,7 @@ class SlotIndex:
                     continue
                 offset, nbytes = entry
                 if key in self._slots:
-                    self._alloc.free(offset, nbytes)
+                    self._give(offset, nbytes)
                     self._used -= nbytes
                 else:
                     self._slots[key] = Slot(offset, nbytes, csum)
@@ -107,7 +115,7 @@ class SlotIndex:
         with self._lock:
             for entry in reserved:
                 if isinstance(entry, tuple):
-                    self._alloc.free(*entry)
+                    self._give(*entry)
                     self._used -= entry[1]
 
     def abandon_many(self, reserved: Sequence[Reserved]) -> None:
@@ -132,7 +140,7 @@ class SlotIndex:
                     continue
                 slot.readers -= 1
                 if slot.dead and slot.readers == 0:
-                    self._alloc.free(slot.offset, slot.nbytes)
+                    self._give(slot.offset, slot.nbytes)
 
     def acquire(self, key: BlockKey) -> Slot | None:
         return self.acquire_many([key])[0]
@@ -166,8 +174,19 @@ class SlotIndex:
         if slot.readers:
             slot.dead = True  # freed by the last reader
         else:
-            self._alloc.free(slot.offset, slot.nbytes)
+            self._give(slot.offset, slot.nbytes)
         return True
+
+    def _take(self, nbytes: int) -> int | None:
+        """A new slot's payload offset (its frame before it), or ``None``. Caller holds the lock."""
+        frame = self.frame_bytes
+        start = self._alloc.alloc(frame + nbytes)
+        return None if start is None else start + frame
+
+    def _give(self, offset: int, nbytes: int) -> None:
+        """Free a slot taken by :meth:`_take`, frame and all. Caller holds the lock."""
+        frame = self.frame_bytes
+        self._alloc.free(offset - frame, frame + nbytes)
 
     def keys(self) -> Iterator[BlockKey]:
         with self._lock:
@@ -175,8 +194,9 @@ class SlotIndex:
         return iter(snapshot)
 
     def largest_free(self) -> int:
+        """The largest payload a new slot could take now."""
         with self._lock:
-            return self._alloc.largest_free()
+            return max(self._alloc.largest_free() - self.frame_bytes, 0)
 
     def clear(self) -> None:
         with self._lock:

@@ -119,10 +119,11 @@ class Tier(ABC):
     _used: int
 
     @classmethod
-    def from_config(cls, cfg: Any) -> "Tier":
+    def from_config(cls, cfg: Any, **extra: Any) -> "Tier":
         """The tier a validated ``tiers:`` entry (``kvstore.config``'s model of this kind)
-        describes: its kind's settings are this constructor's keyword arguments."""
-        return cls(capacity_bytes=cfg.capacity, name=cfg.name, **cfg.settings())
+        describes: its kind's settings are this constructor's keyword arguments, with
+        ``extra`` ones the Store's build decides (a DRAM tier's ``header_frames``)."""
+        return cls(capacity_bytes=cfg.capacity, name=cfg.name, **cfg.settings(), **extra)
 
     @property
     def capacity_bytes(self) -> int:

@@ -28,6 +28,7 @@ from typing import Any, Iterator, Sequence
 
 import numpy as np
 
+from kvstore.buffers.framed import framed
 from kvstore.buffers.host import copy_batch_hashed, hash_ranges
 from kvstore.buffers.pinning import HostPin, _torch_cudart
 from kvstore.buffers import nbytes_of
@@ -41,6 +42,8 @@ log = logging.getLogger(__name__)
 _D = DramTierConfig.defaults()   # keyword defaults: the config model's (one definition)
 PAGE = mmap.PAGESIZE
 SLOT_ALIGN = 4096  # slots stay O_DIRECT-aligned so NVMe I/O can use them in place
+# With header frames, the arena has room for a frame per block of at least this size.
+FRAMED_MIN_BLOCK = 64 << 10
 # Large batches copy on two threads (memmove releases the GIL): one thread's memcpy does
 # not reach the memory bandwidth (11-14 GB/s one thread, ~23 GB/s two, on these VMs).
 # The copies are kvstore.buffers.host's, shared with the cache client's same-host path.
@@ -50,10 +53,11 @@ _copy_pool_lock = threading.Lock()
 _cudart = _torch_cudart   # how the DRAM tier finds CUDA's runtime (tests swap in a stand-in)
 
 
-def _map_arena(size: int, shm_path: str | None) -> tuple[mmap.mmap, int | None]:
+def _map_arena(size: int, shm_path: str | None, fault_bytes: int | None = None) -> tuple[mmap.mmap, int | None]:
     """The arena: anonymous memory, or a shared file at ``shm_path`` (see
     :func:`_claim_shared`, whose descriptor, holding the file's lock, comes back too),
-    backed by transparent huge pages where the kernel allows them, and faulted in now.
+    backed by transparent huge pages where the kernel allows them, and its first
+    ``fault_bytes`` (default: all) faulted in now.
 
     Huge pages are asked for before the first touch (a page faulted in small stays small
     until khugepaged gets to it). They matter for NVMe I/O, not only for TLB misses: an
@@ -77,7 +81,7 @@ def _map_arena(size: int, shm_path: str | None) -> tuple[mmap.mmap, int | None]:
         mm.madvise(mmap.MADV_HUGEPAGE)
     except (AttributeError, OSError):  # no transparent huge pages here: small pages work too
         pass
-    np.frombuffer(mm, dtype=np.uint8)[::PAGE] = 0  # fault every page in now, not on first use
+    np.frombuffer(mm, dtype=np.uint8)[:fault_bytes:PAGE] = 0  # fault the pages in now, not on first use
     return mm, lock_fd
 
 
@@ -134,23 +138,38 @@ class DramTier(ArenaTier, HostArena):
     CUDA (default: when CUDA is available). A :class:`HostArena` that also lends
     :meth:`slots` and fills :meth:`reserve` in place (see its capabilities). Thread-safe; copies run outside the lock,
     protected by per-slot reader counts so a slot is never reused mid-copy.
+
+    ``header_frames`` (set by the Store's build when a Mooncake tier is next below, not
+    a config key): each slot keeps one page before its payload, and :meth:`lend` hands
+    out views whose frame is that page, so the spill sends each block's header and
+    payload as one contiguous piece (Mooncake pays per piece: two pieces put 0.84-0.90x
+    of one, ``benchmarks/cluster.py``). The pages are not counted against the capacity:
+    the arena has room for one per block down to :data:`FRAMED_MIN_BLOCK` (a page per
+    1 MiB block is 0.4 % more memory).
     """
 
     def __init__(self, capacity_bytes: int, *, name: str = "dram", shm_path: str | None = _D.shm_path,
-                 pin: bool | None = _D.pin) -> None:
+                 pin: bool | None = _D.pin, header_frames: bool = False) -> None:
         if capacity_bytes <= 0:
             raise InvalidArgumentError(f"DRAM tier capacity must be positive, got {capacity_bytes}")
         self.name = name
         self._capacity = int(capacity_bytes)
         size = -(-self._capacity // PAGE) * PAGE
+        frame = SLOT_ALIGN if header_frames else 0
+        # frames come on top of the capacity: room for one per block down to FRAMED_MIN_BLOCK
+        # (smaller blocks fill the arena first, as fragmentation would); in anonymous
+        # memory that room is faulted in only as slots reach it (a shared file's is faulted
+        # in now: a page of a full tmpfs first touched later would be a SIGBUS)
+        arena = size + frame * (size // FRAMED_MIN_BLOCK + 1)
         self.shm_path = shm_path
-        self._mmap, self._lock_fd = _map_arena(size, shm_path)
+        self._mmap, self._lock_fd = _map_arena(arena, shm_path, fault_bytes=None if shm_path else size)
         self.arena = np.frombuffer(self._mmap, dtype=np.uint8)
         self._readonly = self.arena.view()
         self._readonly.flags.writeable = False
         self._pin = None if pin is False else HostPin(self._mmap, self.arena.ctypes.data, self.arena.nbytes,
                                                       name=name, shared=bool(shm_path), cudart=_cudart)
-        self._index = SlotIndex(self._capacity, size, SLOT_ALIGN)
+        self._index = SlotIndex(self._capacity, arena, SLOT_ALIGN, frame_bytes=frame)
+        self.header_frames = bool(header_frames)
         self._close_lock = threading.Lock()
         self._corrupt = 0           # slots whose bytes no longer matched their checksum
         self._refused = 0           # reserved blocks whose bytes did not match the writer's checksum
@@ -258,13 +277,24 @@ class DramTier(ArenaTier, HostArena):
     @contextmanager
     def lend(self, keys: Sequence[BlockKey]) -> Iterator[tuple[list[np.ndarray | None], list[int | None]]]:
         """:meth:`views` with the checksum each slot was verified against (see
-        :meth:`Tier.lend`)."""
+        :meth:`Tier.lend`). With ``header_frames``, each view is a
+        :class:`~kvstore.buffers.framed.FramedView` whose frame is its slot's: a tier
+        below (Mooncake) writes the block header there and sends header and payload as
+        one piece."""
         with self._held(keys, True, "borrow") as slots:
-            yield self._views_of(slots), [s.checksum if s is not None else None for s in slots]
+            yield self._framed_views_of(slots), [s.checksum if s is not None else None for s in slots]
 
     def _views_of(self, slots: Sequence[Any]) -> list[np.ndarray | None]:
         ro = self._readonly
         return [ro[s.offset:s.offset + s.nbytes] if s is not None else None for s in slots]
+
+    def _framed_views_of(self, slots: Sequence[Any]) -> list[np.ndarray | None]:
+        """:meth:`_views_of`, each with its slot's header frame (``header_frames``)."""
+        if not self.header_frames:
+            return self._views_of(slots)
+        ro, arena, frame = self._readonly, self.arena, self._index.frame_bytes
+        return [framed(ro[s.offset:s.offset + s.nbytes], arena[s.offset - frame:s.offset]) if s is not None else None
+                for s in slots]
 
     @contextmanager
     def slots(self, keys: Sequence[BlockKey], *, verify: bool = True) -> Iterator[list[tuple[int, int] | None]]:
@@ -311,7 +341,8 @@ class DramTier(ArenaTier, HostArena):
         return SlotReservation(self, list(keys), self._index.reserve_many(keys, sizes))
 
     def stats(self) -> dict[str, Any]:
-        return {"pinned": self.pinned, "shared_memory": bool(self.shm_path), "corrupt_blocks": self._corrupt,
+        return {"pinned": self.pinned, "shared_memory": bool(self.shm_path), "header_frames": self.header_frames,
+                "corrupt_blocks": self._corrupt,
                 "refused_writes": self._refused,
                 "largest_free_bytes": self._index.largest_free(), "abandoned_bytes": self._index.abandoned_bytes}
 

@@ -6,12 +6,23 @@ is the verified block format of :mod:`kvstore.block` (header + payload). Every r
 it: a block that fails is a miss, is removed from the pool and is counted in
 ``corrupt_blocks``; its bytes never reach the caller.
 
-Headers move through one registered host staging buffer (``staging_bytes``); payloads in
-host memory move straight between the caller's buffer and the pool over TCP
-(``batch_put_from_multi_buffers``/``batch_get_into_multi_buffers``: header and payload as
-two pieces of one object, no copy). Device buffers, and every payload under RDMA (which
-moves registered memory only), go through the staging buffer: one host copy each way.
-Batches larger than the staging buffer go in several rounds; one batch uses it at a time.
+Blocks move through one registered host staging buffer (``staging_bytes`` of payload per
+round, their headers on top). Mooncake pays per piece of an object (two pieces put
+0.84-0.90x of one, ``benchmarks/cluster.py``), more than a copy costs, so every put is
+one piece:
+
+- a spill from a DRAM tier that keeps header frames (the Store's build sets them when
+  this tier is next below DRAM) goes from the slot itself: the header is written into
+  the page before the slot's payload;
+- any other source is copied into the staging buffer behind its header (host memory
+  hashed in the same pass); a host payload larger than the staging buffer goes as two
+  pieces instead (header staged, payload in place).
+
+Reads land headers in the staging buffer and host payloads straight in the caller's
+buffer over TCP (``batch_get_into_multi_buffers``: two pieces, no copy); device buffers,
+and every payload under RDMA (which moves registered memory only), go through the
+staging buffer. Batches larger than the staging buffer go in several rounds; one batch
+uses it at a time.
 
 Faults are misses, never wrong bytes: an unreachable master marks the tier unavailable
 (:class:`~kvstore.errors.TierUnavailableError`, which the Store counts and treats as a
@@ -27,12 +38,15 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Iterator, Sequence
 
 import numpy as np
 
 from kvstore.block import HEADER_BYTES, VERSION, encode_header, parse_block_header, verify_payload
 from kvstore.buffers import copy_bytes, host_view, is_device, nbytes_of
+from kvstore.buffers.host import copy_batch_hashed
+from kvstore.buffers.framed import frame_of
 from kvstore.buffers.runs import runs
 from kvstore.config.tiers import MooncakeTierConfig
 from kvstore.errors import ConfigError, CorruptBlockError, InvalidArgumentError, TierUnavailableError
@@ -44,6 +58,8 @@ log = logging.getLogger(__name__)
 _D = MooncakeTierConfig.defaults()   # keyword defaults: the config model's (one definition)
 
 _ALIGN = 4096
+# Large staged puts are copied (and hashed) on two threads, as the DRAM tier's copies are.
+_COPY_THREADS = min(2, os.cpu_count() or 1)
 # Mooncake's error codes (mooncake-store/include/types.h) that this tier tells apart.
 _NOT_FOUND = -704
 _BUFFER_OVERFLOW = -600
@@ -54,6 +70,9 @@ _RPC_FAIL_MIN, _RPC_FAIL_MAX = -999, -900   # master unreachable
 def _object_name(prefix: str, key: BlockKey) -> str:
     ns = key.namespace.hex() if key.namespace is not None else "0"
     return f"{prefix}:{ns}:{key.digest.hex()}"
+
+
+_STAGE, _TWO = "stage", "two"   # how a source goes when not from its frame (MooncakeTier._how)
 
 
 def _master_down(rc: int) -> bool:
@@ -98,14 +117,19 @@ class MooncakeTier(Tier):
         if rc != 0:
             raise ConfigError(f"tiers.{name}.master: cannot join the Mooncake pool at master {master!r} "
                               f"with metadata server {metadata_server!r} (setup returned {rc})")
-        raw = np.empty(staging_bytes + _ALIGN, np.uint8)
+        # staging_bytes of payload per round, with room for their headers on top (one per
+        # 4 KiB), so a 64 MiB move group of blocks goes in one round
+        self._staging_payload = staging_bytes
+        size = staging_bytes + -(-HEADER_BYTES * -(-staging_bytes // _ALIGN) // _ALIGN) * _ALIGN
+        raw = np.empty(size + _ALIGN, np.uint8)
         start = (-raw.ctypes.data) % _ALIGN
-        self._staging = raw[start:start + staging_bytes]
-        rc = self._store.register_buffer(self._staging.ctypes.data, staging_bytes)
+        self._staging = raw[start:start + size]
+        rc = self._store.register_buffer(self._staging.ctypes.data, size)
         if rc != 0:
             self._store.close()
             raise ConfigError(f"tiers.{name}.staging_bytes: Mooncake refused to register the staging buffer "
                               f"({rc})")
+        self._copy_pool = ThreadPoolExecutor(_COPY_THREADS - 1 or 1, thread_name_prefix=f"kvstore-{name}-copy")
         self._health = Health(name, self._probe)
         self._counters = dict.fromkeys(("gets", "puts", "deletes", "corrupt_blocks", "faults", "found",
                                         "bytes_read", "bytes_written"), 0)
@@ -127,14 +151,14 @@ class MooncakeTier(Tier):
                 self._counters["faults"] += 1
             self._health.count(TierUnavailableError(f"{what} failed ({rc})", tier=self.name))
 
-    def _rounds(self, sizes: Sequence[int], direct: Sequence[bool]) -> Iterator[list[int]]:
-        """Split a batch into rounds of indexes whose staged bytes (every header, and the
-        payloads that do not move directly) fit the staging buffer."""
+    def _rounds(self, sizes: Sequence[int], needs: Sequence[int]) -> Iterator[list[int]]:
+        """Split a batch into rounds of indexes whose staged bytes (``needs``: what each
+        block puts in the staging buffer) fit it."""
         cap = self._staging.nbytes
-        needs = [HEADER_BYTES + (0 if d else n) for n, d in zip(sizes, direct)]
         for n, need in zip(sizes, needs):
             if need > cap:
-                raise InvalidArgumentError(f"[{self.name}] a {n}-byte block does not fit staging_bytes {cap}")
+                raise InvalidArgumentError(f"[{self.name}] a {n}-byte block does not fit staging_bytes "
+                                           f"{self._staging_payload}")
         yield from runs(needs, cap)
 
     def _direct(self, buf: Any) -> bool:
@@ -206,8 +230,9 @@ class MooncakeTier(Tier):
         self._health.check()
         direct = [self._direct(d) for d in dsts]
         out = [False] * len(keys)
+        needs = [HEADER_BYTES + (0 if d else n) for n, d in zip(sizes, direct)]
         with self._batch_lock:
-            for idx in self._rounds(sizes, direct):
+            for idx in self._rounds(sizes, needs):
                 self._read_round(keys, dsts, sizes, direct, idx, out)
         return out
 
@@ -303,11 +328,13 @@ class MooncakeTier(Tier):
                     todo.append(j)
                     reserved += n
         sizes = {j: nbytes_of(srcs[j]) for j in todo}
-        direct = {j: self._direct(srcs[j]) for j in todo}
+        how = self._how(srcs, sizes, todo)
         with self._batch_lock:
             try:
-                for rnd in self._rounds([sizes[j] for j in todo], [direct[j] for j in todo]):
-                    self._write_round(keys, srcs, sums, [todo[r] for r in rnd], sizes, direct, out)
+                needs = [HEADER_BYTES + sizes[j] if how[j] is _STAGE else HEADER_BYTES if how[j] is _TWO else 0
+                         for j in todo]
+                for rnd in self._rounds([sizes[j] for j in todo], needs):
+                    self._write_round(keys, srcs, sums, [todo[r] for r in rnd], sizes, how, out)
             except TierUnavailableError:
                 # The Store counts the whole batch as failed: forget what earlier rounds
                 # put, so the budget stays in step with its index (find() sees them again).
@@ -319,21 +346,66 @@ class MooncakeTier(Tier):
             out[j] = out[first[key]]
         return out
 
+    def _how(self, srcs: Sequence[Any], sizes: dict[int, int], todo: list[int]) -> dict[int, Any]:
+        """How each source goes (Mooncake pays per piece of an object, more than a copy):
+        one piece from its header frame (a DRAM slot's, see
+        :class:`~kvstore.buffers.framed.FramedView`; each frame once per batch); one
+        piece staged behind its header; or, a host payload too large for the staging
+        buffer, two pieces (header staged, payload in place). The frame's value is its
+        header view."""
+        how: dict[int, Any] = {}
+        used: set[int] = set()
+        cap = self._staging.nbytes
+        for j in todo:
+            direct = self._direct(srcs[j])
+            frame = frame_of(srcs[j]) if direct else None
+            if frame is not None and frame.nbytes >= HEADER_BYTES and frame.ctypes.data not in used:
+                used.add(frame.ctypes.data)
+                how[j] = frame[frame.nbytes - HEADER_BYTES:]
+            elif direct and HEADER_BYTES + sizes[j] > cap:
+                how[j] = _TWO
+            else:
+                how[j] = _STAGE
+        return how
+
     def _write_round(self, keys, srcs, sums: list[int | None], idx: list[int], sizes: dict[int, int],
-                     direct: dict[int, bool], out: list[bool]) -> None:
-        base = self._staging.ctypes.data
-        ptrs, at = [], 0
-        for j in idx:
-            n = sizes[j]
-            payload = host_view(srcs[j]) if direct[j] else None
-            if payload is None:      # device memory (or RDMA): stage it
-                payload = self._staging[at + HEADER_BYTES:at + HEADER_BYTES + n]
-                copy_bytes(payload, srcs[j])
-            encode_header(keys[j].digest, payload, self._staging[at:at + HEADER_BYTES], payload_checksum=sums[j])
-            ptrs.append([base + at, payload.ctypes.data])
-            at += HEADER_BYTES + (0 if direct[j] else n)
+                     how: dict[int, Any], out: list[bool]) -> None:
+        """One batch put, each object as :meth:`_how` says; staged host memory is hashed
+        as it is copied (one pass)."""
+        base, staging = self._staging.ctypes.data, self._staging
+        ptrs, lens = [None] * len(idx), [None] * len(idx)
+        host: list[tuple[int, int]] = []   # (position in idx, payload offset in staging)
+        at = 0
+        for r, j in enumerate(idx):
+            n, way = sizes[j], how[j]
+            if way is _TWO:
+                payload = host_view(srcs[j])
+                encode_header(keys[j].digest, payload, staging[at:at + HEADER_BYTES], payload_checksum=sums[j])
+                ptrs[r], lens[r] = [base + at, payload.ctypes.data], [HEADER_BYTES, n]
+                at += HEADER_BYTES
+                continue
+            if way is not _STAGE:     # the header view in the source's frame
+                encode_header(keys[j].digest, srcs[j], way, payload_checksum=sums[j])
+                ptrs[r], lens[r] = [way.ctypes.data], [HEADER_BYTES + n]
+                continue
+            off = at + HEADER_BYTES
+            if is_device(srcs[j]):
+                copy_bytes(staging[off:off + n], srcs[j])
+                encode_header(keys[j].digest, staging[off:off + n], staging[at:off], payload_checksum=sums[j])
+            else:
+                host.append((r, off))
+            ptrs[r], lens[r] = [base + at], [HEADER_BYTES + n]
+            at = off + n
+        if host:
+            got = copy_batch_hashed([srcs[idx[r]] for r, _ in host], [sizes[idx[r]] for r, _ in host], staging,
+                                    base, [off for _, off in host], True, self._copy_pool, _COPY_THREADS)
+            for (r, off), csum in zip(host, got):
+                j = idx[r]
+                given = sums[j]
+                encode_header(keys[j].digest, staging[off:off + sizes[j]], staging[off - HEADER_BYTES:off],
+                              payload_checksum=csum if given is None else given)
         names = [_object_name(self.prefix, keys[j]) for j in idx]
-        results = self._store.batch_put_from_multi_buffers(names, ptrs, [[HEADER_BYTES, sizes[j]] for j in idx])
+        results = self._store.batch_put_from_multi_buffers(names, ptrs, lens)
         for j, name, rc in zip(idx, names, results):
             if rc == 0:
                 with self._lock:
@@ -385,6 +457,7 @@ class MooncakeTier(Tier):
             return
         self._closed = True
         self._health.close()
+        self._copy_pool.shutdown()
         try:
             self._store.unregister_buffer(self._staging.ctypes.data)
         finally:

@@ -13,6 +13,8 @@ the server, the client, tiers or policies; an import-linter contract checks it):
   staging ring);
 - :mod:`kvstore.buffers.streams`: the Store caller's CUDA stream order, carried to the
   threads that copy;
+- :mod:`kvstore.buffers.framed`: payload views with writable room for a header right
+  before them (:class:`~kvstore.buffers.framed.FramedView`);
 - :mod:`kvstore.buffers.pinning`: registering a host range with CUDA
   (:class:`~kvstore.buffers.pinning.HostPin`).
 

@@ -4,6 +4,7 @@ configured, so optional dependencies (boto3, kvikio, cupy) load only where used.
 from __future__ import annotations
 
 import importlib
+from typing import Sequence
 
 from kvstore.config import AdmissionConfig, TierConfig
 from kvstore.errors import ConfigError
@@ -23,8 +24,30 @@ _TIER_CLASSES = {
 }
 
 
-def build_tier(cfg: TierConfig) -> Tier:
-    """The tier ``cfg`` describes: its class's ``from_config`` (settings are the model's fields)."""
+def build_tiers(cfgs: Sequence[TierConfig]) -> list[Tier]:
+    """The tiers of a ``tiers:`` list, top first (see :func:`build_tier`); closes the ones
+    built when a later one fails."""
+    built: list[Tier] = []
+    try:
+        for i in range(len(cfgs)):
+            built.append(build_tier(cfgs[i], header_frames=header_frames(cfgs, i)))
+    except BaseException:
+        for tier in built:
+            tier.close()
+        raise
+    return built
+
+
+def header_frames(cfgs: Sequence[TierConfig], i: int) -> bool:
+    """Whether tier ``i`` keeps header frames (:class:`~kvstore.tiers.dram.DramTier`):
+    a DRAM tier with a Mooncake tier next below, which its spills then put as one
+    piece per block."""
+    return cfgs[i].kind == "dram" and i + 1 < len(cfgs) and cfgs[i + 1].kind == "mooncake"
+
+
+def build_tier(cfg: TierConfig, *, header_frames: bool = False) -> Tier:
+    """The tier ``cfg`` describes: its class's ``from_config`` (settings are the model's
+    fields); ``header_frames`` (DRAM only: see :func:`header_frames`)."""
     if cfg.kind not in _TIER_CLASSES:
         raise ConfigError(f"tiers.{cfg.name}.kind: tier kind {cfg.kind!r} is not available in this build")
     module, cls, needs = _TIER_CLASSES[cfg.kind]
@@ -34,7 +57,7 @@ def build_tier(cfg: TierConfig) -> Tier:
         if needs is None:
             raise
         raise ConfigError(f"tiers.{cfg.name}.kind: {needs}: {exc}") from exc
-    return tier_class.from_config(cfg)
+    return tier_class.from_config(cfg, **({"header_frames": True} if header_frames else {}))
 
 
 def build_eviction(cfg: TierConfig) -> EvictionPolicy:

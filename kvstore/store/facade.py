@@ -31,7 +31,7 @@ from kvstore.config import StoreConfig, load_config
 from kvstore.errors import BufferSizeError, InvalidArgumentError, StoreClosedError
 from kvstore.hint import Hint, check_hint
 from kvstore.keys import BlockKey
-from kvstore.store.build import build_admission, build_eviction, build_tier
+from kvstore.store.build import build_admission, build_eviction, build_tiers
 from kvstore.store.datapath import DataPath
 from kvstore.store.hints import HintIndex, StoreHints
 from kvstore.store.index import Index
@@ -70,14 +70,8 @@ class Store:
         p = config.placement
         self.placement = Placement(WriteMode(p.write), p.promote_on_hit, p.prefetch_depth, p.selective_threshold)
         self._trace = TraceRecorder(config.trace) if config.trace is not None else None
-        built: list[Tier] = []
-        try:
-            for i, tcfg in enumerate(config.tiers):
-                built.append(tiers[i] if tiers is not None else build_tier(tcfg))
-        except BaseException:
-            for t in built:
-                t.close()
-            raise
+        built: list[Tier] = ([tiers[i] for i in range(len(config.tiers))] if tiers is not None
+                             else build_tiers(config.tiers))
         # per-key retention hints; every tier's policy ranks its victims by them
         hint_table = HintIndex(clock)
         self._hints = hint_table.records

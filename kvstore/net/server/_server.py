@@ -43,7 +43,7 @@ def build_store(config: StoreConfig) -> Any:
     """The Store to serve. With shared memory enabled (``transport`` auto or shm) and a
     first DRAM tier without ``shm_path``, that arena is placed under ``/dev/shm`` so
     local clients can map it."""
-    from kvstore.store.build import build_tier
+    from kvstore.store.build import build_tier, header_frames
     from kvstore.store import Store
     from kvstore.tiers.dram import DramTier
 
@@ -52,9 +52,11 @@ def build_store(config: StoreConfig) -> Any:
             and not config.server.tenants:   # tenants: the arena stays private to the server
         remove_stale_arenas()
         path = f"{SHM_DIR}/{ARENA_PREFIX}{os.getpid()}-{secrets.token_hex(4)}"
-        tiers = [DramTier(first.capacity, name=first.name, shm_path=path, pin=first.pin)]
+        tiers = [DramTier(first.capacity, name=first.name, shm_path=path, pin=first.pin,
+                          header_frames=header_frames(config.tiers, 0))]
         try:
-            tiers += [build_tier(c) for c in config.tiers[1:]]
+            tiers += [build_tier(c, header_frames=header_frames(config.tiers, i))
+                      for i, c in enumerate(config.tiers[1:], 1)]
         except BaseException:
             for t in tiers:
                 t.close()
