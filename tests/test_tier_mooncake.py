@@ -264,6 +264,30 @@ def test_one_frame_given_for_two_keys_is_used_once(pool):
         tier.close()
 
 
+def test_a_framed_view_without_the_lenders_checksum_is_staged(pool):
+    """A frame carries only a header with the lender's checksum (the same bytes whoever
+    writes it): a framed view handed over without one is staged and hashed instead."""
+    from kvstore.tiers.dram import DramTier
+
+    tier = _tier(pool, 4 << 20)
+    try:
+        with DramTier(1 << 20, pin=False, header_frames=True) as dram:
+            held, keys = make_keys(1, salt="nosum-held"), make_keys(1, salt="nosum")
+            src = payload(31, 8192)
+            assert dram.write(held, [src]) == [True]
+            tier._store = spy = _PutPieces(tier._store)
+            with dram.lend(held) as (views, _):
+                assert tier.write(keys, [views[0]]) == [True]
+                frame_start = views[0].ctypes.data - HEADER_BYTES
+        assert spy.pieces == [1] and spy.starts[0] != frame_start
+        staging = tier._staging.ctypes.data
+        assert staging <= spy.starts[0] < staging + tier._staging.nbytes
+        dst = np.zeros(8192, np.uint8)
+        assert tier.read_into(keys, [dst]) == [True] and np.array_equal(dst, src)
+    finally:
+        tier.close()
+
+
 def test_bad_master_is_a_config_error(pool):
     with pytest.raises(ConfigError, match="protocol"):
         MooncakeTier(1 << 20, master=pool.master, metadata_server=pool.metadata, protocol="carrier-pigeon")

@@ -328,7 +328,7 @@ class MooncakeTier(Tier):
                     todo.append(j)
                     reserved += n
         sizes = {j: nbytes_of(srcs[j]) for j in todo}
-        how = self._how(srcs, sizes, todo)
+        how = self._how(srcs, sums, sizes, todo)
         with self._batch_lock:
             try:
                 needs = [HEADER_BYTES + sizes[j] if how[j] is _STAGE else HEADER_BYTES if how[j] is _TWO else 0
@@ -346,11 +346,13 @@ class MooncakeTier(Tier):
             out[j] = out[first[key]]
         return out
 
-    def _how(self, srcs: Sequence[Any], sizes: dict[int, int], todo: list[int]) -> dict[int, Any]:
+    def _how(self, srcs: Sequence[Any], sums: list[int | None], sizes: dict[int, int],
+             todo: list[int]) -> dict[int, Any]:
         """How each source goes (Mooncake pays per piece of an object, more than a copy):
         one piece from its header frame (a DRAM slot's, see
-        :class:`~kvstore.buffers.framed.FramedView`; each frame once per batch); one
-        piece staged behind its header; or, a host payload too large for the staging
+        :class:`~kvstore.buffers.framed.FramedView`; each frame once per batch, and only
+        with the lender's checksum, so whoever writes a frame writes the same header);
+        one piece staged behind its header; or, a host payload too large for the staging
         buffer, two pieces (header staged, payload in place). The frame's value is its
         header view."""
         how: dict[int, Any] = {}
@@ -358,7 +360,7 @@ class MooncakeTier(Tier):
         cap = self._staging.nbytes
         for j in todo:
             direct = self._direct(srcs[j])
-            frame = frame_of(srcs[j]) if direct else None
+            frame = frame_of(srcs[j]) if direct and sums[j] is not None else None
             if frame is not None and frame.nbytes >= HEADER_BYTES and frame.ctypes.data not in used:
                 used.add(frame.ctypes.data)
                 how[j] = frame[frame.nbytes - HEADER_BYTES:]
