@@ -37,6 +37,7 @@ import numpy as np
 from benchmarks._common import print_table, write_json
 from kvstore.config import load_config, parse_size
 from kvstore.store import Store
+from kvstore.store.build import header_frames
 from kvstore.testing import make_keys
 from kvstore.tiers.dram import DramTier
 
@@ -82,8 +83,10 @@ def measure(kind: str, block: int, rounds: int) -> list[dict]:
         tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kvstore-moves-", dir="/var/tmp")))
         cfg, tier = BELOW[kind](stack, tmp)
         dram_cfg = {"name": "hot", "kind": "dram", "capacity": n * block, "pin": False}
-        store = stack.enter_context(Store(load_config({"tiers": [dram_cfg, cfg]}),
-                                          tiers=[DramTier(n * block, name="hot", pin=False), tier]))
+        config = load_config({"tiers": [dram_cfg, cfg]})
+        # header frames where the Store's build gives them (a Mooncake tier below)
+        hot = DramTier(n * block, name="hot", pin=False, header_frames=header_frames(config.tiers, 0))
+        store = stack.enter_context(Store(config, tiers=[hot, tier]))
         saved = [make_keys(n, salt=f"{kind}{block}-{r}") for r in range(rounds + 2)]
         # Touch the room the Store phase will fill, through the tier, then free it: a pool's
         # (or a drive's) first write into fresh memory pays page faults the tier-direct
