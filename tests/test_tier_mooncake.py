@@ -443,3 +443,36 @@ def test_the_clusters_benchmark_rows_put_and_get_every_block():
         assert r["kvstore_gbps"] > 0 and r["baseline_gbps"] > 0 and r["ratio"] > 0
     for r in rows[4:]:
         assert r["raw_framed_gbps"] > 0 and r["raw_gbps"] > 0 and r["ratio"] > 0
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_a_cache_server_over_mooncake_frames_its_shared_arena(pool, transport):
+    """``kvstore serve`` with DRAM over a Mooncake pool: its shared-memory arena keeps
+    header frames, a same-host client (and a TCP one) saves past DRAM into the pool and
+    loads every block back byte-exact, from the arena or the pool."""
+    from kvstore.client import Client
+    from tests._servers import ThreadServer, config_dict
+
+    block = 256 << 10
+    server = ThreadServer(config_dict(tiers=[
+        {"name": "hot", "kind": "dram", "capacity": 4 * block, "pin": False},
+        {"name": "pool", "kind": "mooncake", "capacity": "16MiB", "master": pool.master,
+         "metadata_server": pool.metadata, "prefix": f"serve-{os.getpid()}-{transport}", "staging_bytes": "4MiB"}]))
+    try:
+        hot = server.store.tiers[0]
+        assert hot.header_frames and hot.shm_path
+        client = Client(server.address, transport=transport)
+        try:
+            keys = make_keys(16, salt=f"serve-{transport}")
+            srcs = [payload(100 + i, block) for i in range(16)]
+            for lo in range(0, 16, 4):
+                assert client.save(keys[lo:lo + 4], srcs[lo:lo + 4]).result() == [True] * 4
+            assert server.store.tiers[1].stats()["blocks"] >= 12
+            dsts = [np.zeros(block, np.uint8) for _ in keys]
+            assert client.load(keys, dsts).result() == [True] * 16
+            assert all(np.array_equal(s, d) for s, d in zip(srcs, dsts))
+            assert server.store.tiers[1].stats()["corrupt_blocks"] == 0
+        finally:
+            client.close()
+    finally:
+        server.stop()
