@@ -9,7 +9,7 @@ import os
 import numpy as np
 import pytest
 
-from kvstore.buffers.framed import FramedView, frame_of, framed
+from kvstore.buffers.framed import FramedView, frame_of, framed, framed_spans
 from kvstore.config import load_config
 from kvstore.store.build import header_frames
 from kvstore.testing import CAPACITY, TierConformance, make_keys, payload
@@ -117,6 +117,24 @@ def test_framed_refuses_a_frame_that_does_not_end_at_the_payload():
         framed(arena[4096:8192], arena[:4096].view(np.uint32))
     with pytest.raises(ValueError, match="flat contiguous uint8"):
         framed(arena[4096:8192], arena[:4096:2])
+
+
+def test_framed_spans_refuses_an_arena_it_cannot_frame_safely():
+    """The bulk form checks the arena once: its read-only view must be the same memory,
+    the writable side writable, and every span must leave room for its frame."""
+    arena = np.zeros(4 * 4096, np.uint8)
+    ro = arena.view()
+    ro.flags.writeable = False
+    views = framed_spans(arena, ro, [(4096, 4096), None, (12288, 100)], 4096)
+    assert views[1] is None
+    assert [v.frame.ctypes.data + v.frame.nbytes for v in (views[0], views[2])] == \
+        [v.ctypes.data for v in (views[0], views[2])]
+    with pytest.raises(ValueError, match="same memory"):
+        framed_spans(arena, np.zeros(4 * 4096, np.uint8), [(4096, 4096)], 4096)
+    with pytest.raises(ValueError, match="same memory"):
+        framed_spans(ro, ro, [(4096, 4096)], 4096)
+    with pytest.raises(ValueError, match="no room"):
+        framed_spans(arena, ro, [(2048, 4096)], 4096)
 
 
 def test_the_build_frames_only_a_dram_tier_with_mooncake_next_below(tmp_path):

@@ -64,6 +64,13 @@ def _raw(pool):
     return raw
 
 
+def _reads_back(tier, keys, srcs) -> None:
+    """Every key reads back through ``tier``'s ``read_into``, True and byte-exact."""
+    dsts = [np.zeros(src.nbytes, np.uint8) for src in srcs]
+    assert tier.read_into(keys, dsts) == [True] * len(keys)
+    assert all(np.array_equal(src, dst) for src, dst in zip(srcs, dsts))
+
+
 def test_another_node_finds_the_block(pool):
     a = _tier(pool, 1 << 20, prefix="shared-a")
     b = _tier(pool, 1 << 20, prefix="shared-a")
@@ -72,9 +79,7 @@ def test_another_node_finds_the_block(pool):
         srcs = [payload(i, 4096) for i in range(3)]
         assert a.write(keys, srcs) == [True] * 3
         assert b.contains(keys) == [True] * 3
-        dsts = [np.zeros(4096, np.uint8) for _ in keys]
-        assert b.read_into(keys, dsts) == [True] * 3
-        assert all(np.array_equal(s, d) for s, d in zip(srcs, dsts))
+        _reads_back(b, keys, srcs)
         assert b.used_bytes == 3 * 4096   # budgeted here too once found
     finally:
         a.close()
@@ -219,9 +224,7 @@ def test_batch_larger_than_staging_goes_in_rounds(pool):
         keys = make_keys(6, salt="rounds")
         srcs = [payload(i, 1 << 20) for i in range(6)]   # 6 MiB through a 4 MiB staging buffer
         assert tier.write(keys, srcs) == [True] * 6
-        dsts = [np.zeros(1 << 20, np.uint8) for _ in keys]
-        assert tier.read_into(keys, dsts) == [True] * 6
-        assert all(np.array_equal(s, d) for s, d in zip(srcs, dsts))
+        _reads_back(tier, keys, srcs)
     finally:
         tier.close()
 
@@ -236,9 +239,7 @@ def test_a_host_block_larger_than_staging_goes_in_two_pieces(pool):
         srcs = [payload(20, 6 << 20), payload(21, 4096), payload(22, 5 << 20)]   # staging is 4 MiB
         assert tier.write(keys, srcs) == [True] * 3
         assert sorted(spy.pieces) == [1, 2, 2]
-        dsts = [np.zeros(s.nbytes, np.uint8) for s in srcs]
-        assert tier.read_into(keys, dsts) == [True] * 3
-        assert all(np.array_equal(s, d) for s, d in zip(srcs, dsts))
+        _reads_back(tier, keys, srcs)
     finally:
         tier.close()
 
@@ -256,9 +257,7 @@ def test_one_frame_given_for_two_keys_is_used_once(pool):
             assert dram.write(held, [src]) == [True]
             with dram.lend(held) as (views, sums):
                 assert tier.write(keys, [views[0], views[0]], [sums[0], sums[0]]) == [True, True]
-        dsts = [np.zeros(8192, np.uint8) for _ in keys]
-        assert tier.read_into(keys, dsts) == [True, True]
-        assert all(np.array_equal(d, src) for d in dsts)
+        _reads_back(tier, keys, [src, src])
         assert tier.stats()["corrupt_blocks"] == 0
     finally:
         tier.close()
@@ -282,8 +281,7 @@ def test_a_framed_view_without_the_lenders_checksum_is_staged(pool):
         assert spy.pieces == [1] and spy.starts[0] != frame_start
         staging = tier._staging.ctypes.data
         assert staging <= spy.starts[0] < staging + tier._staging.nbytes
-        dst = np.zeros(8192, np.uint8)
-        assert tier.read_into(keys, [dst]) == [True] and np.array_equal(dst, src)
+        _reads_back(tier, keys, [src])
     finally:
         tier.close()
 
@@ -398,9 +396,7 @@ def test_one_batch_mixes_framed_and_plain_sources(pool):
             staging = tier._staging.ctypes.data, tier._staging.ctypes.data + tier._staging.nbytes
             assert [spy.starts[0], spy.starts[2]] == framed_starts
             assert all(staging[0] <= spy.starts[i] < staging[1] for i in (1, 3))
-        dsts = [np.zeros(s.nbytes, np.uint8) for s in srcs]
-        assert tier.read_into(keys, dsts) == [True] * 4
-        assert all(np.array_equal(s, d) for s, d in zip(srcs, dsts))
+        _reads_back(tier, keys, srcs)
     finally:
         tier.close()
 

@@ -28,7 +28,7 @@ from typing import Any, Iterator, Sequence
 
 import numpy as np
 
-from kvstore.buffers.framed import framed
+from kvstore.buffers.framed import framed_spans
 from kvstore.buffers.host import copy_batch_hashed, hash_ranges
 from kvstore.buffers.pinning import HostPin, _torch_cudart
 from kvstore.buffers import nbytes_of
@@ -292,9 +292,8 @@ class DramTier(ArenaTier, HostArena):
         """:meth:`_views_of`, each with its slot's header frame (``header_frames``)."""
         if not self.header_frames:
             return self._views_of(slots)
-        ro, arena, frame = self._readonly, self.arena, self._index.frame_bytes
-        return [framed(ro[s.offset:s.offset + s.nbytes], arena[s.offset - frame:s.offset]) if s is not None else None
-                for s in slots]
+        return framed_spans(self.arena, self._readonly, [(s.offset, s.nbytes) if s is not None else None
+                                                         for s in slots], self._index.frame_bytes)
 
     @contextmanager
     def slots(self, keys: Sequence[BlockKey], *, verify: bool = True) -> Iterator[list[tuple[int, int] | None]]:

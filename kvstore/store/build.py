@@ -29,8 +29,8 @@ def build_tiers(cfgs: Sequence[TierConfig]) -> list[Tier]:
     built when a later one fails."""
     built: list[Tier] = []
     try:
-        for i in range(len(cfgs)):
-            built.append(build_tier(cfgs[i], header_frames=header_frames(cfgs, i)))
+        for i, cfg in enumerate(cfgs):
+            built.append(build_tier(cfg, header_frames=header_frames(cfgs, i)))
     except BaseException:
         for tier in built:
             tier.close()
