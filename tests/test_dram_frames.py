@@ -169,3 +169,22 @@ def test_a_shared_framed_arena_is_faulted_in_whole():
         assert all(_resident(shared.arena.ctypes.data, shared.arena.nbytes))
     with DramTier(capacity, pin=False, header_frames=True) as private:
         assert all(_resident(private.arena.ctypes.data, capacity))
+
+
+def test_a_frame_lent_past_its_blocks_delete_is_not_reused(tier):
+    """Blocks deleted while lent keep their slots, frames included, until the lend ends:
+    new blocks written meanwhile land elsewhere, and writing the lent frames then changes
+    none of them."""
+    keys, others = make_keys(4, salt="lent"), make_keys(8, salt="meanwhile")
+    assert tier.write(keys, [payload(i) for i in range(4)]) == [True] * 4
+    srcs = [payload(50 + i) for i in range(8)]
+    with tier.lend(keys) as (views, _):
+        assert tier.delete(keys) == 4
+        assert tier.write(others, srcs) == [True] * 8
+        lent = {v.ctypes.data - tier.arena.ctypes.data for v in views}
+        assert not lent & {tier.offset_of(k)[0] for k in others}
+        for view in views:
+            frame_of(view)[:] = 0x5A
+    for key, src in zip(others, srcs):
+        dst = np.zeros(src.nbytes, np.uint8)
+        assert tier.read_into([key], [dst]) == [True] and np.array_equal(dst, src)
