@@ -20,6 +20,13 @@ class EvictionPolicy(ABC):
 
     name: str = "policy"
     uses_parent: bool = False  # True: the Store passes each key's parent to on_insert
+    # True: the order is a stamp taken at insert (and, with ``renews``, at each access,
+    # where ``on_insert`` of a key the policy does not hold puts it too), and skipping a
+    # key changes nothing; so a key the walk passes over stays ahead of every key
+    # inserted or accessed after it. The retention layer relies on this to park hinted
+    # keys (``policies/_parking.py``).
+    stamped: bool = False
+    renews: bool = False
 
     @abstractmethod
     def on_insert(self, key: Hashable, nbytes: int, parent: Hashable | None = None) -> None:

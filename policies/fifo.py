@@ -16,6 +16,7 @@ from kvstore.policies.base import EvictionPolicy
 
 class FifoPolicy(EvictionPolicy):
     name = "fifo"
+    stamped = True
 
     def __init__(self) -> None:
         self._order: OrderedDict[Hashable, None] = OrderedDict()

@@ -16,6 +16,7 @@ from kvstore.policies.base import EvictionPolicy
 
 class LruPolicy(EvictionPolicy):
     name = "lru"
+    stamped = renews = True
 
     def __init__(self) -> None:
         self._order: OrderedDict[Hashable, None] = OrderedDict()

@@ -32,6 +32,16 @@ keys on). Cost: a victim walk steps over the live-hinted blocks ahead of the fir
 unhinted one; class 3 then walks a snapshot of the hinted blocks of each priority class
 present (lineage: its own order once more per class).
 
+Over a stamped policy (LRU, FIFO: ``EvictionPolicy.stamped``) it steps over each of them
+once: every key the walk steps past in the policy's queue (held by a hint, skipped by the
+Store, or a discard block) leaves the queue for :class:`~kvstore.policies._parking.Parking`,
+in order. In such a policy those keys are exactly the head of its order, so the walk
+offers the parked keys that no longer hold first, in order, then the queue: the same
+order as stepping over them, at a cost of what it offers plus the hints that lapsed
+since the last walk (heaps by expiry and by when given, O(log n) per hint). A parked key
+read under LRU goes back to the queue's recent end. While a tenant's hints are bounded
+in the tier (``unprotected`` returns keys) the walk still checks every parked key.
+
 **Hints must earn their keep** (:class:`HintTrust`, one per tier). A client whose hints
 are wrong would otherwise fill the tier with blocks nobody reads again while the
 unhinted blocks it needs go first. So each tier watches the blocks at its eviction
@@ -59,6 +69,7 @@ from collections import OrderedDict
 from typing import Any, Callable, Container, Hashable, Iterator, Mapping
 
 from kvstore.policies._order import iter_live
+from kvstore.policies._parking import Parking
 from kvstore.policies.base import EvictionPolicy
 
 # HintTrust's constants (see its docstring). W: the blocks the tier holds.
@@ -94,7 +105,7 @@ class HintTrust:
     Pure bookkeeping, O(1) amortised per event. Not thread-safe (the Store's lock).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, parks: bool = False) -> None:
         self.protect_s = math.inf
         self._watch: OrderedDict[Hashable, list] = OrderedDict()  # key -> [hinted, stamp, reused]
         self._evictions = 0
@@ -106,6 +117,8 @@ class HintTrust:
         self.oldest = 0.0            # oldest hint age the current walk protected
         self._tail_age = 0.0         # hint age of the last hinted block at the eviction end
         self._floor = 0.0
+        # hinted keys whose watch window ended, for a layer that parks them (see unwatched)
+        self._lapsed: list[Hashable] | None = [] if parks else None
 
     def watch(self, key: Hashable, hinted: bool) -> None:
         if key in self._watch:
@@ -154,7 +167,22 @@ class HintTrust:
             entry = watch[next(iter(watch))]
             if entry[1] > limit:
                 break
-            watch.popitem(last=False)
+            key, _ = watch.popitem(last=False)
+            if entry[0] and self._lapsed is not None:
+                self._lapsed.append(key)
+
+    def unwatched(self, held: Mapping[Hashable, int]) -> list[Hashable]:
+        """The keys of ``held`` (parked: key -> place) whose watch window ended since the
+        last call, in their order: a walk that stepped over them would watch them again."""
+        lapsed, self._lapsed = self._lapsed or [], []
+        watch = self._watch
+        keys = [k for k in lapsed if k in held and k not in watch]
+        keys.sort(key=held.__getitem__)
+        return keys
+
+    def held(self, age: float) -> None:
+        """The walk's parked blocks end with one kept by a hint ``age`` seconds old."""
+        self._tail_age = age
 
     def _adjust(self) -> None:
         seen, got = self._seen, self._reused
@@ -200,27 +228,41 @@ class RetentionClasses(EvictionPolicy):
         self._by_age = not inner.uses_parent
         self._held: dict[int, OrderedDict[Hashable, Any]] = {}
         self._held_at: dict[Hashable, int] = {}      # key -> its priority in _held
-        self.trust = HintTrust()
+        # stamped policies (LRU, FIFO): hinted keys the walk passed leave the policy's
+        # queue while their hint holds, so a walk does not step over them again
+        self._parking = Parking(hints) if inner.stamped else None
+        self.trust = HintTrust(parks=self._parking is not None)
         self._offered: tuple[Hashable, bool] | None = None   # the walk's last victim, hinted?
         # per walk: the keys a live hint may not protect here (the Store's tenants); None: none
         self.unprotected: Callable[[], Container[Hashable] | None] | None = None
 
     def on_insert(self, key: Hashable, nbytes: int, parent: Hashable | None = None) -> None:
-        self.inner.on_insert(key, nbytes, parent)
+        parking = self._parking
+        if parking is None or key not in parking:
+            self.inner.on_insert(key, nbytes, parent)
+        elif self.inner.renews:          # LRU: an insert of a key it holds renews it, as a read
+            parking.remove(key)
+            self.inner.on_insert(key, nbytes, parent)
+        # (FIFO: a key it holds keeps its place)
         self.trust.reused(key)           # saved again after an eviction the tier watched
         self.rehint(key)
 
     def on_access(self, key: Hashable) -> None:
-        self.inner.on_access(key)
+        parking = self._parking
+        if parking is not None and self.inner.renews and parking.remove(key):
+            self.inner.on_insert(key, 0)     # back in the policy's order, where a read puts it
+        else:
+            self.inner.on_access(key)
         self.trust.reused(key)
 
     def on_remove(self, key: Hashable) -> None:
         offered = self._offered
+        self.inner.on_remove(key)
+        if self._parking is not None:
+            self._parking.remove(key)
         if offered is not None and offered[0] is key:
-            self.inner.on_remove(key)
-            self.trust.evicted(key, offered[1], len(self.inner))
+            self.trust.evicted(key, offered[1], len(self))
         else:
-            self.inner.on_remove(key)
             self.trust.forget(key)
         self._offered = None
         self._discard.pop(key, None)
@@ -230,11 +272,13 @@ class RetentionClasses(EvictionPolicy):
         """``key``'s hint changed (set, merged or dropped)."""
         hint = self._hints.get(key)
         self._unhold(key)
-        if hint is not None and hint.discard and key in self.inner:
+        if self._parking is not None:
+            self._parking.rehinted(key, hint)
+        if hint is not None and hint.discard and key in self:
             self._discard[key] = None
             return
         self._discard.pop(key, None)
-        if hint is not None and self._by_age and key in self.inner:
+        if hint is not None and self._by_age and key in self:
             self._held.setdefault(hint.priority, OrderedDict())[key] = hint
             self._held_at[key] = hint.priority
 
@@ -250,13 +294,13 @@ class RetentionClasses(EvictionPolicy):
         self.inner.set_capacity(capacity_bytes)
 
     def victims(self) -> Iterator[Hashable]:
-        if not self._hints:          # no hints anywhere: the policy's own walk, untouched
-            return self.inner.victims()     # (and nothing to learn about hints)
+        if not self._hints and not self._parking:   # no hints anywhere: the policy's own
+            return self.inner.victims()     # walk, untouched (and nothing to learn about hints)
         return self._classed()
 
     def _classed(self) -> Iterator[Hashable]:
         now = self._clock()
-        hints, trust = self._hints, self.trust
+        hints, trust, parking = self._hints, self.trust, self._parking
         unprotected = self.unprotected() if self.unprotected is not None else None
         limit = trust.protect_s
         for key in iter_live(self._discard):
@@ -264,28 +308,62 @@ class RetentionClasses(EvictionPolicy):
             yield key
         kept: set[int] = set()
         trust.oldest = oldest = 0.0
-        for key in self.inner.victims():
-            hint = hints.get(key)
-            # an expired hint, or one that may not protect this key here: policy order
-            if hint is None or (not hint.discard and (hint.expires <= now or
-                                                      (unprotected is not None and key in unprotected))):
-                trust.oldest = oldest
-                self._offered = (key, False)
-                yield key
-            elif not hint.discard:
-                age = now - hint.given
-                if age >= limit:          # older than the tier trusts hints: policy order
-                    trust.distrusted(age)
+        ahead: Iterator[Hashable] = iter(())
+        if parking is not None:
+            # the parked keys are the head of the policy's order: those that no longer
+            # hold first (all of them while some tenant's hints are bounded), in order
+            parking.release_due(now, limit)
+            for key in trust.unwatched(parking.held):
+                trust.watch(key, True)          # kept by its hint past its watch window
+            given = parking.oldest_given()
+            if given is not None:
+                oldest = now - given
+                last = hints.get(parking.last_held())
+                if last is not None:
+                    trust.held(now - last.given)
+            ahead = iter(parking.loose_in_order() if unprotected is None else parking.all_in_order())
+        policy = self.inner
+        for walk in (ahead, policy.victims()):
+            # every key the walk steps past in the policy's queue is parked, in order
+            step_past = parking is not None and walk is not ahead
+            for key in walk:
+                if walk is ahead and key not in parking:
+                    continue                    # evicted or read since the snapshot
+                hint = hints.get(key)
+                # an expired hint, or one that may not protect this key here: policy order
+                if hint is None or (not hint.discard and (hint.expires <= now or
+                                                          (unprotected is not None and key in unprotected))):
                     trust.oldest = oldest
-                    self._offered = (key, True)
+                    self._offered = (key, False)
                     yield key
-                else:
-                    kept.add(hint.priority)
-                    trust.passed(key, age)
-                    if age > oldest:
-                        oldest = age
+                    if step_past and key in policy:     # skipped (leased, pinned): keeps its place
+                        policy.on_remove(key)
+                        parking.park_loose(key)
+                elif not hint.discard:
+                    age = now - hint.given
+                    if age >= limit:          # older than the tier trusts hints: policy order
+                        trust.distrusted(age)
+                        trust.oldest = oldest
+                        self._offered = (key, True)
+                        yield key
+                        if step_past and key in policy:
+                            policy.on_remove(key)
+                            parking.park_loose(key)
+                    else:
+                        kept.add(hint.priority)
+                        if step_past:
+                            policy.on_remove(key)
+                            parking.park(key, hint)
+                        elif parking is not None and key in parking.loose:
+                            parking.repark(key, hint)
+                        trust.passed(key, age)
+                        if age > oldest:
+                            oldest = age
+                elif step_past:                 # a discard block: class 1 offers it
+                    policy.on_remove(key)
+                    parking.park_loose(key)
         trust.oldest = oldest
-        for priority in sorted(kept):
+        for priority in sorted(self._held if parking is not None else kept):
             for key in self._held_walk(priority):
                 hint = hints.get(key)
                 if (hint is not None and not hint.discard and hint.expires > now and hint.priority == priority
@@ -323,10 +401,10 @@ class RetentionClasses(EvictionPolicy):
         return self.trust.stats()
 
     def __len__(self) -> int:
-        return len(self.inner)
+        return len(self.inner) + (len(self._parking) if self._parking is not None else 0)
 
     def __contains__(self, key: object) -> bool:
-        return key in self.inner
+        return key in self.inner or (self._parking is not None and key in self._parking)
 
 
 __all__ = ["HintTrust", "RetentionClasses"]

@@ -105,7 +105,9 @@ def test_always_wrong_hints_leave_the_lru_order_untouched():
         assert store.stats()["hints"]["live"] > 0        # hints are still live ...
         # ... and change nothing at the eviction end (the oldest quarter of the tier)
         offered = [k for k, _ in zip(layer.victims(), range(SLOTS // 4))]
-        assert offered == list(layer.inner._order)[:SLOTS // 4]
+        # LRU's order: the blocks the layer parked (policies/_parking.py) head it
+        lru_order = [*layer._parking.all_in_order(), *layer.inner._order]
+        assert offered == lru_order[:SLOTS // 4]
         assert any(store._hints.get(k) is not None for k in offered)   # hinted blocks among them
 
 

@@ -1,0 +1,212 @@
+"""Parked hinted blocks (``policies/_parking.py``): over LRU and FIFO the retention layer
+takes the hinted blocks its walk passed out of the policy's queue, so a walk no longer
+steps over every live-hinted block at the eviction end. The order it offers must be
+exactly the walk it replaces: checked against the same layer over the same policy
+marked unstamped (which walks the queue, as every other policy does), under random
+inserts, reads, re-hints, dropped hints, discard hints, expiry, deletes, skipped
+(leased) victims and tenants' bounds."""
+
+import math
+import random
+
+import numpy as np
+import pytest
+
+from kvstore import Hint, Namespace, Store
+from kvstore.policies.fifo import FifoPolicy
+from kvstore.policies.lru import LruPolicy
+from kvstore.policies.retention import RetentionClasses
+from kvstore.store.hints import HintRecord
+
+
+class _UnstampedLru(LruPolicy):
+    stamped = False
+
+
+class _UnstampedFifo(FifoPolicy):
+    stamped = False
+
+
+PAIRS = [(LruPolicy, _UnstampedLru), (FifoPolicy, _UnstampedFifo)]
+
+
+class _CountingHints(dict):
+    """The Store's hint records, counting lookups (what a walk examines)."""
+
+    lookups = 0
+
+    def get(self, key, default=None):
+        self.lookups += 1
+        return super().get(key, default)
+
+
+def _layers(policy, reference, hints, clock, *, frozen: bool):
+    layers = [RetentionClasses(policy(), hints, clock), RetentionClasses(reference(), hints, clock)]
+    if frozen:                        # one trust value for both (the test sets it): the order alone
+        for layer in layers:
+            layer.trust._adjust = lambda: None
+    return layers
+
+
+def _drive(seed: int, policy, reference, *, tenants: bool, steps: int = 2500):
+    """Apply one random history to both layers; return the first difference, or None."""
+    rnd = random.Random(seed)
+    now = [0.0]
+    hints: dict = {}
+    layers = _layers(policy, reference, hints, lambda: now[0], frozen=True)
+    bound: set = set()
+    for layer in layers:
+        layer.unprotected = (lambda: bound or None) if tenants else None
+    held: list[str] = []
+    fresh = iter(range(1 << 30))
+    for step in range(steps):
+        op = rnd.random()
+        if op < 0.35 or not held:
+            key = f"k{next(fresh)}"
+            r = rnd.random()
+            if r < 0.5:
+                hints[key] = HintRecord(now[0] + rnd.choice([5, 50, 500, math.inf]), rnd.randint(0, 2), False, now[0])
+            elif r < 0.55:
+                hints[key] = HintRecord(math.inf, 0, True, now[0])
+            for layer in layers:
+                layer.on_insert(key, 1)
+            held.append(key)
+        elif op < 0.55:
+            key = rnd.choice(held)
+            if rnd.random() < 0.3:
+                hints[key] = HintRecord(now[0] + rnd.choice([5, 50, 500]), rnd.randint(0, 2), False, now[0])
+                for layer in layers:
+                    layer.rehint(key)
+            for layer in layers:
+                layer.on_access(key)
+        elif op < 0.6:
+            key = rnd.choice(held)
+            if hints.pop(key, None) is not None:
+                for layer in layers:
+                    layer.rehint(key)
+        elif op < 0.65:
+            key = rnd.choice(held)
+            held.remove(key)
+            hints.pop(key, None)
+            for layer in layers:
+                layer.on_remove(key)
+                layer.rehint(key)
+        elif op < 0.67:
+            now[0] += rnd.choice([1, 10, 100])
+        elif op < 0.69:
+            protect = rnd.choice([math.inf, 3.0, 30.0, 300.0])   # the tier's trust in hints moves
+            for layer in layers:
+                layer.trust.protect_s = protect
+        elif op < 0.7:
+            key = rnd.choice(held)                                # inserted again while held
+            for layer in layers:
+                layer.on_insert(key, 1)
+        elif op < 0.72 and tenants:
+            bound.clear()
+            if rnd.random() < 0.5:
+                bound.update(rnd.sample(held, min(len(held), 5)))
+        else:
+            want, walk_seed = rnd.randint(1, 3), rnd.random()
+            seen = []
+            for layer in layers:
+                offered, evicted = [], []
+                for key in layer.victims():
+                    offered.append(key)
+                    if random.Random(f"{walk_seed}{key}").random() < 0.2:
+                        continue              # leased: the Store steps over it
+                    layer.on_remove(key)
+                    evicted.append(key)
+                    if len(evicted) >= want:
+                        break
+                seen.append((offered, evicted))
+            if seen[0] != seen[1]:
+                return step, seen
+            for key in seen[0][1]:
+                held.remove(key)
+                hints.pop(key, None)
+                for layer in layers:
+                    layer.rehint(key)
+        if len(layers[0]) != len(layers[1]) or any((k in layers[0]) != (k in layers[1]) for k in held[-5:]):
+            return step, "membership"
+    return None
+
+
+@pytest.mark.parametrize("policy,reference", PAIRS, ids=["lru", "fifo"])
+@pytest.mark.parametrize("tenants", [False, True], ids=["alone", "tenants"])
+def test_parked_walk_offers_exactly_the_walk_it_replaces(policy, reference, tenants):
+    for seed in range(25):
+        assert _drive(seed, policy, reference, tenants=tenants) is None, f"seed {seed}"
+
+
+@pytest.mark.parametrize("policy,reference", PAIRS, ids=["lru", "fifo"])
+def test_a_walk_past_parked_blocks_examines_only_what_it_offers(policy, reference):
+    """5,000 blocks held by live hints, then unhinted blocks each evicting one: a walk
+    over a stamped policy looks at a handful of keys, the queue walk at every hinted one;
+    so again after the tier stopped trusting the hints for a while and then trusted them
+    again (the blocks that went loose are parked once more)."""
+    looked = []
+    for cls in (policy, reference):
+        now = [10.0]
+        hints = _CountingHints()
+        layer = RetentionClasses(cls(), hints, lambda: now[0])
+        layer.trust._adjust = lambda: None
+        for i in range(5000):
+            hints[("h", i)] = HintRecord(1e9, 0, False, 0.0)
+            layer.on_insert(("h", i), 1)
+        layer.on_insert(("u", -1), 1)
+        assert next(iter(layer.victims())) == ("u", -1)   # the first walk passes them all
+        layer.trust.protect_s = 5.0                         # hints 10 s old: not trusted now
+        assert next(iter(layer.victims())) == ("h", 0)
+        layer.trust.protect_s = math.inf                    # trusted again
+        assert next(iter(layer.victims())) == ("u", -1)
+        hints.lookups = 0
+        for i in range(200):
+            layer.on_insert(("u", i), 1)
+            victim = next(iter(layer.victims()))
+            assert victim == ("u", i - 1)
+            layer.on_remove(victim)
+        looked.append(hints.lookups / 200)
+        assert len(layer) == 5001 and ("h", 0) in layer
+    parked, walked = looked
+    assert parked <= 4
+    assert walked >= 5000
+
+
+def test_a_parked_block_read_under_lru_goes_back_to_the_recent_end_and_fifo_keeps_its_place():
+    for cls, read_renews in ((LruPolicy, True), (FifoPolicy, False)):
+        now = [0.0]
+        hints: dict = {}
+        layer = RetentionClasses(cls(), hints, lambda: now[0])
+        hints["h"] = HintRecord(10.0, 0, False, 0.0)
+        for key in ("h", "a", "b"):
+            layer.on_insert(key, 1)
+        victim = next(iter(layer.victims()))          # passes (parks) "h", offers "a"
+        assert victim == "a"
+        layer.on_access("h")
+        now[0] = 20.0                                 # "h"'s hint expired: policy order
+        assert list(layer.victims()) == (["a", "b", "h"] if read_renews else ["h", "a", "b"])
+
+
+@pytest.mark.parametrize("policy", ["lru", "fifo"])
+def test_a_store_with_thousands_of_hinted_blocks_still_evicts_in_class_order(policy):
+    """Through a real Store: hinted blocks outlast every unhinted one, the oldest
+    unhinted leave first, and once the hints expire the hinted blocks leave in the
+    policy's order before the newer unhinted ones."""
+    clock = [1000.0]
+    ns = Namespace(model="park", dtype="u8", chunk_tokens=1)
+    keys = ns.chunk_keys(np.arange(3000))
+    buf = np.zeros(4096, np.uint8)
+    config = {"tiers": [{"name": "t", "kind": "dram", "capacity": 2100 * 4096, "eviction": policy}],
+              "io_threads": 1}
+    with Store.from_config(config, clock=lambda: clock[0]) as store:
+        store.save(keys[:2000], [buf] * 2000, hint=Hint(60)).result()
+        for lo in range(2000, 2500, 50):
+            store.save(keys[lo:lo + 50], [buf] * 50).result()
+        assert all(store.contains(keys[:2000]))              # every hinted block kept
+        assert store.contains(keys[2400:2500]) == [True] * 100
+        assert not any(store.contains(keys[2000:2400]))      # the oldest unhinted left
+        clock[0] += 120                                      # the hints expired
+        store.save(keys[2500:2600], [buf] * 100).result()
+        held = store.contains(keys[:2000])
+        assert held[:100] == [False] * 100 and all(held[100:])
+        assert store.contains(keys[2400:2600]) == [True] * 200
