@@ -64,6 +64,7 @@ class Parking:
         seq = next(self._seq)
         self.loose[key] = seq
         self._loose_order.append((seq, key))
+        self._compact_loose()
 
     def repark(self, key: Hashable, record: Any) -> None:
         """A loose key's hint holds again: back to ``held``, in its place."""
@@ -84,6 +85,7 @@ class Parking:
         seq = self.held.pop(key)
         self.loose[key] = seq
         insort(self._loose_order, (seq, key))
+        self._compact_loose()
 
     def remove(self, key: Hashable) -> bool:
         """``key`` left the tier or went back to the policy's queue; whether it was here."""
@@ -135,14 +137,29 @@ class Parking:
         return last[-1] if last else None
 
     def loose_in_order(self) -> Iterator[Hashable]:
-        """The loose keys, in order (a snapshot, stale entries dropped)."""
-        loose, order, last = self.loose, [], None
-        for entry in self._loose_order:   # a key loosened twice has two equal entries, side by side
+        """The loose keys, in order, read lazily (a walk that takes the first few pays
+        for those; the keys taken since the last walk are dropped from the head first)."""
+        order, loose = self._loose_order, self.loose
+        stale = 0
+        while stale < len(order) and loose.get(order[stale][1]) != order[stale][0]:
+            stale += 1
+        del order[:stale]
+        return self._read_loose(order, len(order))
+
+    def _read_loose(self, order: list, n: int) -> Iterator[Hashable]:
+        loose, last = self.loose, None
+        for i in range(n):
+            if i >= len(order):
+                return
+            entry = order[i]       # a key loosened twice has two equal entries, side by side
             if entry != last and loose.get(entry[1]) == entry[0]:
-                order.append(entry)
+                yield entry[1]
             last = entry
-        self._loose_order = order
-        return (key for _, key in order)
+
+    def _compact_loose(self) -> None:
+        if len(self._loose_order) > 2 * len(self.loose) + _COMPACT_SLACK:
+            loose = self.loose
+            self._loose_order = sorted({(seq, key) for key, seq in loose.items()})
 
     def all_in_order(self) -> list[Hashable]:
         """Every parked key, held or loose, in order."""

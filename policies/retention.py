@@ -363,7 +363,9 @@ class RetentionClasses(EvictionPolicy):
                     policy.on_remove(key)
                     parking.park_loose(key)
         trust.oldest = oldest
-        for priority in sorted(self._held if parking is not None else kept):
+        if parking is not None and unprotected is None:   # the held keys passed too
+            kept.update(rec.priority for rec in map(hints.get, parking.held) if rec is not None)
+        for priority in sorted(kept):
             for key in self._held_walk(priority):
                 hint = hints.get(key)
                 if (hint is not None and not hint.discard and hint.expires > now and hint.priority == priority
