@@ -10,7 +10,8 @@ the hinted blocks pile up at the eviction end), all blocks one tenant's, with:
 - ``within quota``: a ledger, the tenant's quota 1,023 blocks: each walk checks once
   that every tenant holding blocks is within a quota, then walks as without tenants;
 - ``+ a no-quota block``: the same, plus one pinned block of a key that is nobody's,
-  so each walk looks every hinted key it steps over up in the set of unbound keys;
+  so each walk looks every hinted key it steps over in the queue up in the set of
+  unbound keys (the parked ones once, when the ledger is attached);
 - ``no quota``: the tenant has none: its hints protect nothing, plain LRU walks.
 """
 

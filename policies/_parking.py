@@ -87,6 +87,15 @@ class Parking:
         insort(self._loose_order, (seq, key))
         self._compact_loose()
 
+    def loosen_many(self, keys: list[Hashable]) -> None:
+        """:meth:`loosen` each of the held ``keys`` (one sort, however many)."""
+        if not keys:
+            return
+        held, loose = self.held, self.loose
+        for key in keys:
+            loose[key] = held.pop(key)
+        self._loose_order = sorted({(seq, key) for key, seq in loose.items()})
+
     def remove(self, key: Hashable) -> bool:
         """``key`` left the tier or went back to the policy's queue; whether it was here."""
         return self.held.pop(key, None) is not None or self.loose.pop(key, None) is not None

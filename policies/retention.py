@@ -21,8 +21,9 @@ every block). The Store sets it for the cache server's tenants
 (:meth:`kvstore.store.tenants.TenantLedger.hint_bound`): a tenant's hints protect its
 blocks in a tier only within its quota there, so no tenant can keep more than its quota
 against other tenants' blocks by hinting. It is called once per walk and returns the
-keys whose hints protect nothing for that walk (a container: ``key in it``), or
-``None`` when there are none; such a block is class 2.
+keys whose hints protect nothing for that walk (a container: ``key in it``; a
+:class:`FixedKeys` where membership stays put), or ``None`` when there are none; such a
+block is class 2.
 
 The wrapped policy sees every insert, access and removal, so its order is the same as
 without hints; the layer only filters its walk. A class-3 block is offered only once
@@ -40,7 +41,10 @@ offers the parked keys that no longer hold first, in order, then the queue: the 
 order as stepping over them, at a cost of what it offers plus the hints that lapsed
 since the last walk (heaps by expiry and by when given, O(log n) per hint). A parked key
 read under LRU goes back to the queue's recent end. While a tenant's hints are bounded
-in the tier (``unprotected`` returns keys) the walk still checks every parked key.
+in the tier by a :class:`FixedKeys` (the Store's tenants without a quota there: a key's
+membership is fixed while the tier holds it), the held keys in it go loose once, when
+that container first comes, and walks stay this cheap; while ``unprotected`` returns any
+other container (a tenant over a lowered quota: rare) the walk checks every parked key.
 
 **Hints must earn their keep** (:class:`HintTrust`, one per tier). A client whose hints
 are wrong would otherwise fill the tier with blocks nobody reads again while the
@@ -80,6 +84,21 @@ _MIN_SAMPLES = 16      # per class (decayed) before protect_s moves at all
 _Z = 2.0               # protect_s moves only when the rates differ by two standard errors
 _STEP = 0.01           # ... by 1% per event
 _MAX_WATCH = 1 << 16   # a larger tier watches every k-th block, so at most ~64K are watched
+
+
+class FixedKeys:
+    """An ``unprotected`` container whose membership is fixed for every key while the tier
+    holds it (a key joins only as it enters the tier and leaves only as it leaves: the
+    Store's tenants without a quota in the tier). Keep returning the same object: the
+    retention layer checks the parked keys against it once, not on every walk."""
+
+    __slots__ = ("_keys",)
+
+    def __init__(self, keys: Container[Hashable]) -> None:
+        self._keys = keys
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._keys
 
 
 class HintTrust:
@@ -235,6 +254,7 @@ class RetentionClasses(EvictionPolicy):
         self._offered: tuple[Hashable, bool] | None = None   # the walk's last victim, hinted?
         # per walk: the keys a live hint may not protect here (the Store's tenants); None: none
         self.unprotected: Callable[[], Container[Hashable] | None] | None = None
+        self._settled: FixedKeys | None = None   # no held parked key is in it (see _settle)
 
     def on_insert(self, key: Hashable, nbytes: int, parent: Hashable | None = None) -> None:
         parking = self._parking
@@ -309,6 +329,7 @@ class RetentionClasses(EvictionPolicy):
         kept: set[int] = set()
         trust.oldest = oldest = 0.0
         ahead: Iterator[Hashable] = iter(())
+        settled = False                          # the walk may pass over the held parked keys
         if parking is not None:
             # the parked keys are the head of the policy's order: those that no longer
             # hold first (all of them while some tenant's hints are bounded), in order
@@ -321,7 +342,8 @@ class RetentionClasses(EvictionPolicy):
                 last = hints.get(parking.last_held())
                 if last is not None:
                     trust.held(now - last.given)
-            ahead = iter(parking.loose_in_order() if unprotected is None else parking.all_in_order())
+            settled = self._settle(unprotected)
+            ahead = iter(parking.loose_in_order() if settled else parking.all_in_order())
         policy = self.inner
         for walk in (ahead, policy.victims()):
             # every key the walk steps past in the policy's queue is parked, in order
@@ -363,7 +385,7 @@ class RetentionClasses(EvictionPolicy):
                     policy.on_remove(key)
                     parking.park_loose(key)
         trust.oldest = oldest
-        if parking is not None and unprotected is None:   # the held keys passed too
+        if settled:                                       # the held keys passed too
             kept.update(rec.priority for rec in map(hints.get, parking.held) if rec is not None)
         for priority in sorted(kept):
             for key in self._held_walk(priority):
@@ -372,6 +394,20 @@ class RetentionClasses(EvictionPolicy):
                         and now - hint.given < limit and (unprotected is None or key not in unprotected)):
                     self._offered = (key, True)
                     yield key
+
+    def _settle(self, unprotected: Container[Hashable] | None) -> bool:
+        """Whether no held parked key is in ``unprotected``, so the walk need only offer
+        the loose ones: always for ``None``; for a :class:`FixedKeys`, once its held keys
+        went loose (the first walk it comes to in a row: O(held) once); never for any
+        other container."""
+        if unprotected is None or not isinstance(unprotected, FixedKeys):
+            self._settled = None
+            return unprotected is None
+        if self._settled is not unprotected:
+            parking = self._parking
+            parking.loosen_many([key for key in parking.held if key in unprotected])
+            self._settled = unprotected
+        return True
 
     def _held_walk(self, priority: int) -> Iterator[Hashable]:
         """Class 3 candidates of one priority, in the order of the module docstring
@@ -409,4 +445,4 @@ class RetentionClasses(EvictionPolicy):
         return key in self.inner or (self._parking is not None and key in self._parking)
 
 
-__all__ = ["HintTrust", "RetentionClasses"]
+__all__ = ["FixedKeys", "HintTrust", "RetentionClasses"]

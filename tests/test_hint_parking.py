@@ -15,8 +15,10 @@ import pytest
 from kvstore import Hint, Namespace, Store
 from kvstore.policies.fifo import FifoPolicy
 from kvstore.policies.lru import LruPolicy
-from kvstore.policies.retention import RetentionClasses
+from kvstore.policies.retention import FixedKeys, RetentionClasses
+from kvstore.net.server._tenants import Tenant
 from kvstore.store.hints import HintRecord
+from kvstore.store.tenants import TenantLedger
 
 
 class _UnstampedLru(LruPolicy):
@@ -48,21 +50,37 @@ def _layers(policy, reference, hints, clock, *, frozen: bool):
     return layers
 
 
-def _drive(seed: int, policy, reference, *, tenants: bool, steps: int = 2500):
-    """Apply one random history to both layers; return the first difference, or None."""
+def _drive(seed: int, policy, reference, *, tenants: str | None, steps: int = 2500):
+    """Apply one random history to both layers; return the first difference, or None.
+
+    ``tenants``: ``"dynamic"``, bounds that change at random between walks (any container:
+    the layer re-checks every parked key); ``"fixed"``, a :class:`FixedKeys` whose
+    membership is drawn once per key as it enters (the Store's tenants without a quota),
+    replaced now and then by a new one (a new ledger) or, for one walk, by a dynamic
+    superset (a tenant over a lowered quota) or other bounds."""
     rnd = random.Random(seed)
     now = [0.0]
     hints: dict = {}
     layers = _layers(policy, reference, hints, lambda: now[0], frozen=True)
     bound: set = set()
+    members: set = set()               # "fixed": the held keys in the FixedKeys
+    fixed = [FixedKeys(members)]
+    over = [0]                         # "fixed": 1, this walk's bounds are a dynamic superset; 2, others
+    if tenants == "dynamic":
+        unprotected = lambda: bound or None                                   # noqa: E731
+    elif tenants == "fixed":
+        unprotected = lambda: ((members | bound), bound or None, fixed[0])[over[0] - 1]  # noqa: E731
     for layer in layers:
-        layer.unprotected = (lambda: bound or None) if tenants else None
+        layer.unprotected = unprotected if tenants else None
     held: list[str] = []
     fresh = iter(range(1 << 30))
     for step in range(steps):
         op = rnd.random()
+        over[0] = rnd.choice([1, 2]) if tenants == "fixed" and rnd.random() < 0.06 else 0
         if op < 0.35 or not held:
             key = f"k{next(fresh)}"
+            if rnd.random() < 0.2:
+                members.add(key)
             r = rnd.random()
             if r < 0.5:
                 hints[key] = HintRecord(now[0] + rnd.choice([5, 50, 500, math.inf]), rnd.randint(0, 2), False, now[0])
@@ -87,6 +105,7 @@ def _drive(seed: int, policy, reference, *, tenants: bool, steps: int = 2500):
         elif op < 0.65:
             key = rnd.choice(held)
             held.remove(key)
+            members.discard(key)
             hints.pop(key, None)
             for layer in layers:
                 layer.on_remove(key)
@@ -105,6 +124,9 @@ def _drive(seed: int, policy, reference, *, tenants: bool, steps: int = 2500):
             bound.clear()
             if rnd.random() < 0.5:
                 bound.update(rnd.sample(held, min(len(held), 5)))
+            if tenants == "fixed" and rnd.random() < 0.2:              # a new ledger
+                members = {k for k in held if rnd.random() < 0.2}
+                fixed[0] = FixedKeys(members)
         else:
             want, walk_seed = rnd.randint(1, 3), rnd.random()
             seen = []
@@ -123,6 +145,7 @@ def _drive(seed: int, policy, reference, *, tenants: bool, steps: int = 2500):
                 return step, seen
             for key in seen[0][1]:
                 held.remove(key)
+                members.discard(key)
                 hints.pop(key, None)
                 for layer in layers:
                     layer.rehint(key)
@@ -132,27 +155,36 @@ def _drive(seed: int, policy, reference, *, tenants: bool, steps: int = 2500):
 
 
 @pytest.mark.parametrize("policy,reference", PAIRS, ids=["lru", "fifo"])
-@pytest.mark.parametrize("tenants", [False, True], ids=["alone", "tenants"])
+@pytest.mark.parametrize("tenants", [None, "dynamic", "fixed"], ids=["alone", "tenants", "fixed-tenants"])
 def test_parked_walk_offers_exactly_the_walk_it_replaces(policy, reference, tenants):
     for seed in range(25):
         assert _drive(seed, policy, reference, tenants=tenants) is None, f"seed {seed}"
 
 
 @pytest.mark.parametrize("policy,reference", PAIRS, ids=["lru", "fifo"])
-def test_a_walk_past_parked_blocks_examines_only_what_it_offers(policy, reference):
+@pytest.mark.parametrize("bounded", [False, True], ids=["alone", "fixed-tenants"])
+def test_a_walk_past_parked_blocks_examines_only_what_it_offers(policy, reference, bounded):
     """5,000 blocks held by live hints, then unhinted blocks each evicting one: a walk
     over a stamped policy looks at a handful of keys, the queue walk at every hinted one;
     so again after the tier stopped trusting the hints for a while and then trusted them
-    again (the blocks that went loose are parked once more)."""
+    again (the blocks that went loose are parked once more). ``bounded``: the tier also
+    has tenants' bounds (a :class:`FixedKeys` of the unhinted blocks, a Store whose
+    tenant without a quota saves them), which the walk checks the parked keys against
+    only once."""
     looked = []
     for cls in (policy, reference):
         now = [10.0]
         hints = _CountingHints()
         layer = RetentionClasses(cls(), hints, lambda: now[0])
         layer.trust._adjust = lambda: None
+        members: set = set()
+        bounds = FixedKeys(members)
+        if bounded:
+            layer.unprotected = lambda: bounds
         for i in range(5000):
             hints[("h", i)] = HintRecord(1e9, 0, False, 0.0)
             layer.on_insert(("h", i), 1)
+        members.update(("u", i) for i in range(-1, 200))
         layer.on_insert(("u", -1), 1)
         assert next(iter(layer.victims())) == ("u", -1)   # the first walk passes them all
         layer.trust.protect_s = 5.0                         # hints 10 s old: not trusted now
@@ -210,3 +242,28 @@ def test_a_store_with_thousands_of_hinted_blocks_still_evicts_in_class_order(pol
         held = store.contains(keys[:2000])
         assert held[:100] == [False] * 100 and all(held[100:])
         assert store.contains(keys[2400:2600]) == [True] * 200
+
+
+def test_a_tenant_that_loses_its_quota_loses_the_protection_of_its_parked_blocks():
+    """Through a real Store with tenants: a tenant's hinted blocks, parked by the walks
+    while it had a quota, rank in LRU order as soon as a ledger without its quota is
+    attached (they are checked once against the new ledger's no-quota keys), so the
+    tier's oldest blocks, its hinted ones, leave before the newer unhinted ones."""
+    tenant = Tenant("a", "token", "salt-of-tenant-a-0001")
+    keys = tenant.keys(Namespace(model="park", dtype="u8", chunk_tokens=1).chunk_keys(np.arange(1600)),
+                       cached=False)
+    buf = np.zeros(4096, np.uint8)
+    config = {"tiers": [{"name": "t", "kind": "dram", "capacity": 1000 * 4096, "eviction": "lru"}],
+              "io_threads": 1}
+    with Store.from_config(config) as store:
+        store.set_tenants(TenantLedger({tenant.tag: "a"}, {"a": {0: 2000 * 4096}}, ["t"]))
+        store.save(keys[:500], [buf] * 500, hint=Hint(1e6)).result()
+        for lo in range(500, 1200, 100):                     # walks park the hinted blocks
+            store.save(keys[lo:lo + 100], [buf] * 100).result()
+        assert all(store.contains(keys[:500]))
+        assert not any(store.contains(keys[500:700]))
+        store.set_tenants(TenantLedger({tenant.tag: "a"}, {"a": {}}, ["t"]))   # no quota now
+        for lo in range(1200, 1500, 100):
+            store.save(keys[lo:lo + 100], [buf] * 100).result()
+        assert not any(store.contains(keys[:300]))           # the oldest, hinted, go first
+        assert all(store.contains(keys[300:500])) and all(store.contains(keys[700:1500]))

@@ -38,7 +38,8 @@ tenant over a quota lowered since its blocks came in, a key that is nobody's) it
 blocks rank in the policy's own order, as if unhinted. Hints thus let a tenant keep at
 most its quota against other tenants' blocks. Cost: a set of the keys of tenants with
 no quota in each level (one entry per such key held there), and a look-up in it per
-hinted key a victim walk steps over while it is not empty.
+hinted key a victim walk steps over (over LRU and FIFO, which park the hinted keys they
+passed, once per parked key when the ledger is attached, not on every walk).
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Callable, Container, Mapping, Sequence
 
 from kvstore.keys import BlockKey
+from kvstore.policies.retention import FixedKeys
 
 if TYPE_CHECKING:
     from kvstore.store.mover import Mover
@@ -188,17 +190,21 @@ class TenantLedger:
     def hint_bound(self, i: int) -> Callable[[], Container[BlockKey] | None]:
         """For level ``i``'s retention layer (its ``unprotected``), called at the start
         of each victim walk: the keys there whose live hints protect nothing, i.e. whose
-        owner has no quota in the level or holds more than it (the module docstring), or
-        ``None`` when there are none. A walk only takes blocks out, so a tenant within
+        owner has no quota in the level or holds more than it (the module docstring): the
+        same :class:`~kvstore.policies.retention.FixedKeys` of the keys with no quota there
+        on every walk, or, while some tenant is over its quota, a container answering
+        from the ledger as it is then. A walk only takes blocks out, so a tenant within
         its quota at the start stays so to the end. Runs under the Store's lock, as the
         walk does; the answer is for that walk only."""
-        unbound = self._unbound[i]
+        # membership fixed per key while it is held there (owner and quota are fixed for
+        # this ledger), so the layer checks its parked keys against it once
+        unbound = FixedKeys(self._unbound[i])
 
         def walk() -> Container[BlockKey] | None:
             for name, cap in self._quota.items():
                 if cap[i] is not None and self._used[name][i] > cap[i]:
                     return _OverQuota(self, i)    # rare: a quota lowered under what it holds
-            return unbound or None
+            return unbound
 
         return walk
 
