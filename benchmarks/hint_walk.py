@@ -6,14 +6,16 @@ Saves 8,192 distinct 4 KiB blocks, 16 per call, into a one-tier DRAM Store of 1,
 blocks, with 0 % (the baseline, same run), 25 % and 50 % of the calls hinted
 (``Hint(retain_s=1e6)``: the hinted blocks stay live and pile up at the eviction end).
 A victim walk steps over the live-hinted blocks ahead of the first unhinted one
-(``policies/retention.py``; over LRU and FIFO only once, as it parks them), so this is
-the steady state that costs most.
+(``policies/retention.py``; over LRU, FIFO and lineage only once, as it parks or holds
+them), so this is the steady state that costs most.
 
 A second table shows how that cost grows with the tier: a tier of N blocks (2,000,
-20,000, 200,000) filled with blocks saved under a hint that stays live, then 51 unhinted
-saves of one block each (each evicts one), timed per save: the first (over LRU and FIFO
-its walk parks the hinted blocks, ``policies/_parking.py``; once per block) and the
-median of the rest. S3-FIFO and lineage walk past every hinted block each time.
+20,000, 200,000) filled with requests of 16 chained blocks saved under a hint that stays
+live, then 51 unhinted saves of one block each (each evicts one), timed per save: the
+first (over LRU, FIFO and lineage its walk parks or holds the hinted blocks once) and the
+median of the rest. S3-FIFO walks past every hinted block each time. Lineage is shown
+again over one chain of N blocks, the saves extending it: its worst case, as every
+eviction then takes an interior block and the walk passes the chain's held blocks.
 """
 
 from __future__ import annotations
@@ -45,19 +47,28 @@ def saves_per_s(policy: str, share: float, keys: list, buf: np.ndarray) -> tuple
     return BLOCKS / elapsed, {"evictions": stats["tiers"][0]["evictions"], "live_hints": stats["hints"]["live"]}
 
 
-SCALES, SCALE_POLICIES, SCALE_SAVES = (2000, 20000, 200000), ("lru", "fifo", "s3fifo", "lineage"), 50
+SCALES, SCALE_SAVES, REQUEST_BLOCKS = (2000, 20000, 200000), 50, 16
+# (policy, blocks per chain): requests of 16 chained blocks each, and for lineage (the one
+# policy that reads the chains) also the whole tier as one chain, its worst case
+SCALE_ROWS = (("lru", REQUEST_BLOCKS), ("fifo", REQUEST_BLOCKS), ("s3fifo", REQUEST_BLOCKS),
+              ("lineage", REQUEST_BLOCKS), ("lineage", None))
 
 
-def ms_per_unhinted_save(policy: str, n: int, buf: np.ndarray) -> tuple[float, float]:
+def ms_per_unhinted_save(policy: str, n: int, chain: int | None, buf: np.ndarray) -> tuple[float, float]:
     """ms of the first one-block unhinted save into a tier of ``n`` blocks all held by
-    live hints, and the median of the next ``SCALE_SAVES`` (each evicts one)."""
+    live hints (chains of ``chain`` blocks, ``None``: one chain, the saves extending it),
+    and the median of the next ``SCALE_SAVES`` (each evicts one)."""
     ns = Namespace(model="bench", dtype="u8", chunk_tokens=1, salt=f"scale-{policy}-{n}")
-    keys = ns.chunk_keys(np.arange(n + SCALE_SAVES + 1))
+    if chain is None:
+        keys = ns.chunk_keys(np.arange(n + SCALE_SAVES + 1))
+    else:
+        keys = [key for lo in range(0, n, chain) for key in ns.chunk_keys(np.arange(lo, min(lo + chain, n)))]
+        keys += [ns.chunk_keys([n + i])[0] for i in range(SCALE_SAVES + 1)]
     config = {"tiers": [{"name": "t", "kind": "dram", "capacity": n * NBYTES, "eviction": policy}],
               "io_threads": 1}
     with Store.from_config(config) as store:
-        for lo in range(0, n, 500):
-            batch = keys[lo:min(lo + 500, n)]
+        for lo in range(0, n, 512):
+            batch = keys[lo:min(lo + 512, n)]
             store.save(batch, [buf] * len(batch), hint=Hint(1e6)).result()
         times = []
         for key in keys[n:]:
@@ -81,16 +92,19 @@ def main() -> None:
         rows.append([policy, *(f"{r:,.0f}" for r in rates), *(f"{r / rates[0]:.2f}x" for r in rates[1:])])
     print_table(["policy", "0% hinted", "25% hinted", "50% hinted", "25% vs 0%", "50% vs 0%"], rows)
     scaling = []
-    for policy in SCALE_POLICIES:
+    for policy, chain in SCALE_ROWS:
         for n in SCALES:
-            first, median = ms_per_unhinted_save(policy, n, buf)
-            scaling.append({"policy": policy, "hinted_blocks": n, "first_save_ms": first, "median_save_ms": median})
+            first, median = ms_per_unhinted_save(policy, n, chain, buf)
+            scaling.append({"policy": policy, "chain_blocks": chain, "hinted_blocks": n,
+                            "first_save_ms": first, "median_save_ms": median})
     print()
     print("ms per unhinted one-block save into a tier of N blocks all held by live hints: the first save "
-          f"(LRU, FIFO: its walk parks them), then the median of the next {SCALE_SAVES}")
-    print_table(["policy", *(f"{w} N = {n:,}" for n in SCALES for w in ("first", "then"))],
-                [[p, *(f"{r[k]:.2f}" for r in scaling if r["policy"] == p for k in ("first_save_ms", "median_save_ms"))]
-                 for p in SCALE_POLICIES])
+          f"(LRU, FIFO, lineage: its walk parks or holds them), then the median of the next {SCALE_SAVES}")
+    print_table(["policy", "chains", *(f"{w} N = {n:,}" for n in SCALES for w in ("first", "then"))],
+                [[p, f"{c} blocks" if c else "one", *(f"{r[k]:.2f}" for r in scaling
+                                                      if (r["policy"], r["chain_blocks"]) == (p, c)
+                                                      for k in ("first_save_ms", "median_save_ms"))]
+                 for p, c in SCALE_ROWS])
     write_json("hint_walk", {"blocks": BLOCKS, "capacity_blocks": CAPACITY, "batch": BATCH, "nbytes": NBYTES,
                              "rows": out, "scaling": scaling, "command": "python -m benchmarks.hint_walk"})
 

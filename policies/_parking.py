@@ -22,7 +22,7 @@ from __future__ import annotations
 import heapq
 from bisect import insort
 from itertools import count
-from typing import Any, Hashable, Iterator, Mapping
+from typing import Any, Callable, Hashable, Iterator, Mapping
 
 _COMPACT_SLACK = 64   # a heap is rebuilt once its stale entries exceed the parked keys + this
 
@@ -31,8 +31,9 @@ class Parking:
     """Parked keys of one tier: ``held`` (a live, trusted hint keeps them) and ``loose``
     (offered first, in order), each ``key -> seq`` (the order the walk passed them)."""
 
-    def __init__(self, hints: Mapping[Hashable, Any]) -> None:
+    def __init__(self, hints: Mapping[Hashable, Any], release: Callable[[Hashable], None] | None = None) -> None:
         self._hints = hints
+        self._release = release      # set: a key that no longer holds goes back to the policy
         self._seq = count()
         self.held: dict[Hashable, int] = {}
         self.loose: dict[Hashable, int] = {}
@@ -83,6 +84,9 @@ class Parking:
 
     def loosen(self, key: Hashable) -> None:
         seq = self.held.pop(key)
+        if self._release is not None:
+            self._release(key)
+            return
         self.loose[key] = seq
         insort(self._loose_order, (seq, key))
         self._compact_loose()
@@ -92,6 +96,11 @@ class Parking:
         if not keys:
             return
         held, loose = self.held, self.loose
+        if self._release is not None:
+            for key in keys:
+                del held[key]
+                self._release(key)
+            return
         for key in keys:
             loose[key] = held.pop(key)
         self._loose_order = sorted({(seq, key) for key, seq in loose.items()})

@@ -27,6 +27,11 @@ class EvictionPolicy(ABC):
     # keys (``policies/_parking.py``).
     stamped: bool = False
     renews: bool = False
+    # True: the policy can keep a key it holds out of its walk while a retention hint
+    # holds it (``hold``/``release``), its own state still following every touch, where
+    # stepping over the key would change nothing either (lineage). The retention layer
+    # then holds the hinted keys its walk passed instead of stepping over them each time.
+    holds: bool = False
 
     @abstractmethod
     def on_insert(self, key: Hashable, nbytes: int, parent: Hashable | None = None) -> None:
@@ -43,6 +48,21 @@ class EvictionPolicy(ABC):
     @abstractmethod
     def victims(self) -> Iterator[Hashable]:
         """Candidates for eviction, best first."""
+
+    def hold(self, key: Hashable) -> None:
+        """(``holds`` only.) ``victims()`` just yielded ``key`` and it was passed over:
+        yield it no more until :meth:`release`. Idempotent."""
+        raise NotImplementedError(f"{self.name} does not hold keys")
+
+    def release(self, key: Hashable) -> None:
+        """(``holds`` only.) ``key`` is a candidate again, where its history puts it.
+        A key not held, or no longer in the policy, is ignored."""
+        raise NotImplementedError(f"{self.name} does not hold keys")
+
+    def held_victims(self) -> Iterator[Hashable]:
+        """(``holds`` only.) :meth:`victims` with the held keys offered too, each where
+        its history puts it (the retention layer's last class)."""
+        raise NotImplementedError(f"{self.name} does not hold keys")
 
     def set_capacity(self, capacity_bytes: int) -> None:
         """The tier's size, told once by the Store after construction. Policies that

@@ -45,6 +45,13 @@ conversations will come back, which the keys do not tell.
 Parents may be unknown or arrive after their children: children are counted per parent
 key whether or not that parent is held, so a late parent starts as an interior key.
 
+Keys a retention hint holds (``hold``, from the retention layer: ``policies/retention.py``)
+leave the walk until ``release``: a held leaf's entry moves to a second heap, which only
+``held_victims`` (the layer's last class) walks, merged with the first in priority order,
+and a held interior key is passed over in the ancestors' pass. Passing a key over changes
+nothing here, so the order is the same as a walk that yields every key and has the held
+ones skipped; a walk that would offer only held keys after its leaves ends there.
+
 Cost: O(1) per access of an interior key, O(log n) per insert, per access of a leaf and
 per victim (a binary heap of leaves with lazily dropped stale entries, compacted when
 it grows past twice the number of keys). Not thread-safe: the Store calls it under its
@@ -62,9 +69,17 @@ from kvstore.policies.base import EvictionPolicy
 _Entry = tuple[float, int, Hashable]  # (priority, stamp, key); stamp breaks ties FIFO
 
 
+def _fresh(entry: _Entry) -> _Entry:
+    """A new object equal to ``entry``. A held key's entry is live in the held heap only
+    while ``_hold`` maps the key to that very object, so each hold takes a new one: a
+    copy left there by an earlier hold of the key stays dead."""
+    return (entry[0], entry[1], entry[2])
+
+
 class LineagePolicy(EvictionPolicy):
     name = "lineage"
     uses_parent = True
+    holds = True
 
     def __init__(self) -> None:
         self._parent: dict[Hashable, Hashable | None] = {}
@@ -74,6 +89,12 @@ class LineagePolicy(EvictionPolicy):
         self._stamp: dict[Hashable, int] = {}        # stamp of each leaf's live heap entry
         self._heap: list[_Entry] = []
         self._parked: list[_Entry] = []              # entries popped while the Store skipped them
+        # keys the retention layer holds (hold): each leaf's live entry, out of the heap
+        # until release (None: an interior key, or a leaf not popped since)
+        self._hold: dict[Hashable, _Entry | None] = {}
+        self._hold_heap: list[_Entry] = []            # their entries (held_victims), lazily dropped
+        self._hold_parked: list[_Entry] = []          # ... popped by this walk, back after it
+        self._out: _Entry | None = None               # the entry a walk is yielding
         # Evicted key -> its count, split by whether it had been used once or more.
         self._ghost_once: OrderedDict[Hashable, int] = OrderedDict()
         self._ghost_again: OrderedDict[Hashable, int] = OrderedDict()
@@ -110,6 +131,7 @@ class LineagePolicy(EvictionPolicy):
         parent = self._parent.pop(key)
         priority = self._priority.pop(key)
         self._stamp.pop(key, None)
+        self._hold.pop(key, None)
         if key == self._offered:
             self._clock = max(self._clock, priority)
             self._offered = None
@@ -130,20 +152,40 @@ class LineagePolicy(EvictionPolicy):
             self._push(parent)
 
     def victims(self) -> Iterator[Hashable]:
+        return self._walk(held=False)
+
+    def held_victims(self) -> Iterator[Hashable]:
+        return self._walk(held=True)
+
+    def _walk(self, held: bool) -> Iterator[Hashable]:
+        """Leaves lowest priority first, then (every leaf skipped) their ancestors, then
+        what is left; the keys the retention layer holds are passed over (``held``:
+        offered too, in their place)."""
         self._unpark()
-        skipped_leaves: list[Hashable] = []
+        hold = self._hold
+        skipped: list[_Entry] = []
         offered_interior: set[Hashable] = set()
+        pending: _Entry | None = None     # popped and yielded: the walk may end there
         try:
-            while self._heap:
-                entry = heapq.heappop(self._heap)
+            while True:
+                entry = self._next_leaf(held)
+                if entry is None:
+                    break
                 key = entry[2]
-                if self._stamp.get(key) != entry[1]:
-                    continue  # stale: touched, re-pushed, no longer a leaf, or gone
                 self._offered = key
+                pending = self._out = entry
                 yield key
+                pending = self._out = None
                 if key in self._parent and self._stamp.get(key) == entry[1]:
-                    self._parked.append(entry)  # skipped: keep it for the next walk
-                    skipped_leaves.append(key)
+                    self._keep(entry)
+                    skipped.append(entry)
+            if not held and len(self._parent) - len(hold) == sum(e[2] not in hold for e in skipped):
+                return      # every key not held is a leaf this walk passed: nothing else to offer
+            # the held leaves count as passed over, in the order the heap would give them
+            passed = {entry[1] for entry in skipped}
+            still = sorted(e for e in self._hold_heap      # the held leaves' live entries
+                           if hold.get(e[2]) is e and e[1] not in passed and self._stamp.get(e[2]) == e[1])
+            skipped_leaves = [entry[2] for entry in heapq.merge(skipped, still)]
             # Every leaf was skipped: offer their ancestors, nearest first, rather than
             # report a full tier that still holds evictable keys. Every held interior
             # key is an ancestor of some held leaf, so this reaches all of them.
@@ -152,18 +194,67 @@ class LineagePolicy(EvictionPolicy):
                 while key is not None and key in self._parent and key not in offered_interior:
                     offered_interior.add(key)
                     above = self._parent[key]
-                    self._offered = key
-                    yield key
+                    if held or key not in hold:
+                        self._offered = key
+                        yield key
                     key = above
             # Parent links that never lead to a leaf (a cycle from inconsistent parents,
             # impossible with chained digests) must not hide keys: offer what is left.
             seen_leaves = set(skipped_leaves)
             for key in list(self._parent):
-                if key in self._parent and key not in offered_interior and key not in seen_leaves:
+                if (key in self._parent and key not in offered_interior and key not in seen_leaves
+                        and (held or key not in hold)):
                     self._offered = key
                     yield key
         finally:
+            # a walk the Store ended at a key it did not take: that key keeps its place
+            self._out = None
+            if pending is not None and self._stamp.get(pending[2]) == pending[1]:
+                self._keep(pending)
             self._unpark()
+
+    def _next_leaf(self, held: bool) -> _Entry | None:
+        """Pop the live leaf entry of least priority (``held``: of the held keys' too)."""
+        heap, hold_heap, hold, stamp = self._heap, self._hold_heap, self._hold, self._stamp
+        while heap:
+            top = heap[0]
+            if stamp.get(top[2]) != top[1]:
+                heapq.heappop(heap)       # stale: touched, re-pushed, no longer a leaf, or gone
+            elif top[2] in hold:          # (held after it was pushed: kept with the held)
+                heapq.heappop(heap)
+                hold[top[2]] = entry = _fresh(top)
+                self._push_held(entry)
+            else:
+                break
+        if held:
+            while hold_heap:
+                top = hold_heap[0]
+                if stamp.get(top[2]) == top[1] and hold.get(top[2]) is top:
+                    break
+                heapq.heappop(hold_heap)  # stale, or released since
+            if hold_heap and (not heap or hold_heap[0] < heap[0]):
+                return heapq.heappop(hold_heap)
+        return heapq.heappop(heap) if heap else None
+
+    def _keep(self, entry: _Entry) -> None:
+        """A live leaf the walk popped and did not evict: back after the walk, with the
+        held keys if the retention layer holds it (now or since)."""
+        if entry[2] in self._hold:
+            self._hold[entry[2]] = entry = _fresh(entry)
+            self._hold_parked.append(entry)
+        else:
+            self._parked.append(entry)  # skipped: keep it for the next walk
+
+    def hold(self, key: Hashable) -> None:
+        if key in self._parent and key not in self._hold:
+            self._hold[key] = None     # a leaf's entry: put here as the walk resumes
+
+    def release(self, key: Hashable) -> None:
+        if key not in self._hold:
+            return
+        entry = self._hold.pop(key)
+        if entry is not None and self._stamp.get(key) == entry[1]:
+            heapq.heappush(self._heap, entry)
 
     def priority(self, key: Hashable) -> float | None:
         """The key's current GDSF priority (None if not held); lower goes first. Between
@@ -201,14 +292,39 @@ class LineagePolicy(EvictionPolicy):
     def _push(self, key: Hashable) -> None:
         self._next_stamp += 1
         self._stamp[key] = self._next_stamp
-        heapq.heappush(self._heap, (self._priority[key], self._next_stamp, key))
+        entry = (self._priority[key], self._next_stamp, key)
+        if key in self._hold:
+            self._hold[key] = entry
+            self._push_held(entry)
+            return
+        heapq.heappush(self._heap, entry)
         if len(self._heap) > 2 * len(self._parent) + 64:
-            parked = {entry[1] for entry in self._parked}
-            self._heap = [(self._priority[k], s, k) for k, s in self._stamp.items() if s not in parked]
+            # out of the heap until the walk ends: the entries it popped and kept, and the
+            # one it is yielding
+            parked = {entry[1] for entry in self._parked} | {self._out[1] if self._out else None}
+            self._heap = [(self._priority[k], s, k) for k, s in self._stamp.items()
+                          if s not in parked and k not in self._hold]
             heapq.heapify(self._heap)
+
+    def _push_held(self, entry: _Entry) -> None:
+        heapq.heappush(self._hold_heap, entry)
+        self._compact_held()
+
+    def _compact_held(self) -> None:
+        if len(self._hold_heap) > 2 * len(self._hold) + 64:
+            out = {entry[1] for entry in self._hold_parked} | {self._out[1] if self._out else None}
+            self._hold_heap = [e for e in self._hold.values()
+                               if e is not None and e[1] not in out and self._stamp.get(e[2]) == e[1]]
+            heapq.heapify(self._hold_heap)
 
     def _unpark(self) -> None:
         for entry in self._parked:
             if self._stamp.get(entry[2]) == entry[1]:
                 heapq.heappush(self._heap, entry)
         self._parked.clear()
+        parked, self._hold_parked = self._hold_parked, []
+        for entry in parked:
+            if self._stamp.get(entry[2]) == entry[1] and self._hold.get(entry[2]) is entry:
+                heapq.heappush(self._hold_heap, entry)
+        self._compact_held()
+

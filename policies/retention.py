@@ -29,9 +29,9 @@ The wrapped policy sees every insert, access and removal, so its order is the sa
 without hints; the layer only filters its walk. A class-3 block is offered only once
 the walk has passed every block of classes 1 and 2. Walking past a hinted block is a
 skip as far as the policy can tell (as for a leased block: S3-FIFO and SIEVE move such
-keys on). Cost: a victim walk steps over the live-hinted blocks ahead of the first
-unhinted one; class 3 then walks a snapshot of the hinted blocks of each priority class
-present (lineage: its own order once more per class).
+keys on). Cost (LFU, S3-FIFO, SIEVE, ARC): a victim walk steps over the live-hinted
+blocks ahead of the first unhinted one; class 3 then walks a snapshot of the hinted
+blocks of each priority class present (lineage: its own order once more per class).
 
 Over a stamped policy (LRU, FIFO: ``EvictionPolicy.stamped``) it steps over each of them
 once: every key the walk steps past in the policy's queue (held by a hint, skipped by the
@@ -45,6 +45,13 @@ in the tier by a :class:`FixedKeys` (the Store's tenants without a quota there: 
 membership is fixed while the tier holds it), the held keys in it go loose once, when
 that container first comes, and walks stay this cheap; while ``unprotected`` returns any
 other container (a tenant over a lowered quota: rare) the walk checks every parked key.
+
+A policy that can hold keys (``EvictionPolicy.holds``: lineage, whose walk changes nothing
+when it passes a key over) keeps the hinted keys its walk passed out of its own walk
+(``hold``) until their hint lapses (``release``: back where the policy's history puts
+them), with the same bookkeeping, so it too steps over each of them once. Its order is
+the same as stepping over them; class 3 (every other block passed) walks the policy's
+own order with the held keys in it (``held_victims``).
 
 **Hints must earn their keep** (:class:`HintTrust`, one per tier). A client whose hints
 are wrong would otherwise fill the tier with blocks nobody reads again while the
@@ -248,8 +255,11 @@ class RetentionClasses(EvictionPolicy):
         self._held: dict[int, OrderedDict[Hashable, Any]] = {}
         self._held_at: dict[Hashable, int] = {}      # key -> its priority in _held
         # stamped policies (LRU, FIFO): hinted keys the walk passed leave the policy's
-        # queue while their hint holds, so a walk does not step over them again
-        self._parking = Parking(hints) if inner.stamped else None
+        # queue while their hint holds, so a walk does not step over them again; policies
+        # that hold keys (lineage) keep them out of their own walk meanwhile
+        self._holding = inner.holds and not inner.stamped
+        self._parking = (Parking(hints, release=inner.release) if self._holding
+                         else Parking(hints) if inner.stamped else None)
         self.trust = HintTrust(parks=self._parking is not None)
         self._offered: tuple[Hashable, bool] | None = None   # the walk's last victim, hinted?
         # per walk: the keys a live hint may not protect here (the Store's tenants); None: none
@@ -258,7 +268,7 @@ class RetentionClasses(EvictionPolicy):
 
     def on_insert(self, key: Hashable, nbytes: int, parent: Hashable | None = None) -> None:
         parking = self._parking
-        if parking is None or key not in parking:
+        if parking is None or self._holding or key not in parking:
             self.inner.on_insert(key, nbytes, parent)
         elif self.inner.renews:          # LRU: an insert of a key it holds renews it, as a read
             parking.remove(key)
@@ -343,11 +353,17 @@ class RetentionClasses(EvictionPolicy):
                 if last is not None:
                     trust.held(now - last.given)
             settled = self._settle(unprotected)
-            ahead = iter(parking.loose_in_order() if settled else parking.all_in_order())
+            if self._holding:
+                if not settled:     # the walk checks every hinted key: the policy offers them all
+                    parking.loosen_many(list(parking.held))
+            else:
+                ahead = iter(parking.loose_in_order() if settled else parking.all_in_order())
         policy = self.inner
         for walk in (ahead, policy.victims()):
-            # every key the walk steps past in the policy's queue is parked, in order
-            step_past = parking is not None and walk is not ahead
+            # every key the walk steps past in the policy's queue is parked, in order (a
+            # policy that holds keys: the hinted ones it passed; it handles the rest)
+            hold = parking is not None and walk is not ahead
+            step_past = hold and not self._holding
             for key in walk:
                 if walk is ahead and key not in parking:
                     continue                    # evicted or read since the snapshot
@@ -373,8 +389,11 @@ class RetentionClasses(EvictionPolicy):
                             parking.park_loose(key)
                     else:
                         kept.add(hint.priority)
-                        if step_past:
-                            policy.on_remove(key)
+                        if hold:
+                            if step_past:
+                                policy.on_remove(key)
+                            else:
+                                policy.hold(key)
                             parking.park(key, hint)
                         elif parking is not None and key in parking.loose:
                             parking.repark(key, hint)
@@ -413,7 +432,7 @@ class RetentionClasses(EvictionPolicy):
         """Class 3 candidates of one priority, in the order of the module docstring
         (lineage: its own walk). The caller re-checks each key's hint."""
         if not self._by_age:
-            yield from self.inner.victims()
+            yield from (self.inner.held_victims() if self._holding else self.inner.victims())
             return
         bucket = self._held.get(priority)
         if bucket is None:
@@ -439,10 +458,12 @@ class RetentionClasses(EvictionPolicy):
         return self.trust.stats()
 
     def __len__(self) -> int:
-        return len(self.inner) + (len(self._parking) if self._parking is not None else 0)
+        parked = self._parking is not None and not self._holding
+        return len(self.inner) + (len(self._parking) if parked else 0)
 
     def __contains__(self, key: object) -> bool:
-        return key in self.inner or (self._parking is not None and key in self._parking)
+        parked = self._parking is not None and not self._holding
+        return key in self.inner or (parked and key in self._parking)
 
 
 __all__ = ["FixedKeys", "HintTrust", "RetentionClasses"]

@@ -182,6 +182,18 @@ def test_lineage_offers_interior_keys_once_every_leaf_is_skipped():
     assert evict(policy, 1, skip=frozenset({"c"})) == ["a"]
 
 
+def test_lineage_walk_ended_at_a_key_it_did_not_take_keeps_that_key_first():
+    """A Store that stops its walk at an offered key without evicting it (a capped
+    walk) must not lose the key's place: the next walk offers it first again."""
+    policy = make_eviction("lineage")
+    fill(policy, "ab")
+    walk = policy.victims()
+    assert next(walk) == "a"
+    walk.close()                          # the Store stopped here, "a" still held
+    fill(policy, "c")
+    assert drain(policy) == ["a", "b", "c"]
+
+
 def test_lineage_late_parent_starts_as_interior():
     policy = make_eviction("lineage")
     fill(policy, "c", {"c": "p"})
