@@ -246,8 +246,11 @@ class LineagePolicy(EvictionPolicy):
             self._parked.append(entry)  # skipped: keep it for the next walk
 
     def hold(self, key: Hashable) -> None:
+        # None: an interior key, the leaf being yielded (its entry comes here as the walk
+        # resumes), or a leaf whose entry is still in the heap (one since this walk began:
+        # moved here when it comes up, or when the heap is rebuilt)
         if key in self._parent and key not in self._hold:
-            self._hold[key] = None     # a leaf's entry: put here as the walk resumes
+            self._hold[key] = None
 
     def release(self, key: Hashable) -> None:
         if key not in self._hold:
@@ -301,10 +304,20 @@ class LineagePolicy(EvictionPolicy):
         if len(self._heap) > 2 * len(self._parent) + 64:
             # out of the heap until the walk ends: the entries it popped and kept, and the
             # one it is yielding
-            parked = {entry[1] for entry in self._parked} | {self._out[1] if self._out else None}
-            self._heap = [(self._priority[k], s, k) for k, s in self._stamp.items()
-                          if s not in parked and k not in self._hold]
-            heapq.heapify(self._heap)
+            out = {entry[1] for entry in self._parked} | {self._out[1] if self._out else None}
+            heap, hold = [], self._hold
+            for k, s in self._stamp.items():
+                if s in out:
+                    continue
+                entry = (self._priority[k], s, k)
+                if k not in hold:
+                    heap.append(entry)
+                elif hold[k] is None:          # held while its entry was in this heap
+                    hold[k] = entry
+                    heapq.heappush(self._hold_heap, entry)
+            self._heap = heap
+            heapq.heapify(heap)
+            self._compact_held()
 
     def _push_held(self, entry: _Entry) -> None:
         heapq.heappush(self._hold_heap, entry)

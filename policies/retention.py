@@ -22,8 +22,8 @@ every block). The Store sets it for the cache server's tenants
 blocks in a tier only within its quota there, so no tenant can keep more than its quota
 against other tenants' blocks by hinting. It is called once per walk and returns the
 keys whose hints protect nothing for that walk (a container: ``key in it``; a
-:class:`FixedKeys` where membership stays put), or ``None`` when there are none; such a
-block is class 2.
+:class:`TrackedKeys` that lists the keys joining it), or ``None`` when there are none;
+such a block is class 2.
 
 The wrapped policy sees every insert, access and removal, so its order is the same as
 without hints; the layer only filters its walk. A class-3 block is offered only once
@@ -41,9 +41,9 @@ offers the parked keys that no longer hold first, in order, then the queue: the 
 order as stepping over them, at a cost of what it offers plus the hints that lapsed
 since the last walk (heaps by expiry and by when given, O(log n) per hint). A parked key
 read under LRU goes back to the queue's recent end. While a tenant's hints are bounded
-in the tier by a :class:`FixedKeys` (the Store's tenants without a quota there: a key's
-membership is fixed while the tier holds it), the held keys in it go loose once, when
-that container first comes, and walks stay this cheap; while ``unprotected`` returns any
+in the tier by a :class:`TrackedKeys` (the Store's tenants without a quota there), the
+held keys in it go loose once, when that container first comes, then those that joined
+it since the last walk, and walks stay this cheap; while ``unprotected`` returns any
 other container (a tenant over a lowered quota: rare) the walk checks every parked key.
 
 A policy that can hold keys (``EvictionPolicy.holds``: lineage, whose walk changes nothing
@@ -93,19 +93,52 @@ _STEP = 0.01           # ... by 1% per event
 _MAX_WATCH = 1 << 16   # a larger tier watches every k-th block, so at most ~64K are watched
 
 
-class FixedKeys:
-    """An ``unprotected`` container whose membership is fixed for every key while the tier
-    holds it (a key joins only as it enters the tier and leaves only as it leaves: the
-    Store's tenants without a quota in the tier). Keep returning the same object: the
-    retention layer checks the parked keys against it once, not on every walk."""
+_MAX_JOINED = 1 << 16   # TrackedKeys lists at most this many joins between two walks
 
-    __slots__ = ("_keys",)
 
-    def __init__(self, keys: Container[Hashable]) -> None:
-        self._keys = keys
+class TrackedKeys:
+    """A set of keys for ``unprotected`` that tells the retention layer which keys joined
+    since its last walk (the Store's tenants without a quota in the tier: a key joins as
+    it is indexed there, which for a policy that stages a batch, lineage, can be after the
+    walk passed it). Return the same object on every walk: the layer checks the keys it
+    holds against it once, then only the keys that joined. Its owner changes it with
+    :meth:`add`, :meth:`discard` and :meth:`clear` only."""
+
+    __slots__ = ("_keys", "_joined")
+
+    def __init__(self) -> None:
+        self._keys: set[Hashable] = set()
+        self._joined: list[Hashable] | None = []     # None: more than _MAX_JOINED
+
+    def add(self, key: Hashable) -> None:
+        if key not in self._keys:
+            self._keys.add(key)
+            joined = self._joined
+            if joined is not None:
+                joined.append(key)
+                if len(joined) > _MAX_JOINED:
+                    self._joined = None
+
+    def discard(self, key: Hashable) -> None:
+        self._keys.discard(key)
+
+    def clear(self) -> None:
+        self._keys.clear()
+        self._joined = []
+
+    def take_joined(self) -> list[Hashable] | None:
+        """The keys added since the last call (``None``: too many to list: check all)."""
+        joined, self._joined = self._joined, []
+        return joined
 
     def __contains__(self, key: object) -> bool:
         return key in self._keys
+
+    def __iter__(self) -> Iterator[Hashable]:
+        return iter(self._keys)
+
+    def __len__(self) -> int:
+        return len(self._keys)
 
 
 class HintTrust:
@@ -264,7 +297,7 @@ class RetentionClasses(EvictionPolicy):
         self._offered: tuple[Hashable, bool] | None = None   # the walk's last victim, hinted?
         # per walk: the keys a live hint may not protect here (the Store's tenants); None: none
         self.unprotected: Callable[[], Container[Hashable] | None] | None = None
-        self._settled: FixedKeys | None = None   # no held parked key is in it (see _settle)
+        self._settled: TrackedKeys | None = None   # no held parked key is in it (see _settle)
 
     def on_insert(self, key: Hashable, nbytes: int, parent: Hashable | None = None) -> None:
         parking = self._parking
@@ -416,16 +449,19 @@ class RetentionClasses(EvictionPolicy):
 
     def _settle(self, unprotected: Container[Hashable] | None) -> bool:
         """Whether no held parked key is in ``unprotected``, so the walk need only offer
-        the loose ones: always for ``None``; for a :class:`FixedKeys`, once its held keys
-        went loose (the first walk it comes to in a row: O(held) once); never for any
-        other container."""
-        if unprotected is None or not isinstance(unprotected, FixedKeys):
+        the loose ones: always for ``None``; for a :class:`TrackedKeys`, once its held keys
+        went loose (all of them the first walk it comes to in a row, O(held) once; then
+        those that joined since); never for any other container."""
+        if unprotected is None or not isinstance(unprotected, TrackedKeys):
             self._settled = None
             return unprotected is None
-        if self._settled is not unprotected:
-            parking = self._parking
+        parking = self._parking
+        joined = unprotected.take_joined()
+        if self._settled is not unprotected or joined is None:
             parking.loosen_many([key for key in parking.held if key in unprotected])
             self._settled = unprotected
+        else:
+            parking.loosen_many(list(dict.fromkeys(key for key in joined if key in parking.held)))
         return True
 
     def _held_walk(self, priority: int) -> Iterator[Hashable]:
@@ -466,4 +502,4 @@ class RetentionClasses(EvictionPolicy):
         return key in self.inner or (parked and key in self._parking)
 
 
-__all__ = ["FixedKeys", "HintTrust", "RetentionClasses"]
+__all__ = ["HintTrust", "RetentionClasses", "TrackedKeys"]

@@ -44,7 +44,9 @@ def free_cluster_port() -> int:
 class RedisServer:
     """One ``redis-server`` in ``workdir`` on 127.0.0.1:``port``; ``extra`` are more
     ``--name value`` arguments. Data survives :meth:`restart` after :meth:`kill` when
-    started with ``appendonly=True`` (the AOF reaches the page cache on every write)."""
+    started with ``appendonly=True`` (``appendfsync always``: the AOF is written before
+    each reply; under ``everysec`` Redis postpones the write for up to 2 s while a
+    background fsync is slow, so a loaded machine lost acknowledged writes on a kill)."""
 
     def __init__(self, workdir: Path, *, port: int | None = None, appendonly: bool = False,
                  extra: tuple[str, ...] = ()) -> None:
@@ -52,7 +54,8 @@ class RedisServer:
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.port = port or free_port()
         self.args = ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.workdir),
-                     "--save", "", "--appendonly", "yes" if appendonly else "no", "--daemonize", "no",
+                     "--save", "", "--appendonly", "yes" if appendonly else "no",
+                     *(("--appendfsync", "always") if appendonly else ()), "--daemonize", "no",
                      "--logfile", str(self.workdir / "redis.log"), *extra]
         self.proc: subprocess.Popen | None = None
         self.start()

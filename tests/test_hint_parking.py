@@ -16,7 +16,7 @@ from kvstore import Hint, Namespace, Store
 from kvstore.policies.fifo import FifoPolicy
 from kvstore.policies.lineage import LineagePolicy
 from kvstore.policies.lru import LruPolicy
-from kvstore.policies.retention import FixedKeys, RetentionClasses
+from kvstore.policies.retention import RetentionClasses, TrackedKeys
 from kvstore.net.server._tenants import Tenant
 from kvstore.store.hints import HintRecord
 from kvstore.store.tenants import TenantLedger
@@ -60,22 +60,22 @@ def _drive(seed: int, policy, reference, *, tenants: str | None, steps: int = 25
     """Apply one random history to both layers; return the first difference, or None.
 
     ``tenants``: ``"dynamic"``, bounds that change at random between walks (any container:
-    the layer re-checks every parked key); ``"fixed"``, a :class:`FixedKeys` whose
-    membership is drawn once per key as it enters (the Store's tenants without a quota),
-    replaced now and then by a new one (a new ledger) or, for one walk, by a dynamic
-    superset (a tenant over a lowered quota) or other bounds."""
+    the layer re-checks every parked key); ``"fixed"``, a :class:`TrackedKeys` whose
+    membership is drawn per key as it enters (the Store's tenants without a quota), a key
+    joining now and then while held (a batch lineage staged before the ledger counted
+    it), replaced now and then by a new one (a new ledger) or, for one walk, by a
+    dynamic superset (a tenant over a lowered quota) or other bounds."""
     rnd = random.Random(seed)
     now = [0.0]
     hints: dict = {}
     layers = _layers(policy, reference, hints, lambda: now[0], frozen=True)
     bound: set = set()
-    members: set = set()               # "fixed": the held keys in the FixedKeys
-    fixed = [FixedKeys(members)]
+    fixed = [TrackedKeys()]            # "fixed": the held keys without a quota
     over = [0]                         # "fixed": 1, this walk's bounds are a dynamic superset; 2, others
     if tenants == "dynamic":
         unprotected = lambda: bound or None                                   # noqa: E731
     elif tenants == "fixed":
-        unprotected = lambda: ((members | bound), bound or None, fixed[0])[over[0] - 1]  # noqa: E731
+        unprotected = lambda: ((set(fixed[0]) | bound), bound or None, fixed[0])[over[0] - 1]  # noqa: E731
     for layer in layers:
         layer.unprotected = unprotected if tenants else None
     held: list[str] = []
@@ -93,7 +93,7 @@ def _drive(seed: int, policy, reference, *, tenants: str | None, steps: int = 25
                 if policy.uses_parent and held and rnd.random() < 0.7:
                     parent[key] = held[-1] if rnd.random() < 0.6 else rnd.choice(held)
             if rnd.random() < 0.2:
-                members.add(key)
+                fixed[0].add(key)
             r = rnd.random()
             if r < 0.5:
                 hints[key] = HintRecord(now[0] + rnd.choice([5, 50, 500, math.inf]), rnd.randint(0, 2), False, now[0])
@@ -108,8 +108,10 @@ def _drive(seed: int, policy, reference, *, tenants: str | None, steps: int = 25
                 hints[key] = HintRecord(now[0] + rnd.choice([5, 50, 500]), rnd.randint(0, 2), False, now[0])
                 for layer in layers:
                     layer.rehint(key)
-            for layer in layers:
-                layer.on_access(key)
+            reads = rnd.randint(20, 80) if rnd.random() < 0.05 else 1     # (many: heaps compact)
+            for _ in range(reads):
+                for layer in layers:
+                    layer.on_access(key)
         elif op < 0.6:
             key = rnd.choice(held)
             if hints.pop(key, None) is not None:
@@ -119,7 +121,7 @@ def _drive(seed: int, policy, reference, *, tenants: str | None, steps: int = 25
             key = rnd.choice(held)
             held.remove(key)
             gone.append(key)
-            members.discard(key)
+            fixed[0].discard(key)
             hints.pop(key, None)
             for layer in layers:
                 layer.on_remove(key)
@@ -139,8 +141,12 @@ def _drive(seed: int, policy, reference, *, tenants: str | None, steps: int = 25
             if rnd.random() < 0.5:
                 bound.update(rnd.sample(held, min(len(held), 5)))
             if tenants == "fixed" and rnd.random() < 0.2:              # a new ledger
-                members = {k for k in held if rnd.random() < 0.2}
-                fixed[0] = FixedKeys(members)
+                fixed[0] = TrackedKeys()
+                for k in held:
+                    if rnd.random() < 0.2:
+                        fixed[0].add(k)
+            elif tenants == "fixed" and rnd.random() < 0.5:            # a held key joins
+                fixed[0].add(rnd.choice(held))
         else:
             want, walk_seed = rnd.randint(1, 3), rnd.random()
             seen = []
@@ -160,7 +166,7 @@ def _drive(seed: int, policy, reference, *, tenants: str | None, steps: int = 25
             for key in seen[0][1]:
                 held.remove(key)
                 gone.append(key)
-                members.discard(key)
+                fixed[0].discard(key)
                 hints.pop(key, None)
                 for layer in layers:
                     layer.rehint(key)
@@ -183,7 +189,7 @@ def test_a_walk_past_parked_blocks_examines_only_what_it_offers(policy, referenc
     over a stamped policy looks at a handful of keys, the queue walk at every hinted one;
     so again after the tier stopped trusting the hints for a while and then trusted them
     again (the blocks that went loose are parked once more). ``bounded``: the tier also
-    has tenants' bounds (a :class:`FixedKeys` of the unhinted blocks, a Store whose
+    has tenants' bounds (a :class:`TrackedKeys` of the unhinted blocks, a Store whose
     tenant without a quota saves them), which the walk checks the parked keys against
     only once."""
     looked = []
@@ -192,14 +198,14 @@ def test_a_walk_past_parked_blocks_examines_only_what_it_offers(policy, referenc
         hints = _CountingHints()
         layer = RetentionClasses(cls(), hints, lambda: now[0])
         layer.trust._adjust = lambda: None
-        members: set = set()
-        bounds = FixedKeys(members)
+        bounds = TrackedKeys()
         if bounded:
             layer.unprotected = lambda: bounds
         for i in range(5000):
             hints[("h", i)] = HintRecord(1e9, 0, False, 0.0)
             layer.on_insert(("h", i), 1)
-        members.update(("u", i) for i in range(-1, 200))
+        for i in range(-1, 200):
+            bounds.add(("u", i))
         layer.on_insert(("u", -1), 1)
         assert next(iter(layer.victims())) == ("u", -1)   # the first walk passes them all
         layer.trust.protect_s = 5.0                         # hints 10 s old: not trusted now
@@ -323,3 +329,53 @@ def test_a_tenant_that_loses_its_quota_loses_the_protection_of_its_parked_blocks
             store.save(keys[lo:lo + 100], [buf] * 100).result()
         assert not any(store.contains(keys[:300]))           # the oldest, hinted, go first
         assert all(store.contains(keys[300:500])) and all(store.contains(keys[700:1500]))
+
+
+def test_a_lineage_leaf_made_during_a_walk_and_held_keeps_its_place():
+    """A key that becomes a leaf during a walk (its child taken in the ancestors' pass)
+    and is then held by its hint keeps its entry through heap compactions, and comes back
+    in its place when its hint is dropped (exactly as the stepping walk)."""
+    walks = []
+    for cls in (LineagePolicy, _SteppedLineage):
+        hints: dict = {"A": HintRecord(math.inf, 0, False, 0.0)}
+        layer = RetentionClasses(cls(), hints, lambda: 0.0)
+        layer.trust._adjust = lambda: None
+        for key, parent in (("Z", None), ("A", "Z"), ("B", "A"), ("C", "B"), ("x", None)):
+            layer.on_insert(key, 1, parent)
+        taken = []
+        for key in layer.victims():               # C and x leased: the ancestors' pass
+            if key in ("C", "x"):
+                continue
+            layer.on_remove(key)                  # B taken: A is a leaf now, and held
+            taken.append(key)
+            if len(taken) == 2:
+                break
+        for _ in range(200):                      # the heap compacts
+            layer.on_access("x")
+        del hints["A"]
+        layer.rehint("A")
+        walks.append((taken, list(layer.victims())))
+    assert walks[0] == walks[1] == (["B", "Z"], ["C", "A", "x"])
+
+
+def test_a_no_quota_tenants_hinted_chain_staged_by_lineage_protects_nothing():
+    """Lineage stages a batch into the policy before the Store indexes it, so its walks
+    can pass (and hold) a block before the ledger lists it among the no-quota keys; it
+    joins that list afterwards and must lose its protection all the same: a tenant
+    without a quota cannot keep its blocks by hinting, ahead of a tenant within its own."""
+    a = Tenant("a", "token-a", "salt-of-tenant-a-0001")       # no quota
+    b = Tenant("b", "token-b", "salt-of-tenant-b-0001")       # a quota: its hints protect
+    ns = Namespace(model="park", dtype="u8", chunk_tokens=1)
+    ka = a.keys(ns.chunk_keys(np.arange(8)), cached=False)
+    kb = b.keys(ns.chunk_keys(np.arange(100, 125)), cached=False)
+    buf = np.zeros(4096, np.uint8)
+    config = {"tiers": [{"name": "t", "kind": "dram", "capacity": 20 * 4096, "eviction": "lineage"}],
+              "io_threads": 1}
+    with Store.from_config(config) as store:
+        store.set_tenants(TenantLedger({a.tag: "a", b.tag: "b"}, {"a": {}, "b": {0: 10**9}}, ["t"]))
+        store.save(kb[:15], [buf] * 15, hint=Hint(1e6)).result()
+        store.save(ka, [buf] * 8, hint=Hint(1e6)).result()     # staged into a full tier
+        for key in kb[15:25]:
+            store.save([key], [buf], hint=Hint(1e6)).result()
+        assert not any(store.contains(ka))                     # a's blocks went first
+        assert all(store.contains(kb[:10])) and all(store.contains(kb[15:25]))

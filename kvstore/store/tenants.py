@@ -47,7 +47,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Callable, Container, Mapping, Sequence
 
 from kvstore.keys import BlockKey
-from kvstore.policies.retention import FixedKeys
+from kvstore.policies.retention import TrackedKeys
 
 if TYPE_CHECKING:
     from kvstore.store.mover import Mover
@@ -79,7 +79,7 @@ class TenantLedger:
         self._walk_capped = {name: [0] * n for name in names}   # walks stopped at WALK_STEPS
         # per level, the keys held there whose hints protect nothing there as a rule: nobody's
         # keys, and the keys of tenants with no quota in the level (hint_bound)
-        self._unbound: list[set[BlockKey]] = [set() for _ in range(n)]
+        self._unbound: list[TrackedKeys] = [TrackedKeys() for _ in range(n)]
 
     def owner(self, key: BlockKey) -> str | None:
         return self._tags.get(key.digest[:TAG_BYTES])
@@ -191,14 +191,14 @@ class TenantLedger:
         """For level ``i``'s retention layer (its ``unprotected``), called at the start
         of each victim walk: the keys there whose live hints protect nothing, i.e. whose
         owner has no quota in the level or holds more than it (the module docstring): the
-        same :class:`~kvstore.policies.retention.FixedKeys` of the keys with no quota there
+        same :class:`~kvstore.policies.retention.TrackedKeys` of the keys with no quota there
         on every walk, or, while some tenant is over its quota, a container answering
         from the ledger as it is then. A walk only takes blocks out, so a tenant within
         its quota at the start stays so to the end. Runs under the Store's lock, as the
         walk does; the answer is for that walk only."""
-        # membership fixed per key while it is held there (owner and quota are fixed for
-        # this ledger), so the layer checks its parked keys against it once
-        unbound = FixedKeys(self._unbound[i])
+        # the same object on every walk, listing the keys that joined it, so the layer
+        # checks its parked keys against it once and then only those
+        unbound = self._unbound[i]
 
         def walk() -> Container[BlockKey] | None:
             for name, cap in self._quota.items():
