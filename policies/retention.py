@@ -75,23 +75,13 @@ changes. Not thread-safe: the Store calls it under its lock.
 
 from __future__ import annotations
 
-import math
 from collections import OrderedDict
 from typing import Any, Callable, Container, Hashable, Iterator, Mapping
 
 from kvstore.policies._order import iter_live
 from kvstore.policies._parking import Parking
+from kvstore.policies._trust import HintTrust
 from kvstore.policies.base import EvictionPolicy
-
-# HintTrust's constants (see its docstring). W: the blocks the tier holds.
-_WINDOW = 2            # a watched block counts as reused if reused within 2W evictions
-_MEMORY = 4            # reuse rates: decayed counts over the last 4W blocks watched
-_MIN_MEMORY = 64       # ... at least 64
-_MIN_SAMPLES = 16      # per class (decayed) before protect_s moves at all
-_Z = 2.0               # protect_s moves only when the rates differ by two standard errors
-_STEP = 0.01           # ... by 1% per event
-_MAX_WATCH = 1 << 16   # a larger tier watches every k-th block, so at most ~64K are watched
-
 
 _MAX_JOINED = 1 << 16   # TrackedKeys lists at most this many joins between two walks
 
@@ -139,135 +129,6 @@ class TrackedKeys:
 
     def __len__(self) -> int:
         return len(self._keys)
-
-
-class HintTrust:
-    """One tier's evidence on whether live hints are right, and the age up to which it
-    lets a hint protect: ``protect_s`` (``inf``, the start: for as long as hints live).
-
-    The walk reports the blocks at the eviction end (:meth:`passed`, :meth:`distrusted`,
-    :meth:`evicted`), the layer their reuse (:meth:`reused`). A watched block
-    counts once as seen when first watched, and once as reused if reused within ``2W``
-    evictions of that (``W``: the blocks the tier holds; a tier of more than 32K blocks
-    watches every k-th candidate, so at most ~64K are watched). The reuse rate of each
-    class (hinted, unhinted) is decayed counts over the last ``4W`` blocks watched.
-
-    On each event, with at least 16 blocks of each class seen, the rates are compared
-    (a two-proportion test: they must differ by two standard errors, so that one long
-    prompt reused at once does not flip the tier):
-
-    - hinted reused more often: ``protect_s`` grows 1% (from below the hint ages at the
-      eviction end, where it protects nothing, straight back to half of them), and
-      returns to ``inf`` once it is four times the hint age at the eviction end;
-    - less often: it shrinks 1%, starting from the oldest hint age the walk protected.
-
-    Pure bookkeeping, O(1) amortised per event. Not thread-safe (the Store's lock).
-    """
-
-    def __init__(self, parks: bool = False) -> None:
-        self.protect_s = math.inf
-        self._watch: OrderedDict[Hashable, list] = OrderedDict()  # key -> [hinted, stamp, reused]
-        self._evictions = 0
-        self._memory = 1.0 - 1.0 / _MIN_MEMORY
-        self._sample = 1             # watch every k-th candidate
-        self._ticks = 0
-        self._seen = [0.0, 0.0]      # decayed blocks watched: [unhinted, hinted]
-        self._reused = [0.0, 0.0]    # ... and reused within their window
-        self.oldest = 0.0            # oldest hint age the current walk protected
-        self._tail_age = 0.0         # hint age of the last hinted block at the eviction end
-        self._floor = 0.0
-        # hinted keys whose watch window ended, for a layer that parks them (see unwatched)
-        self._lapsed: list[Hashable] | None = [] if parks else None
-
-    def watch(self, key: Hashable, hinted: bool) -> None:
-        if key in self._watch:
-            return
-        self._ticks += 1
-        if self._ticks % self._sample:
-            return
-        self._watch[key] = [hinted, self._evictions, False]
-        seen, got, memory = self._seen, self._reused, self._memory
-        for c in (0, 1):
-            seen[c] *= memory
-            got[c] *= memory
-        seen[hinted] += 1
-        self._adjust()
-
-    def passed(self, key: Hashable, age: float) -> None:
-        """The walk passed over ``key``, kept by a hint ``age`` seconds old."""
-        self._tail_age = age
-        if key not in self._watch:
-            self.watch(key, True)
-
-    def distrusted(self, age: float) -> None:
-        """The walk offers a block whose hint (``age`` seconds old) it no longer trusts."""
-        self._tail_age = age
-        self._floor = age / 2
-
-    def reused(self, key: Hashable) -> None:
-        entry = self._watch.get(key)
-        if entry is not None and not entry[2]:
-            entry[2] = True
-            self._reused[entry[0]] += 1
-            self._adjust()
-
-    def forget(self, key: Hashable) -> None:
-        """``key`` left without being evicted (deleted): no evidence either way."""
-        self._watch.pop(key, None)
-
-    def evicted(self, key: Hashable, hinted: bool, window: int) -> None:
-        """The walk's victim ``key`` left the tier, which holds ``window`` blocks now."""
-        self._evictions += 1
-        self._sample = _WINDOW * window // _MAX_WATCH + 1
-        self._memory = 1.0 - 1.0 / max(_MEMORY * window // self._sample, _MIN_MEMORY)
-        self.watch(key, hinted)
-        watch, limit = self._watch, self._evictions - max(_WINDOW * window, 1)
-        while watch:
-            entry = watch[next(iter(watch))]
-            if entry[1] > limit:
-                break
-            key, _ = watch.popitem(last=False)
-            if entry[0] and self._lapsed is not None:
-                self._lapsed.append(key)
-
-    def unwatched(self, held: Mapping[Hashable, int]) -> list[Hashable]:
-        """The keys of ``held`` (parked: key -> place) whose watch window ended since the
-        last call, in their order: a walk that stepped over them would watch them again."""
-        lapsed, self._lapsed = self._lapsed or [], []
-        watch = self._watch
-        keys = [k for k in lapsed if k in held and k not in watch]
-        keys.sort(key=held.__getitem__)
-        return keys
-
-    def held(self, age: float) -> None:
-        """The walk's parked blocks end with one kept by a hint ``age`` seconds old."""
-        self._tail_age = age
-
-    def _adjust(self) -> None:
-        seen, got = self._seen, self._reused
-        if seen[0] < _MIN_SAMPLES or seen[1] < _MIN_SAMPLES:
-            return
-        hinted, unhinted = got[1] / seen[1], got[0] / seen[0]
-        pooled = (got[0] + got[1]) / (seen[0] + seen[1])
-        margin = _Z * math.sqrt(pooled * (1 - pooled) * (1 / seen[0] + 1 / seen[1]))
-        if hinted > unhinted + margin:
-            if math.isfinite(self.protect_s):
-                # from below the ages at the eviction end (where it protects nothing),
-                # straight back to half of them
-                grown = max(self.protect_s * (1 + _STEP), self._floor)
-                self.protect_s = math.inf if grown > 4 * self._tail_age else grown
-        elif hinted < unhinted - margin:
-            base = min(self.protect_s, self.oldest) if self.oldest > 0 else self.protect_s
-            if math.isfinite(base):
-                shrunk = base * (1 - _STEP)
-                self.protect_s = shrunk if shrunk >= 1e-3 else 0.0
-
-    def stats(self) -> dict[str, Any]:
-        seen, got = self._seen, self._reused
-        return {"protect_s": None if math.isinf(self.protect_s) else round(self.protect_s, 3),
-                "hinted_reuse": round(got[1] / seen[1], 4) if seen[1] else None,
-                "unhinted_reuse": round(got[0] / seen[0], 4) if seen[0] else None,
-                "watched": len(self._watch)}
 
 
 class RetentionClasses(EvictionPolicy):
