@@ -253,9 +253,7 @@ class LineagePolicy(EvictionPolicy):
             self._hold[key] = None
 
     def release(self, key: Hashable) -> None:
-        if key not in self._hold:
-            return
-        entry = self._hold.pop(key)
+        entry = self._hold.pop(key, None)
         if entry is not None and self._stamp.get(key) == entry[1]:
             heapq.heappush(self._heap, entry)
 

@@ -48,12 +48,12 @@ class _CountingHints(dict):
         return super().get(key, default)
 
 
-def _layers(policy, reference, hints, clock, *, frozen: bool):
-    layers = [RetentionClasses(policy(), hints, clock), RetentionClasses(reference(), hints, clock)]
-    if frozen:                        # one trust value for both (the test sets it): the order alone
-        for layer in layers:
-            layer.trust._adjust = lambda: None
-    return layers
+def _frozen(cls, hints, clock) -> RetentionClasses:
+    """The layer over ``cls()`` with its trust in hints frozen (the test sets it), so the
+    order alone is compared."""
+    layer = RetentionClasses(cls(), hints, clock)
+    layer.trust._adjust = lambda: None
+    return layer
 
 
 def _drive(seed: int, policy, reference, *, tenants: str | None, steps: int = 2500):
@@ -68,7 +68,7 @@ def _drive(seed: int, policy, reference, *, tenants: str | None, steps: int = 25
     rnd = random.Random(seed)
     now = [0.0]
     hints: dict = {}
-    layers = _layers(policy, reference, hints, lambda: now[0], frozen=True)
+    layers = [_frozen(cls, hints, lambda: now[0]) for cls in (policy, reference)]
     bound: set = set()
     fixed = [TrackedKeys()]            # "fixed": the held keys without a quota
     over = [0]                         # "fixed": 1, this walk's bounds are a dynamic superset; 2, others
@@ -196,8 +196,7 @@ def test_a_walk_past_parked_blocks_examines_only_what_it_offers(policy, referenc
     for cls in (policy, reference):
         now = [10.0]
         hints = _CountingHints()
-        layer = RetentionClasses(cls(), hints, lambda: now[0])
-        layer.trust._adjust = lambda: None
+        layer = _frozen(cls, hints, lambda: now[0])
         bounds = TrackedKeys()
         if bounded:
             layer.unprotected = lambda: bounds
@@ -228,14 +227,13 @@ def test_a_walk_past_parked_blocks_examines_only_what_it_offers(policy, referenc
 def test_a_lineage_walk_past_held_blocks_examines_only_what_it_offers():
     """Lineage holds the hinted leaves its walk passed out of its heap: with 50 hinted
     chains of 100 blocks, each unhinted save's walk looks at a handful of keys (the
-    stepping walk: every hinted leaf), reads of the held leaves included, and once the hints expire the hinted chains leave
-    leaf first, each prefix after its extension."""
+    stepping walk: every hinted leaf), reads of the held leaves included, and once the
+    hints expire the hinted chains leave leaf first, each prefix after its extension."""
     looked = []
     for cls in (LineagePolicy, _SteppedLineage):
         now = [10.0]
         hints = _CountingHints()
-        layer = RetentionClasses(cls(), hints, lambda: now[0])
-        layer.trust._adjust = lambda: None
+        layer = _frozen(cls, hints, lambda: now[0])
         for c in range(50):
             for i in range(100):
                 hints[(c, i)] = HintRecord(1000.0, 0, False, 0.0)
@@ -338,8 +336,7 @@ def test_a_lineage_leaf_made_during_a_walk_and_held_keeps_its_place():
     walks = []
     for cls in (LineagePolicy, _SteppedLineage):
         hints: dict = {"A": HintRecord(math.inf, 0, False, 0.0)}
-        layer = RetentionClasses(cls(), hints, lambda: 0.0)
-        layer.trust._adjust = lambda: None
+        layer = _frozen(cls, hints, lambda: 0.0)
         for key, parent in (("Z", None), ("A", "Z"), ("B", "A"), ("C", "B"), ("x", None)):
             layer.on_insert(key, 1, parent)
         taken = []
