@@ -30,7 +30,8 @@ def test_bench_runs_end_to_end(tmp_path):
                           "--blocks", "32", "--batch", "8", "--rounds", "2", "--json"],
                          capture_output=True, text=True, check=True, timeout=120)
     result = json.loads(out.stdout)
-    assert result["hits"] == 64 and result["stats"]["tiers"][0]["used_bytes"] <= 8 << 20
+    (row,) = result["rows"]
+    assert result["hits"] == row["verified"] == 64 and row["stats"]["capacity_bytes"] == 8 << 20
 
 
 def test_public_exports():
