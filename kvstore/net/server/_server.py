@@ -245,9 +245,7 @@ class Server:
 
     def _close_store(self) -> None:
         try:
-            flushed = self.store.flush()
-            if flushed:
-                log.info("flushed %d blocks to persistent tiers", flushed)
+            self.store.flush()   # logs how many blocks it kept, and dropped
         except Exception:
             log.exception("flush at shutdown failed")
         self.store.close()
@@ -302,7 +300,7 @@ class Server:
                     reason = "idle"
                 else:
                     continue
-                log.info("closing connection %s: %s", c.peer, reason)
+                log.debug("closing connection %s: %s", c.peer, reason)
                 self.metrics.refused.labels(reason).inc()
                 c.task.cancel()
 
