@@ -347,7 +347,8 @@ class Store:
             for lvl in self._levels:
                 entry = {"name": lvl.name, "kind": lvl.kind, "capacity_bytes": lvl.tier.capacity_bytes,
                          "used_bytes": lvl.tier.used_bytes, "blocks": len(lvl.policy),
-                         "eviction": lvl.policy.name, **lvl.counters, "hint_trust": lvl.policy.hint_stats()}
+                         "eviction": lvl.policy.name, "recovered_at_start": lvl.recovered, **lvl.counters,
+                         "hint_trust": lvl.policy.hint_stats()}
                 tiers.append(entry)
             out = {**self._ops, "blocks": len(self._where), "leases": len(self._index.leases),
                    "pins": len(self._index.pins), "hints": self._store_hints.stats(), "tiers": tiers}

@@ -45,6 +45,7 @@ class Level:
     kind: str
     counters: dict[str, int] = field(default_factory=lambda: dict.fromkeys(_COUNTERS, 0))
     pending_free: int = 0   # bytes of chosen victims not yet deleted from the tier
+    recovered: int | None = None   # persistent tiers: blocks indexed from it at start-up
 
     @property
     def name(self) -> str:
