@@ -79,23 +79,24 @@ class ProcessServer:
     READY = re.compile(r"serving on (\S+):(\d+) admin=(\S+) socket=(\S+) shm=(\S+)")
 
     def __init__(self, raw: dict, tmp: Path, *, env: dict | None = None, preexec_fn: Any = None,
-                 stderr_path: Path | None = None) -> None:
+                 stderr_path: Path | None = None, cli_args: list[str] = ()) -> None:
         """``stderr_path``: the server's stderr goes to that file instead of a pipe (a
         pipe nobody reads stalls a server that logs much); ``preexec_fn`` runs in the
-        child before it starts (e.g. to set resource limits)."""
+        child before it starts (e.g. to set resource limits); ``cli_args``: global
+        options before ``serve`` (``--log-level``). ``ready_line``: its start line."""
         self.path = tmp / f"server-{time.monotonic_ns()}.yaml"
         self.path.write_text(yaml.safe_dump(raw))
         full_env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
         full_env.pop("KVSTORE_CONFIG", None)
         err = open(stderr_path, "w") if stderr_path is not None else subprocess.PIPE
         try:
-            self.proc = subprocess.Popen([sys.executable, "-m", "kvstore", "serve", "--config", str(self.path)],
+            self.proc = subprocess.Popen([sys.executable, "-m", "kvstore", *cli_args, "serve", "--config", str(self.path)],
                                          cwd=ROOT, env=full_env, stdout=subprocess.PIPE, stderr=err, text=True,
                                          preexec_fn=preexec_fn)
         finally:
             if stderr_path is not None:
                 err.close()
-        line = self._ready_line(30.0)
+        line = self.ready_line = self._ready_line(30.0)
         m = self.READY.search(line)
         if not m:
             if self.proc.poll() is None:

@@ -36,6 +36,7 @@ from kvstore.config.tiers import DramTierConfig
 from kvstore.errors import ConfigError, InvalidArgumentError
 from kvstore.keys import BlockKey
 from kvstore.tiers._arena import ArenaTier, SlotIndex
+from kvstore.tiers._prefault import prefault
 from kvstore.tiers.base import HostArena, TierCapabilities, check_batch, check_sizes
 
 log = logging.getLogger(__name__)
@@ -53,11 +54,13 @@ _copy_pool_lock = threading.Lock()
 _cudart = _torch_cudart   # how the DRAM tier finds CUDA's runtime (tests swap in a stand-in)
 
 
-def _map_arena(size: int, shm_path: str | None, fault_bytes: int | None = None) -> tuple[mmap.mmap, int | None]:
+def _map_arena(size: int, shm_path: str | None, fault_bytes: int | None = None, *,
+               name: str = "dram") -> tuple[mmap.mmap, int | None]:
     """The arena: anonymous memory, or a shared file at ``shm_path`` (see
     :func:`_claim_shared`, whose descriptor, holding the file's lock, comes back too),
     backed by transparent huge pages where the kernel allows them, and its first
-    ``fault_bytes`` (default: all) faulted in now.
+    ``fault_bytes`` (default: all) faulted in now, with progress for the tier ``name``
+    (:func:`kvstore.tiers._prefault.prefault`).
 
     Huge pages are asked for before the first touch (a page faulted in small stays small
     until khugepaged gets to it). They matter for NVMe I/O, not only for TLB misses: an
@@ -81,7 +84,7 @@ def _map_arena(size: int, shm_path: str | None, fault_bytes: int | None = None) 
         mm.madvise(mmap.MADV_HUGEPAGE)
     except (AttributeError, OSError):  # no transparent huge pages here: small pages work too
         pass
-    np.frombuffer(mm, dtype=np.uint8)[:fault_bytes:PAGE] = 0  # fault the pages in now, not on first use
+    prefault(mm, fault_bytes, name=name)  # fault the pages in now, not on first use
     return mm, lock_fd
 
 
@@ -162,7 +165,7 @@ class DramTier(ArenaTier, HostArena):
         # in now: a page of a full tmpfs first touched later would be a SIGBUS)
         arena = size + frame * (size // FRAMED_MIN_BLOCK + 1)
         self.shm_path = shm_path
-        self._mmap, self._lock_fd = _map_arena(arena, shm_path, fault_bytes=None if shm_path else size)
+        self._mmap, self._lock_fd = _map_arena(arena, shm_path, fault_bytes=None if shm_path else size, name=name)
         self.arena = np.frombuffer(self._mmap, dtype=np.uint8)
         self._readonly = self.arena.view()
         self._readonly.flags.writeable = False

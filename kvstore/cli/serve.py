@@ -51,11 +51,9 @@ def run(args: argparse.Namespace) -> int:
         config = load_config(raw, env={})
 
     def ready(server: Any) -> None:
-        tiers = ", ".join(f"{t.name}" for t in server.store.tiers)
-        print(f"kvstore: serving on {server.config.server.host}:{server.port}"
-              f" admin={server.admin_port} socket={server.socket_path}"
-              f" shm={server.arena.path if server.arena else None} tiers=[{tiers}]"
-              f" tls={'on' if server.tls_context is not None else 'off'}", flush=True)
+        from kvstore.net.server import start_line
+
+        print(start_line(server), flush=True)
 
     run_server(config, ready)
     print("kvstore: stopped", file=sys.stderr, flush=True)

@@ -8,6 +8,8 @@ import os
 import time
 from typing import Any
 
+from kvstore.config.base import format_size
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     parser = sub.add_parser("stats", help="print a running server's tiers, hit rates and traffic")
@@ -23,10 +25,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     parser.set_defaults(handler=run)
 
 
-def _gib(n: float) -> str:
-    return f"{n / (1 << 30):.2f} GiB"
-
-
 def render(stats: dict[str, Any]) -> str:
     srv = stats.get("server", {})
     lines = [f"kvstore {srv.get('version', '?')}  up {srv.get('uptime_s', 0):.0f} s  "
@@ -36,12 +34,12 @@ def render(stats: dict[str, Any]) -> str:
     for t in stats["tiers"]:
         asked = t["hits"] + t["misses"]
         rate = f"{100 * t['hits'] / asked:.1f}" if asked else "-"
-        lines.append(f"{t['name']:<12}{t['kind']:<8}{_gib(t['used_bytes']):>12}{_gib(t['capacity_bytes']):>12}"
-                     f"{t['blocks']:>9}{t['hits']:>10}{t['misses']:>9}{rate:>7}{t['evictions']:>9}"
-                     f"{t['corruptions']:>8}")
+        lines.append(f"{t['name']:<12}{t['kind']:<8}{format_size(t['used_bytes']):>12}"
+                     f"{format_size(t['capacity_bytes']):>12}{t['blocks']:>9}{t['hits']:>10}{t['misses']:>9}"
+                     f"{rate:>7}{t['evictions']:>9}{t['corruptions']:>8}")
     for name, tenant in stats.get("tenants", {}).items():   # server.tenants: this token's own, or all
-        held = "  ".join(f"{tier} {_gib(v['used_bytes'])}" + (f" of {_gib(v['quota_bytes'])}" if v["quota_bytes"]
-                                                              is not None else "")
+        held = "  ".join(f"{tier} {format_size(v['used_bytes'])}"
+                         + (f" of {format_size(v['quota_bytes'])}" if v["quota_bytes"] is not None else "")
                          for tier, v in tenant["tiers"].items())
         evicted = sum(v["evictions"] for v in tenant["tiers"].values())
         lines.append(f"tenant {name}: hits {tenant['hits']}  misses {tenant['misses']}  evicted {evicted}  {held}")

@@ -43,6 +43,25 @@ def parse_size(value: Any) -> int:
     raise ValueError(f"not a size: {value!r}")
 
 
+_BINARY_UNITS = ("KiB", "MiB", "GiB", "TiB", "PiB")
+
+
+def format_size(nbytes: float) -> str:
+    """``nbytes`` for people, in the largest binary unit that keeps it at 1 or more:
+    ``"512 B"``, ``"4 KiB"``, ``"1.5 GiB"`` (one decimal at most; what
+    :func:`parse_size` reads back, to that rounding). The start line of ``kvstore serve``
+    and ``kvstore stats`` use it."""
+    value, unit = float(nbytes), "B"
+    for name in _BINARY_UNITS:
+        if abs(value) < (1024 if unit == "B" else 1023.95):   # never "1024.0 KiB"
+            break
+        value, unit = value / 1024, name
+    if unit == "B":
+        return f"{int(value)} B"
+    text = f"{value:.1f}"
+    return f"{text[:-2] if text.endswith('.0') else text} {unit}"
+
+
 Size = Annotated[int, BeforeValidator(parse_size)]
 
 

@@ -4,15 +4,19 @@ configured, so optional dependencies (boto3, kvikio, cupy) load only where used.
 from __future__ import annotations
 
 import importlib
+import logging
+import time
 from typing import Sequence
 
 from kvstore.config import AdmissionConfig, TierConfig
+from kvstore.config.base import format_size
 from kvstore.errors import ConfigError
 from kvstore.policies import make_eviction
 from kvstore.policies.admission import AllOf, AlwaysAdmit, ByteBudgetAdmission, MinHitsAdmission
 from kvstore.policies.base import AdmissionPolicy, EvictionPolicy
 from kvstore.tiers.base import Tier
 
+log = logging.getLogger("kvstore.store")
 
 # kind -> (module, class, the extra that installs its optional dependency: named when it is missing)
 _TIER_CLASSES = {
@@ -57,7 +61,11 @@ def build_tier(cfg: TierConfig, *, header_frames: bool = False) -> Tier:
         if needs is None:
             raise
         raise ConfigError(f"tiers.{cfg.name}.kind: {needs}: {exc}") from exc
-    return tier_class.from_config(cfg, **({"header_frames": True} if header_frames else {}))
+    started = time.monotonic()
+    tier = tier_class.from_config(cfg, **({"header_frames": True} if header_frames else {}))
+    log.info("tier %s (%s, %s) opened in %.2f s", cfg.name, cfg.kind, format_size(cfg.capacity),
+             time.monotonic() - started)
+    return tier
 
 
 def build_eviction(cfg: TierConfig) -> EvictionPolicy:

@@ -43,21 +43,25 @@ class Copies:
         self._mover = mover
         self._local = threading.local()    # per-thread scratch buffers (scratch)
 
-    def between(self, keys: list[BlockKey], src: int, dst: int) -> list[bool]:
+    def between(self, keys: list[BlockKey], src: int, dst: int, *, admit: bool = True,
+                failed: set[BlockKey] | None = None) -> list[bool]:
         """Copy blocks from level ``src`` into level ``dst`` (the source keeps them);
         returns per key whether it was written. Blocks go in groups of up to
         :data:`MOVE_BATCH_BYTES`, one read and one write per group (a Mooncake pool, a
         bucket or Redis pays per call, not per byte). From a tier that lends views
         (:meth:`_may_lend`): zero-copy, with the checksums the views were verified
         against; otherwise through a scratch buffer. A block that cannot be read is
-        forgotten in ``src``."""
+        forgotten in ``src``. ``admit=False``: not an offer to ``dst`` (a flush; see
+        :meth:`Mover.put <kvstore.store.mover.Mover.put>`); ``failed`` collects the keys
+        that could not be read (unreadable, corrupt) or written (a tier error)."""
         out = [False] * len(keys)
         for group in _groups(keys, self._mover.index.sizes):
-            for j, good in zip(group, self._group([keys[j] for j in group], src, dst)):
+            for j, good in zip(group, self._group([keys[j] for j in group], src, dst, admit, failed)):
                 out[j] = good
         return out
 
-    def _group(self, keys: list[BlockKey], src: int, dst: int) -> list[bool]:
+    def _group(self, keys: list[BlockKey], src: int, dst: int, admit: bool,
+               failed: set[BlockKey] | None) -> list[bool]:
         mover = self._mover
         out = [False] * len(keys)
         lvl = mover.levels[src]
@@ -67,7 +71,8 @@ class Copies:
             with tier.lend(keys) as (views, sums):   # verified by a tier that keeps checksums
                 lent = [n for n, view in enumerate(views) if view is not None]
                 if lent:
-                    stored = mover.put(dst, [keys[n] for n in lent], [views[n] for n in lent], [sums[n] for n in lent])
+                    stored = mover.put(dst, [keys[n] for n in lent], [views[n] for n in lent],
+                                       [sums[n] for n in lent], admit=admit, failed=failed)
                     for n, good in zip(lent, stored):
                         out[n] = good
         borrowed = set(lent)
@@ -89,9 +94,12 @@ class Copies:
                 for n, good in zip(rest, got):
                     if not good:
                         mover.drop(keys[n], src)
+            if failed is not None:
+                failed.update(keys[n] for n, good in zip(rest, got) if not good)
             read = [(n, b) for n, b, good in zip(rest, bufs, got) if good]
             if read:
-                stored = mover.put(dst, [keys[n] for n, _ in read], [b for _, b in read])
+                stored = mover.put(dst, [keys[n] for n, _ in read], [b for _, b in read], admit=admit,
+                                   failed=failed)
                 for (n, _), good in zip(read, stored):
                     out[n] = good
         return out

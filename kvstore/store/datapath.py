@@ -9,6 +9,7 @@ loaded only where its tier verified the bytes in the caller's buffer.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 from kvstore.block import checksum
@@ -21,6 +22,34 @@ from kvstore.store.mover import Level, Mover
 from kvstore.store.recovery import Discovery
 
 log = logging.getLogger("kvstore.store")
+
+
+@dataclass(frozen=True)
+class FlushReport:
+    """What a flush did: of ``blocks`` held only in volatile tiers, ``kept`` are now in
+    ``tier`` (the first persistent one, of kind ``kind``; ``None``: there is none) and
+    the rest were dropped: ``no_room`` (the tier had no room for them, or later blocks
+    of the same flush took it) or ``failed`` (unreadable, failing their checksum, or a
+    tier error). Blocks deleted while the flush ran are in neither."""
+
+    tier: str | None
+    kind: str | None
+    blocks: int
+    kept: int
+    no_room: int
+    failed: int
+
+    @property
+    def dropped(self) -> int:
+        return self.no_room + self.failed
+
+    def describe(self) -> str:
+        """One log line."""
+        if self.tier is None:
+            return f"flush: no persistent tier; {self.blocks} blocks held only in volatile tiers are not kept"
+        line = (f"flush: {self.kept} of {self.blocks} blocks held only in volatile tiers written to "
+                f"{self.tier} ({self.kind}); {self.dropped} dropped")
+        return line + (f" ({self.no_room} no room, {self.failed} failed)" if self.dropped else "")
 
 
 class DataPath:
@@ -266,29 +295,49 @@ class DataPath:
                 moves.append((key, src))
         return count + self._copy_into(moves, target)
 
-    def flush(self) -> int:
-        """Write blocks held only in volatile levels down into the first persistent one;
-        returns how many were written (see :meth:`kvstore.store.Store.flush`)."""
+    def flush(self) -> FlushReport:
+        """Write blocks held only in volatile levels down into the first persistent one
+        (see :meth:`kvstore.store.Store.flush`). Not an offer: that level's admission is
+        not asked (a ``min_hits: 2`` NVMe tier would refuse every block); its capacity
+        and the blocks' checksums are kept to as by any write."""
         levels = self.levels
         target = next((i for i, lvl in enumerate(levels) if lvl.tier.capabilities.persistent), None)
-        if target is None:
-            return 0
         volatile = 0
         for i, lvl in enumerate(levels):
             if not lvl.tier.capabilities.persistent:
                 volatile |= 1 << i
         with self.lock:
             todo = [(k, m) for k, m in self.index.where.items() if not m & ~volatile]
-        return self._copy_into([(key, next(i for i in range(len(levels)) if mask >> i & 1)) for key, mask in todo],
-                               target)
+        if target is None:
+            return FlushReport(None, None, len(todo), 0, 0, 0)
+        failed: set[BlockKey] = set()
+        self._copy_into([(key, next(i for i in range(len(levels)) if mask >> i & 1)) for key, mask in todo],
+                        target, admit=False, failed=failed)
+        # Counted at the end: a later batch of the flush may have evicted an earlier one.
+        kept = no_room = lost = 0
+        with self.lock:
+            where = self.index.where
+            for key, _ in todo:
+                mask = where.get(key, 0)
+                if mask >> target & 1:
+                    kept += 1
+                elif key in failed:
+                    lost += 1
+                elif mask:
+                    no_room += 1
+        lvl = levels[target]
+        return FlushReport(lvl.name, lvl.kind, len(todo), kept, no_room, lost)
 
-    def _copy_into(self, moves: list[tuple[BlockKey, int]], target: int) -> int:
+    def _copy_into(self, moves: list[tuple[BlockKey, int]], target: int, *, admit: bool = True,
+                   failed: set[BlockKey] | None = None) -> int:
         """Copy each ``(key, source level)`` into level ``target``, one batch per source
-        level; returns how many were written."""
+        level; returns how many were written (``admit``, ``failed``: see
+        :meth:`kvstore.store.copies.Copies.between`)."""
         by_src: dict[int, list[BlockKey]] = {}
         for key, src in moves:
             by_src.setdefault(src, []).append(key)
-        return sum(sum(self.mover.copies.between(keys, src, target)) for src, keys in by_src.items())
+        return sum(sum(self.mover.copies.between(keys, src, target, admit=admit, failed=failed))
+                   for src, keys in by_src.items())
 
 
-__all__ = ["DataPath"]
+__all__ = ["DataPath", "FlushReport"]

@@ -283,10 +283,16 @@ class Store:
 
     def flush(self) -> int:
         """Write blocks held only in volatile tiers down into the first persistent tier,
-        so they survive a restart (the server calls this on shutdown). Returns how many
-        blocks were written. Blocks that tier refuses stay volatile."""
+        so they survive a restart (the server calls this on shutdown). Not an offer: the
+        tier's admission (``min_hits``, ``bytes_per_s``) is not asked; its capacity is
+        kept to (a full tier evicts as for any write), and a block that fails its
+        checksum is not written. Returns how many of those blocks the tier now holds and
+        logs one line saying so, with how many were dropped and why (WARNING when any
+        were). Blocks not written stay volatile."""
         self._check_open()
-        return self._data.flush()
+        report = self._data.flush()
+        log.log(logging.WARNING if report.dropped else logging.INFO, "%s", report.describe())
+        return report.kept
 
     def hint(self, keys: Sequence[BlockKey], hint: Hint) -> int:
         """Give ``hint`` (:class:`kvstore.Hint`) to the blocks of ``keys`` cached in any
@@ -341,7 +347,8 @@ class Store:
             for lvl in self._levels:
                 entry = {"name": lvl.name, "kind": lvl.kind, "capacity_bytes": lvl.tier.capacity_bytes,
                          "used_bytes": lvl.tier.used_bytes, "blocks": len(lvl.policy),
-                         "eviction": lvl.policy.name, **lvl.counters, "hint_trust": lvl.policy.hint_stats()}
+                         "eviction": lvl.policy.name, "recovered_at_start": lvl.recovered, **lvl.counters,
+                         "hint_trust": lvl.policy.hint_stats()}
                 tiers.append(entry)
             out = {**self._ops, "blocks": len(self._where), "leases": len(self._index.leases),
                    "pins": len(self._index.pins), "hints": self._store_hints.stats(), "tiers": tiers}

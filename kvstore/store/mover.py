@@ -45,6 +45,7 @@ class Level:
     kind: str
     counters: dict[str, int] = field(default_factory=lambda: dict.fromkeys(_COUNTERS, 0))
     pending_free: int = 0   # bytes of chosen victims not yet deleted from the tier
+    recovered: int | None = None   # persistent tiers: blocks indexed from it at start-up
 
     @property
     def name(self) -> str:
@@ -109,21 +110,26 @@ class Mover:
         self.copies = Copies(self)
 
     def put(self, i: int, keys: list[BlockKey], srcs: list[Any],
-             checksums: list[int | None] | None = None) -> list[bool]:
+             checksums: list[int | None] | None = None, *, admit: bool = True,
+             failed: set[BlockKey] | None = None) -> list[bool]:
         """Store blocks into level ``i``, evicting (and spilling) to make room.
         ``checksums``: the XXH3-64 each source was stored with in the tier it comes
-        from, kept by a tier that takes them (``write_checksums``) instead of a re-hash."""
+        from, kept by a tier that takes them (``write_checksums``) instead of a re-hash.
+        ``admit=False``: not an offer (a flush), the level's admission is not asked.
+        ``failed``: collects the keys whose write failed in the tier (an error, not a
+        lack of room)."""
         lvl = self.levels[i]
         sizes = [nbytes_of(src) for src in srcs]
-        plan = self.plan_put(i, keys, sizes)
+        plan = self.plan_put(i, keys, sizes, admit=admit)
         try:
-            return self._put_planned(i, lvl, keys, srcs, sizes, plan, checksums)
+            return self._put_planned(i, lvl, keys, srcs, sizes, plan, checksums, failed)
         finally:
             if plan.charged:   # a tenant's bytes in flight end with the put, stored or not
                 self.settle(i, plan)
 
     def _put_planned(self, i: int, lvl: Level, keys: list[BlockKey], srcs: list[Any], sizes: list[int],
-                     plan: "PutPlan", checksums: list[int | None] | None) -> list[bool]:
+                     plan: "PutPlan", checksums: list[int | None] | None,
+                     failed: set[BlockKey] | None) -> list[bool]:
         self.evict(i, plan.victims)
         chosen = plan.chosen
         if not chosen:
@@ -131,6 +137,8 @@ class Mover:
         if checksums is None or not lvl.tier.capabilities.write_checksums:
             checksums = None
         ok = self._write(lvl, chosen, keys, srcs, checksums)
+        if ok is None and failed is not None:
+            failed.update(keys[j] for j in chosen)
         self.unstage(i, keys, plan, ok)
         if ok is not None and not all(ok):
             # Fragmentation or a racing writer: make room for the rest once more.
@@ -144,6 +152,8 @@ class Mover:
             if victims:
                 self.evict(i, victims)
                 again = self._write(lvl, retry, keys, srcs, checksums)
+                if again is None and failed is not None:
+                    failed.update(keys[j] for j in retry)
                 if again is not None:
                     redo = dict(zip(retry, again))
                     ok = [good or redo.get(j, False) for j, good in zip(chosen, ok)]
@@ -158,10 +168,12 @@ class Mover:
             args.append([checksums[j] for j in idx])
         return self.tier_io(lvl, lvl.tier.write, *args)
 
-    def plan_put(self, i: int, keys: list[BlockKey], sizes: list[int], *, evict: bool = True) -> "PutPlan":
+    def plan_put(self, i: int, keys: list[BlockKey], sizes: list[int], *, evict: bool = True,
+                 admit: bool = True) -> "PutPlan":
         """Admission and room for new blocks in level ``i``: which to write, and the
         victims to evict first (already out of the index). ``evict=False`` takes free
-        room only: blocks that do not fit are left out."""
+        room only: blocks that do not fit are left out. ``admit=False``: every block is
+        admitted without asking the level's admission (which would count an offer)."""
         lvl = self.levels[i]
         plan = PutPlan([False] * len(keys))
         chosen = plan.chosen
@@ -171,7 +183,7 @@ class Mover:
                     lvl.policy.on_access(key)
                     plan.result[j] = True
                     continue
-                decision = lvl.admission.decide(key, sizes[j])
+                decision = lvl.admission.decide(key, sizes[j]) if admit else Decision.ADMIT
                 if decision is Decision.ADMIT:
                     chosen.append(j)
                 else:

@@ -8,8 +8,11 @@ policies, so they follow the index's lock rule (see each one's docstring).
 
 from __future__ import annotations
 
+import logging
+import time
 from typing import TYPE_CHECKING, Any
 
+from kvstore.config.base import format_size
 from kvstore.keys import BlockKey
 from kvstore.store.index import Index
 from kvstore.store.mover import Level, Mover, parent_of
@@ -17,16 +20,20 @@ from kvstore.store.mover import Level, Mover, parent_of
 if TYPE_CHECKING:
     from kvstore.store.hints import StoreHints
 
+log = logging.getLogger("kvstore.store")
+
 
 def recover(index: Index, levels: list[Level], hints: "StoreHints", events: Any) -> None:
     """Rebuild the index from persistent tiers, oldest access first, so usage and
     eviction order continue where the last process left off; each recovered block is
-    reported stored to ``events`` (the KV event publisher, or ``None``). Runs while the
+    reported stored to ``events`` (the KV event publisher, or ``None``). Each persistent
+    level's count goes to ``Level.recovered`` and into an INFO line. Runs while the
     Store is built, before any other thread can see it: it takes no lock."""
     where, sizes = index.where, index.sizes
     for i, lvl in enumerate(levels):
         if not lvl.tier.capabilities.persistent:
             continue
+        started, count, nbytes = time.monotonic(), 0, 0
         for block in lvl.tier.recover():
             if block.hint is not None:
                 hints.restore(block.key, block.hint)
@@ -34,6 +41,11 @@ def recover(index: Index, levels: list[Level], hints: "StoreHints", events: Any)
             sizes[block.key] = block.nbytes
             lvl.policy.on_insert(block.key, block.nbytes,
                                  parent_of(block.key) if lvl.policy.uses_parent else None)
+            count += 1
+            nbytes += block.nbytes
+        lvl.recovered = count
+        log.info("tier %s (%s): %d blocks (%s) recovered in %.2f s", lvl.name, lvl.kind, count, format_size(nbytes),
+                 time.monotonic() - started)
     if events is not None:
         for i in range(len(levels)):
             events.stored(i, [k for k, mask in where.items() if mask >> i & 1])

@@ -171,7 +171,7 @@ class AdminServer:
                 await loop.connect_accepted_socket(handler, sock, ssl=ssl_context,
                                                    ssl_handshake_timeout=HEAD_TIMEOUT_S)
         except (OSError, ssl.SSLError, asyncio.TimeoutError) as exc:
-            log.info("admin port: connection dropped before its first request: %s", exc)
+            log.debug("admin port: connection dropped before its first request: %s", exc)
             sock.close()
 
     # -- middleware: token, errors ----------------------------------------------------------
@@ -250,13 +250,13 @@ class AdminServer:
 
 class _BadRequestLogger(logging.LoggerAdapter):
     """aiohttp logs a request it cannot parse with its traceback; here that is one line
-    (the peer, the parser's message) at INFO at most: such a request is the peer's fault."""
+    (the peer, the parser's message) at DEBUG at most: such a request is the peer's fault."""
 
     def log(self, level: int, msg: object, *args: object, exc_info: Any = None, **kwargs: Any) -> None:
         from aiohttp.http_exceptions import HttpProcessingError
 
         if isinstance(exc_info, HttpProcessingError):
-            log.log(min(level, logging.INFO), "admin: bad request from %s: %s", args[0] if args else "?",
+            log.log(min(level, logging.DEBUG), "admin: bad request from %s: %s", args[0] if args else "?",
                     exc_info.message or type(exc_info).__name__)
         else:
             self.logger.log(level, msg, *args, exc_info=exc_info, **kwargs)

@@ -113,7 +113,7 @@ class Connection(SameHostOps):
             return False
         if first == P.MAGIC[:1]:
             ctx.metrics.refused.labels("tls_required").inc()
-            log.info("closing connection %s: plaintext client, and this server requires TLS", self.peer)
+            log.debug("closing connection %s: plaintext client, and this server requires TLS", self.peer)
             try:   # read its HELLO first: closing with unread bytes would reset the connection, reply and all
                 await asyncio.wait_for(self.loop.sock_recv(self.sock, P.HEADER_BYTES + HELLO_MAX_BYTES), 1.0)
                 await asyncio.wait_for(self._reply(P.Op.HELLO, 0, b"this server requires TLS (server.tls is set): "
@@ -128,8 +128,8 @@ class Connection(SameHostOps):
             await tls.handshake()
         except (ssl.SSLError, OSError) as exc:
             ctx.metrics.refused.labels("tls_handshake").inc()
-            log.info("closing connection %s: TLS handshake failed: %s", self.peer,
-                     getattr(exc, "reason", None) or exc)
+            log.debug("closing connection %s: TLS handshake failed: %s", self.peer,
+                      getattr(exc, "reason", None) or exc)
             return False
         self.tls = tls
         return True
@@ -198,7 +198,7 @@ class Connection(SameHostOps):
             await self._refuse(rid, exc.status, str(exc))
         except ssl.SSLError as exc:   # a TLS record failed (tampered with, or a broken peer)
             ctx.metrics.refused.labels("tls_error").inc()
-            log.info("closing connection %s: TLS error: %s", self.peer, exc.reason or exc)
+            log.debug("closing connection %s: TLS error: %s", self.peer, exc.reason or exc)
         except (ConnectionError, OSError):
             pass
         except asyncio.CancelledError:
@@ -213,7 +213,7 @@ class Connection(SameHostOps):
 
     async def _refuse(self, rid: int, status: P.Status, message: str) -> None:
         self.ctx.metrics.refused.labels(status.name).inc()
-        log.info("closing connection %s: %s", self.peer, message)
+        log.debug("closing connection %s: %s", self.peer, message)
         try:
             await asyncio.wait_for(self._reply(P.Op.PING, rid, message.encode()[:4096], status=status), 1.0)
         except (OSError, asyncio.TimeoutError, ConnectionError):

@@ -20,6 +20,7 @@ from typing import Any
 
 from kvstore import __version__
 from kvstore.config import DramTierConfig, StoreConfig
+from kvstore.config.base import format_size
 from kvstore.errors import ConfigError
 from kvstore.net import protocol as P
 from kvstore.net.server._admin import (MAX_CONNECTIONS as ADMIN_MAX_CONNECTIONS, AdminContext, AdminServer,
@@ -52,6 +53,8 @@ def build_store(config: StoreConfig) -> Any:
             and not config.server.tenants:   # tenants: the arena stays private to the server
         remove_stale_arenas()
         path = f"{SHM_DIR}/{ARENA_PREFIX}{os.getpid()}-{secrets.token_hex(4)}"
+        log.info("tier %s (dram, %s): arena in shared memory at %s, offered to same-host clients", first.name,
+                 format_size(first.capacity), path)
         tiers = [DramTier(first.capacity, name=first.name, shm_path=path, pin=first.pin,
                           header_frames=header_frames(config.tiers, 0))]
         try:
@@ -196,6 +199,9 @@ class Server:
         if self._admin is not None:
             self.admin_port = await self._admin.start(cfg.host, cfg.admin_port, ssl_context=self.tls_context)
         self._tasks.append(asyncio.create_task(self._reap()))
+        log.info("listening: tcp %s:%d%s, unix socket %s, admin %s", cfg.host, self.port,
+                 " (TLS)" if self.tls_context is not None else "", self.socket_path,
+                 f"{cfg.host}:{self.admin_port}" if self.admin_port is not None else "off")
 
     async def wait_closed(self) -> None:
         await self._stopped.wait()
@@ -245,9 +251,7 @@ class Server:
 
     def _close_store(self) -> None:
         try:
-            flushed = self.store.flush()
-            if flushed:
-                log.info("flushed %d blocks to persistent tiers", flushed)
+            self.store.flush()   # logs how many blocks it kept, and dropped
         except Exception:
             log.exception("flush at shutdown failed")
         self.store.close()
@@ -302,7 +306,7 @@ class Server:
                     reason = "idle"
                 else:
                     continue
-                log.info("closing connection %s: %s", c.peer, reason)
+                log.debug("closing connection %s: %s", c.peer, reason)
                 self.metrics.refused.labels(reason).inc()
                 c.task.cancel()
 
@@ -372,6 +376,7 @@ def _fit_fd_limit(max_connections: int) -> int:
         target = want if hard == resource.RLIM_INFINITY else min(want, hard)
         try:
             resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            log.debug("file-descriptor limit raised from %d to %d", soft, target)
             soft = target
         except (ValueError, OSError) as exc:
             log.warning("could not raise the file-descriptor limit to %d: %s", target, exc)
