@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib
 from typing import Sequence
 
+from kvstore._extras import install_hint
 from kvstore.config import AdmissionConfig, TierConfig
 from kvstore.errors import ConfigError
 from kvstore.policies import make_eviction
@@ -18,9 +19,9 @@ from kvstore.tiers.base import Tier
 _TIER_CLASSES = {
     "dram": ("kvstore.tiers.dram", "DramTier", None), "gpu": ("kvstore.tiers.gpu", "GpuTier", None),
     "nvme": ("kvstore.tiers.nvme", "NvmeTier", None), "remote": ("kvstore.tiers.remote", "RemoteTier", None),
-    "s3": ("kvstore.tiers.s3", "S3Tier", "the s3 tier needs boto3 (pip install 'kvstore[s3]')"),
+    "s3": ("kvstore.tiers.s3", "S3Tier", f"the s3 tier needs boto3 ({install_hint('s3')})"),
     "mooncake": ("kvstore.tiers.mooncake", "MooncakeTier", None),
-    "redis": ("kvstore.tiers.redis", "RedisTier", "the redis tier needs redis-py (pip install 'kvstore[redis]')"),
+    "redis": ("kvstore.tiers.redis", "RedisTier", f"the redis tier needs redis-py ({install_hint('redis')})"),
 }
 
 
