@@ -11,8 +11,8 @@ DISTRIBUTION = "kvstore-cache"
 
 
 def install_hint(extra: str) -> str:
-    """How to install ``extra``: ``pip install 'kvstore-cache[extra]'``, and the form for
-    a checkout."""
+    """How to install ``extra`` (for ``"s3"``: ``pip install 'kvstore-cache[s3]'``), and
+    the form for a checkout."""
     return f"pip install '{DISTRIBUTION}[{extra}]', or in a checkout pip install -e '.[{extra}]'"
 
 
