@@ -8,8 +8,9 @@ __version__ = "0.1.0"
 
 
 def __getattr__(name: str):
-    # Store and Client are imported on first use: they pull in torch and numpy (about
-    # 0.4 s), which users of the leaf names (Namespace, BlockKey, Hint) do not need.
+    # Store and Client are imported on first use: they pull in numpy, pydantic and the
+    # tiers, which users of the leaf names (Namespace, BlockKey, Hint) do not need. Neither
+    # imports torch (tests/test_torch_free.py).
     if name == "Store":
         from kvstore.store import Store
 

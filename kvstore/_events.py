@@ -44,6 +44,7 @@ from typing import Any, Iterable, Sequence
 import msgspec
 import numpy as np
 
+from kvstore._extras import install_hint
 from kvstore.config import EventsConfig
 from kvstore.errors import ConfigError, InvalidArgumentError
 from kvstore.keys import BlockKey
@@ -105,7 +106,7 @@ class EventPublisher:
         try:
             import zmq
         except ImportError as exc:
-            raise ConfigError("events: publishing KV events needs pyzmq (pip install pyzmq)") from exc
+            raise ConfigError(f"events: publishing KV events needs pyzmq ({install_hint('events')})") from exc
         self._zmq = zmq
         self._config = config
         self._tiers = list(tier_names)

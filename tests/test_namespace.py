@@ -64,16 +64,18 @@ def test_the_wheel_holds_the_folders_inside_kvstore(tmp_path):
     src = tmp_path / "src"
     for name in ("kvstore", *MAPPED):
         shutil.copytree(ROOT / name, src / name, symlinks=True, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
-    for name in ("pyproject.toml", "README.md"):
+    for name in ("pyproject.toml", "README.md", "LICENSE"):
         shutil.copy(ROOT / name, src / name)
     out = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
                           "-w", str(tmp_path), str(src)], capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout + out.stderr
-    (wheel,) = tmp_path.glob("kvstore-*.whl")
+    (wheel,) = tmp_path.glob("kvstore_cache-*.whl")   # the distribution's name; it imports as kvstore
     names = zipfile.ZipFile(wheel).namelist()
     for must in ("kvstore/tiers/dram.py", "kvstore/tiers/nvme/tier.py", "kvstore/policies/lru.py",
-                 "kvstore/connectors/vllm.py", "kvstore/store/facade.py"):
+                 "kvstore/connectors/vllm.py", "kvstore/store/facade.py", "kvstore/py.typed"):
         assert must in names, must
+    assert [n for n in names if n.endswith(".dist-info/METADATA")], names
+    assert any("dist-info" in n and n.rsplit("/", 1)[-1] == "LICENSE" for n in names), "LICENSE is not shipped"
     assert not [n for n in names if n.split("/")[0] in MAPPED], "a top-level package would be installed"
     assert len(names) == len(set(names)), "a file is in the wheel twice"
 

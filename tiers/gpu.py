@@ -19,7 +19,8 @@ from typing import Any, Iterator, Sequence
 from kvstore.buffers.device import DeviceCopier, copier_for, resolve_device
 from kvstore.buffers import nbytes_of
 from kvstore.config.tiers import GpuTierConfig
-from kvstore.errors import InvalidArgumentError, TierUnavailableError
+from kvstore._extras import install_hint
+from kvstore.errors import ConfigError, InvalidArgumentError, TierUnavailableError
 from kvstore.keys import BlockKey
 from kvstore.tiers._arena import ArenaTier, SlotIndex
 from kvstore.tiers.base import TierCapabilities, check_batch, check_sizes
@@ -42,7 +43,10 @@ class GpuTier(ArenaTier):
                  copier: DeviceCopier | None = None) -> None:
         if capacity_bytes <= 0:
             raise InvalidArgumentError(f"GPU tier capacity must be positive, got {capacity_bytes}")
-        import torch
+        try:
+            import torch
+        except ModuleNotFoundError as exc:   # torch is not a core dependency (the gpu extra)
+            raise ConfigError(f"GPU tier {name!r}: the gpu tier needs torch ({install_hint('gpu')})") from exc
 
         self.name = name
         try:

@@ -8,6 +8,9 @@ import argparse
 
 from tqdm import tqdm
 
+from kvstore._extras import install_hint
+from kvstore.errors import KVStoreError
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     parser = sub.add_parser("demo", help="show TTFT with and without cached KV on a real transformer")
@@ -22,7 +25,12 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import torch
+    try:
+        import torch
+    except ModuleNotFoundError as exc:   # torch is not a core dependency
+        raise KVStoreError("kvstore demo needs torch and transformers: install torch first (your CUDA build, or "
+                           "pip install torch --index-url https://download.pytorch.org/whl/cpu), then "
+                           f"{install_hint('demo')}") from exc
 
     from kvstore import _ttft as T
     from kvstore.buffers.device import resolve_device

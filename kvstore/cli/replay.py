@@ -20,6 +20,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from kvstore._extras import install_hint
 from kvstore.errors import InvalidArgumentError
 
 
@@ -165,7 +166,7 @@ def _plot(report: dict, path: str) -> None:
     try:
         import matplotlib
     except ImportError:
-        print("matplotlib is not installed: no chart (pip install 'kvstore[replay]')", file=sys.stderr)
+        print(f"matplotlib is not installed: no chart ({install_hint('replay')})", file=sys.stderr)
         return
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

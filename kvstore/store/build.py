@@ -8,6 +8,7 @@ import logging
 import time
 from typing import Sequence
 
+from kvstore._extras import install_hint
 from kvstore.config import AdmissionConfig, TierConfig
 from kvstore.config.base import format_size
 from kvstore.errors import ConfigError
@@ -22,9 +23,9 @@ log = logging.getLogger("kvstore.store")
 _TIER_CLASSES = {
     "dram": ("kvstore.tiers.dram", "DramTier", None), "gpu": ("kvstore.tiers.gpu", "GpuTier", None),
     "nvme": ("kvstore.tiers.nvme", "NvmeTier", None), "remote": ("kvstore.tiers.remote", "RemoteTier", None),
-    "s3": ("kvstore.tiers.s3", "S3Tier", "the s3 tier needs boto3 (pip install 'kvstore[s3]')"),
+    "s3": ("kvstore.tiers.s3", "S3Tier", f"the s3 tier needs boto3 ({install_hint('s3')})"),
     "mooncake": ("kvstore.tiers.mooncake", "MooncakeTier", None),
-    "redis": ("kvstore.tiers.redis", "RedisTier", "the redis tier needs redis-py (pip install 'kvstore[redis]')"),
+    "redis": ("kvstore.tiers.redis", "RedisTier", f"the redis tier needs redis-py ({install_hint('redis')})"),
 }
 
 

@@ -23,12 +23,12 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager, nullcontext
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
-from kvstore._events import open_events
+from kvstore._extras import install_hint
 from kvstore.stats import sum_stat_sources
 from kvstore.buffers import nbytes_of
 from kvstore.buffers.streams import capture, submit
-from kvstore.config import StoreConfig, load_config
-from kvstore.errors import BufferSizeError, InvalidArgumentError, StoreClosedError
+from kvstore.config import EventsConfig, StoreConfig, load_config
+from kvstore.errors import BufferSizeError, ConfigError, InvalidArgumentError, StoreClosedError
 from kvstore.hint import Hint, check_hint
 from kvstore.keys import BlockKey
 from kvstore.store.build import build_admission, build_eviction, build_tiers
@@ -43,6 +43,20 @@ from kvstore.trace import TraceRecorder
 from kvstore.policies.placement import Placement, WriteMode
 from kvstore.policies.retention import RetentionClasses
 from kvstore.tiers.base import Tier
+
+
+def _open_events(config: EventsConfig | None, tier_names: Sequence[str]) -> Any:
+    """The KV-event publisher, or ``None`` when ``events`` is not configured. Its module
+    (msgspec, pyzmq: the ``events`` extra) is imported only here, so a Store without events
+    needs neither."""
+    if config is None:
+        return None
+    try:
+        from kvstore._events import open_events
+    except ModuleNotFoundError as exc:
+        raise ConfigError(f"events: publishing KV events needs {exc.name} ({install_hint('events')})") from exc
+    return open_events(config, tier_names)
+
 
 log = logging.getLogger("kvstore.store")
 
@@ -87,7 +101,7 @@ class Store:
         self._ops = dict.fromkeys(("saves", "loads", "lookups", "lookup_hits", "prefetches", "background_errors",
                                    "refused_checksum", "shared_found"), 0)
         try:    # KV events for routers: None (and no cost) unless configured
-            self._events = open_events(config.events, [c.name for c in config.tiers])
+            self._events = _open_events(config.events, [c.name for c in config.tiers])
         except BaseException:
             for t in built:
                 t.close()

@@ -9,8 +9,16 @@
 - :mod:`kvstore.testing.store_model`: the Store against a model of what it holds
   (Hypothesis state machines; imported on its own, not from here).
 
-Needs the test extra (pytest, hypothesis).
+Needs the ``testing`` extra (pytest; hypothesis for the Store model): without pytest,
+importing this package raises ``ModuleNotFoundError`` naming the extra.
 """
+
+try:
+    import pytest  # noqa: F401  (the conformance suites are pytest classes)
+except ModuleNotFoundError as exc:
+    from kvstore._extras import install_hint
+
+    raise ModuleNotFoundError(f"kvstore.testing needs pytest ({install_hint('testing')})", name=exc.name) from exc
 
 from kvstore.testing.env import IN_CI, free_port
 from kvstore.testing.policy_conformance import NBYTES, PolicyConformance, drain, evict, fill

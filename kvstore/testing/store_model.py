@@ -6,7 +6,7 @@ model of ``kvstore.testing``; ``tests/test_store_stateful.py`` runs them):
 - :class:`TieredStoreMachine`: DRAM over a lineage-evicting DRAM over NVMe on real
   files, with leases, pins, prefetch and reservations.
 
-Needs hypothesis (the test extra); not imported by ``kvstore.testing`` itself."""
+Needs hypothesis (the ``testing`` extra); not imported by ``kvstore.testing`` itself."""
 
 import shutil
 import tempfile

@@ -48,7 +48,7 @@ def require_aiohttp() -> Any:
     try:
         from aiohttp import web
     except ImportError:
-        raise ConfigError("server.admin_port: the admin port needs aiohttp (pip install 'kvstore[server]'); "
+        raise ConfigError("server.admin_port: the admin port needs aiohttp (pip install 'kvstore-cache[server]'); "
                           "set admin_port: null to serve without it") from None
     return web
 
