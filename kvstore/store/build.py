@@ -57,7 +57,12 @@ def build_tier(cfg: TierConfig, *, header_frames: bool = False) -> Tier:
         if needs is None:
             raise
         raise ConfigError(f"tiers.{cfg.name}.kind: {needs}: {exc}") from exc
-    return tier_class.from_config(cfg, **({"header_frames": True} if header_frames else {}))
+    try:
+        return tier_class.from_config(cfg, **({"header_frames": True} if header_frames else {}))
+    except Exception as exc:
+        if not isinstance(exc, ConfigError):     # a ConfigError names its field already
+            exc.add_note(f"tiers.{cfg.name} ({cfg.kind})")   # which tier: `kvstore serve` prints it
+        raise
 
 
 def build_eviction(cfg: TierConfig) -> EvictionPolicy:
