@@ -1,4 +1,5 @@
 import json
+import re
 import subprocess
 import sys
 
@@ -49,3 +50,43 @@ def test_public_exports():
     assert issubclass(errors.TierUnavailableError, ConnectionError)
     with pytest.raises(AttributeError):
         kvstore.NoSuchThing
+
+
+def test_show_prints_a_config_validate_accepts(tmp_path, capsys):
+    cfg = tmp_path / "kv.yaml"
+    cfg.write_text("tiers:\n  - {name: hot, kind: dram, capacity: 64MiB}\nserver: {admin_port: null, port: 0}\n")
+    assert main(["config", "show", str(cfg)]) == 0
+    shown = tmp_path / "shown.yaml"
+    shown.write_text(capsys.readouterr().out)
+    assert main(["config", "validate", str(shown)]) == 0, capsys.readouterr().err
+    assert "admin_port: null" in shown.read_text() and "token" not in shown.read_text()
+
+
+def test_show_masks_secrets_unless_asked(tmp_path, capsys):
+    cfg = tmp_path / "kv.yaml"
+    cfg.write_text("tiers:\n  - {name: hot, kind: dram, capacity: 64MiB}\nserver:\n  token: op-secret-token\n"
+                   "  tenants: [{name: a, token: tenant-secret, salt: salt-secret-0123456789}]\n")
+    assert main(["config", "show", str(cfg)]) == 0
+    out = capsys.readouterr().out
+    assert "secret" not in out and "**********" in out
+    assert main(["config", "show", "--secrets", str(cfg)]) == 0
+    clear = tmp_path / "clear.yaml"
+    clear.write_text(capsys.readouterr().out)
+    assert "op-secret-token" in clear.read_text()
+    assert main(["config", "validate", str(clear)]) == 0
+
+
+@pytest.mark.parametrize("text,needle", [
+    ("server: {host: 0.0.0.0}\n", "server.host '0.0.0.0' serves beyond this machine"),
+    ("  - {name: warm, kind: nvme, path: FILE/data, capacity: 64MiB}\n", "tiers.warm.path: .* cannot be created"),
+    ("  - {name: warm, kind: nvme, path: DIR, capacity: 64MiB, file_bytes: 1GiB + 1}\n", "file_bytes"),
+])
+def test_validate_refuses_what_serve_refuses(tmp_path, capsys, text, needle):
+    (tmp_path / "file").write_text("x")
+    text = text.replace("FILE", str(tmp_path / "file")).replace("DIR", str(tmp_path / "d"))
+    text = text.replace("1GiB + 1", str((1 << 30) + 1))
+    cfg = tmp_path / "kv.yaml"
+    cfg.write_text("tiers:\n  - {name: hot, kind: dram, capacity: 64MiB}\n" + text)
+    assert main(["config", "validate", str(cfg)]) == 2
+    assert re.search(needle, capsys.readouterr().err)
+    assert not (tmp_path / "d").exists()

@@ -7,9 +7,13 @@ import copy
 import importlib.util
 import os
 import sys
-from typing import Any
+from pathlib import Path
+from typing import Any, Mapping
+
+import yaml
 
 from kvstore.config import DEFAULT_CONFIG, load_config
+from kvstore.errors import ConfigError, KVStoreError
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -39,22 +43,69 @@ def default_config(data_dir: str) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> int:
+    from kvstore.config import preflight
     from kvstore.net.server import run_server
 
     source = args.config or os.environ.get("KVSTORE_CONFIG") or default_config(args.data_dir)
-    config = load_config(source)
     overrides = {k: v for k, v in (("host", args.host), ("port", args.port), ("admin_port", args.admin_port),
                                    ("socket_path", args.socket_path)) if v is not None}
-    if overrides:
-        raw = config.model_dump()
-        raw["server"].update(overrides)
-        config = load_config(raw, env={})
+    started = False
+    try:
+        # the flags override the file as KVSTORE_SERVER__… do: on the source, before validation
+        config = load_config(_with_server_overrides(source, overrides) if overrides else source)
+        preflight(config)   # what `kvstore config validate` checks: refused before anything is built
+    except KVStoreError as exc:
+        return _start_failed(exc, 2)
 
     def ready(server: Any) -> None:
         from kvstore.net.server import start_line
 
         print(start_line(server), flush=True)
 
-    run_server(config, ready)
+    def on_ready(server: Any) -> None:
+        nonlocal started
+        started = True
+        ready(server)
+
+    try:
+        run_server(config, on_ready)
+    except Exception as exc:
+        if started:
+            raise
+        # a start that failed (a port taken, a tier that cannot open): one line, nothing
+        # left behind (the server closes what it built)
+        return _start_failed(exc, 2 if isinstance(exc, ConfigError) else 1)
     print("kvstore: stopped", file=sys.stderr, flush=True)
     return 0
+
+
+def _with_server_overrides(source: Any, overrides: dict[str, Any]) -> Any:
+    """The raw config of ``source`` (a path or a mapping) with ``server:`` keys replaced."""
+    if isinstance(source, Mapping):
+        raw = copy.deepcopy(dict(source))
+    else:
+        try:
+            raw = yaml.safe_load(Path(source).read_text()) or {}
+        except OSError:
+            return source      # load_config reports it
+        except yaml.YAMLError:
+            return source
+        if not isinstance(raw, dict):
+            return source
+    server = raw.get("server")
+    raw["server"] = {**(server if isinstance(server, dict) else {}), **overrides}
+    return raw
+
+
+def _start_failed(exc: BaseException, code: int) -> int:
+    """``kvstore: error: …`` on one line (a validation error's lines joined), the tier it
+    concerns first when the error carries one."""
+    if isinstance(exc, OSError) and not isinstance(exc, KVStoreError) and exc.strerror:
+        text = exc.strerror + (f": {exc.filename}" if exc.filename else "")
+    else:
+        text = " ".join(line.strip() for line in str(exc).splitlines() if line.strip()) or type(exc).__name__
+        if not isinstance(exc, KVStoreError):
+            text = f"{type(exc).__name__}: {text}"
+    notes = [n for n in getattr(exc, "__notes__", ()) if n]
+    print(f"kvstore: error: {': '.join([*notes, text])}", file=sys.stderr, flush=True)
+    return code

@@ -7,7 +7,7 @@ import re
 from types import SimpleNamespace
 from typing import Annotated, Any, Mapping
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict
+from pydantic import BaseModel, BeforeValidator, ConfigDict, model_validator
 
 _UNITS = {
     "": 1, "b": 1,
@@ -65,8 +65,30 @@ def format_size(nbytes: float) -> str:
 Size = Annotated[int, BeforeValidator(parse_size)]
 
 
+# ``Field(json_schema_extra=SECRET)`` declares a secret: ``kvstore config show`` prints
+# MASK in its place (``store.secrets_of`` finds them), errors never echo it, and a
+# config that holds MASK there is refused (a shown config is never served as it is).
+SECRET = {"secret": True}
+MASK = "**********"   # pydantic's SecretStr mask
+
+
+def is_secret(field: Any) -> bool:
+    return isinstance(field.json_schema_extra, dict) and bool(field.json_schema_extra.get("secret"))
+
+
 class _Frozen(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_mask(cls, data: Any) -> Any:
+        if isinstance(data, Mapping):
+            masked = [n for n, f in cls.model_fields.items() if is_secret(f) and data.get(n) == MASK]
+            if masked:
+                raise ValueError(f"{' and '.join(masked)}: {MASK!r} is the mask `kvstore config show` prints, "
+                                 "not the secret; put the real value back (`kvstore config show --secrets` "
+                                 "prints it)")
+        return data
 
 
 def _no_empty_token(data: Any, remedy: str = "give a token, or remove the key to run without one") -> Any:
@@ -87,4 +109,4 @@ def field_defaults(model: type[BaseModel]) -> SimpleNamespace:
     return SimpleNamespace(**{n: f.default for n, f in model.model_fields.items() if not f.is_required()})
 
 
-__all__ = ["Size", "field_defaults", "parse_size"]
+__all__ = ["MASK", "SECRET", "Size", "is_secret", "field_defaults", "parse_size"]

@@ -6,7 +6,7 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from kvstore.config.base import Size, _Frozen, _no_empty_token
+from kvstore.config.base import SECRET, Size, _Frozen, _no_empty_token
 from kvstore.config.tls import ServerTlsConfig
 
 
@@ -23,8 +23,8 @@ class TenantConfig(_Frozen):
     ``salt`` and store at most ``quota[tier]`` bytes in each tier named there."""
 
     name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
-    token: str = Field(min_length=1)
-    salt: str = Field(min_length=1)
+    token: str = Field(min_length=1, json_schema_extra=SECRET)
+    salt: str = Field(min_length=1, json_schema_extra=SECRET)
     quota: dict[str, Size] = {}     # tier name -> bytes (0: none in that tier); tiers not named: no cap
 
     _token_given = model_validator(mode="before")(_no_empty_tenant_token)
@@ -48,7 +48,7 @@ class ServerConfig(_Frozen):
     port: int = Field(7480, ge=0, le=65535)
     admin_port: int | None = Field(7481, ge=0, le=65535)
     socket_path: str | None = None
-    token: str | None = None
+    token: str | None = Field(None, json_schema_extra=SECRET)
     allow_unauthenticated: bool = False      # serve beyond loopback without a token (refused otherwise)
 
     _token_given = model_validator(mode="before")(_no_empty_token)

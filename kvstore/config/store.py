@@ -3,17 +3,20 @@ dict with ``KVSTORE_…`` overrides, error text, and dump."""
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
-from typing import Any, Literal, Mapping
+from typing import Any, Iterator, Literal, Mapping, get_args
 
 import yaml
-from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, Field, SecretStr, ValidationError, field_validator, model_validator
 
-from kvstore.config.base import Size, _Frozen
+from kvstore.config.base import MASK, Size, _Frozen, is_secret
 from kvstore.config.server import ServerConfig
 from kvstore.config.tiers import TierConfig
 from kvstore.errors import ConfigError
+
+log = logging.getLogger("kvstore.config")
 
 
 class PlacementConfig(_Frozen):
@@ -132,18 +135,22 @@ def describe_errors(exc: ValidationError, prefix: str = "") -> str:
     return _describe(exc, prefix)
 
 
+# the tier kinds (the tag of TierConfig's union: a path part that names no field)
+_TIER_KINDS = frozenset(get_args(model.model_fields["kind"].annotation)[0] for model in get_args(get_args(TierConfig)[0]))
+
+
 def _describe(exc: ValidationError, prefix: str = "") -> str:
     lines = []
     for err in exc.errors():
         parts = ([prefix] if prefix else []) + list(err["loc"])
-        if len(parts) > 3 and parts[0] == "tiers":
+        if len(parts) >= 3 and parts[0] == "tiers" and parts[2] in _TIER_KINDS:
             del parts[2]  # the union's tag (the tier kind) is noise in a field path
         loc = ".".join(str(p) for p in parts)
         msg = err["msg"].removeprefix("Value error, ")
         if err["type"] == "extra_forbidden":
             msg = "unknown field"
         got = err.get("input")
-        secret = bool(parts) and parts[-1] in ("token", "salt")   # never echoed into logs
+        secret = bool(parts) and parts[-1] in ("token", "salt", "password")   # never echoed into logs
         got_text = "" if err["type"] in ("missing",) or isinstance(got, (dict, list)) or secret \
             else f" (got {got!r})"
         lines.append(f"  {loc or '<root>'}: {msg}{got_text}")
@@ -158,13 +165,39 @@ def _deep_copy(value: Any) -> Any:
     return value
 
 
+# Variables named like an override but read by something else: never warned about.
+_NOT_OVERRIDES = frozenset({"KVSTORE_CONFIG", "KVSTORE_TOKEN"})
+_warned: set[frozenset[str]] = set()
+
+
+def is_override(var: str) -> bool:
+    """Whether environment variable ``var`` is a config override: ``KVSTORE_`` then a
+    top-level field, then ``__`` and the rest of a path (``KVSTORE_SERVER__PORT``), or
+    exactly a top-level scalar (``KVSTORE_IO_THREADS``). Anything else that starts with
+    ``KVSTORE_`` (``KVSTORE_PORT=tcp://…`` from Kubernetes, ``KVSTORE_TOKEN``, a
+    ``password_env`` variable) is not, and is ignored."""
+    if not var.startswith("KVSTORE_"):
+        return False
+    parts = var[len("KVSTORE_"):].split("__")
+    field = StoreConfig.model_fields.get(parts[0].lower())
+    if field is None:
+        return False
+    return len(parts) > 1 or field.annotation in (int, float, str, bool)
+
+
 def _apply_env(raw: dict[str, Any], env: Mapping[str, str]) -> None:
+    ignored = sorted(v for v in env if v.startswith("KVSTORE_") and v not in _NOT_OVERRIDES and not is_override(v)
+                     and v not in _password_envs(raw))
+    if ignored and frozenset(ignored) not in _warned:
+        _warned.add(frozenset(ignored))
+        log.warning("ignoring environment variable(s) %s: not config overrides (an override is KVSTORE_ and a "
+                    "field path with __ between parts, e.g. KVSTORE_SERVER__PORT)", ", ".join(ignored))
     for var, text in sorted(env.items()):
-        if not var.startswith("KVSTORE_") or var == "KVSTORE_CONFIG":
+        if not is_override(var):
             continue
         parts = [p.lower() for p in var[len("KVSTORE_"):].split("__")]
-        if parts[0] not in StoreConfig.model_fields:
-            raise ConfigError(f"environment override {var}: unknown field {parts[0]!r}")
+        if not all(parts):
+            raise ConfigError(f"environment override {var}: empty part in the path (parts are joined by __)")
         try:
             value = yaml.safe_load(text)
         except yaml.YAMLError:
@@ -179,10 +212,18 @@ def _apply_env(raw: dict[str, Any], env: Mapping[str, str]) -> None:
                 else:
                     node = node[index]
             else:
+                if not isinstance(node, dict):
+                    raise ConfigError(f"environment override {var}: {'.'.join(parts[:i])} is not a mapping")
                 if last:
                     node[part] = value
                 else:
                     node = node.setdefault(part, {})
+
+
+def _password_envs(raw: Mapping[str, Any]) -> set[str]:
+    tiers = raw.get("tiers")
+    return {t["password_env"] for t in tiers if isinstance(t, Mapping) and isinstance(t.get("password_env"), str)} \
+        if isinstance(tiers, list) else set()
 
 
 def _list_index(items: list[Any], part: str, var: str) -> int:
@@ -194,10 +235,51 @@ def _list_index(items: list[Any], part: str, var: str) -> int:
     raise ConfigError(f"environment override {var}: no list entry {part!r}")
 
 
-def dump_config(config: StoreConfig) -> str:
-    """The effective config as YAML (what ``kvstore config show`` prints)."""
-    return yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False)
+def secrets_of(model: BaseModel, prefix: str = "") -> Iterator[tuple[str, str]]:
+    """``(field path, value)`` of every secret set in ``model``: the fields declared with
+    ``json_schema_extra={"secret": True}`` (tokens, salts, passwords)."""
+    for name, field in type(model).model_fields.items():
+        value, loc = getattr(model, name), f"{prefix}{name}"
+        if is_secret(field):
+            if value is not None:
+                yield loc, value.get_secret_value() if isinstance(value, SecretStr) else value
+        elif isinstance(value, BaseModel):
+            yield from secrets_of(value, f"{loc}.")
+        elif isinstance(value, list):
+            for i, item in enumerate(value):
+                if isinstance(item, BaseModel):
+                    yield from secrets_of(item, f"{loc}.{i}.")
 
 
-__all__ = ["DEFAULT_CONFIG", "EventsConfig", "PlacementConfig", "StoreConfig", "TraceConfig", "describe_errors",
-           "dump_config", "load_config"]
+def dump_config(config: StoreConfig, *, secrets: bool = False) -> str:
+    """The effective config as YAML (what ``kvstore config show`` prints), every field
+    given. It loads back to the same config: a field whose default is ``None`` is left
+    out when unset (``token: null`` would be refused). Secrets print as :data:`MASK`
+    (which the loader refuses) unless ``secrets``."""
+    data = _dump(config)
+    for loc, value in secrets_of(config):
+        *path, last = loc.split(".")
+        node: Any = data
+        for part in path:
+            node = node[int(part)] if isinstance(node, list) else node[part]
+        node[last] = value if secrets else MASK
+    return yaml.safe_dump(data, sort_keys=False)
+
+
+def _dump(model: BaseModel) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for name, field in type(model).model_fields.items():
+        value = getattr(model, name)
+        if value is None and field.default is None:
+            continue
+        if isinstance(value, BaseModel):
+            out[name] = _dump(value)
+        elif isinstance(value, list):
+            out[name] = [_dump(v) if isinstance(v, BaseModel) else v for v in value]
+        else:
+            out[name] = model.model_dump(mode="json", include={name})[name]
+    return out
+
+
+__all__ = ["DEFAULT_CONFIG", "MASK", "EventsConfig", "PlacementConfig", "StoreConfig", "TraceConfig",
+           "describe_errors", "dump_config", "is_override", "load_config", "secrets_of"]

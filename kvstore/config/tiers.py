@@ -8,7 +8,7 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import BeforeValidator, Field, SecretStr, field_validator, model_validator
 
-from kvstore.config.base import Size, _Frozen, _no_empty_token, field_defaults
+from kvstore.config.base import SECRET, Size, _Frozen, _no_empty_token, field_defaults
 from kvstore.config.tls import ClientTlsConfig, _tls_flag
 from kvstore.errors import ConfigError
 from kvstore.policies import EVICTION_NAMES
@@ -51,6 +51,13 @@ class GpuTierConfig(_TierBase):
     device: str = "cuda:0"
 
 
+def nvme_dir_budget(capacity: int) -> int:
+    """The disk bytes one NVMe directory's data files may take: its share of the tier's
+    capacity plus room for block headers and free space between blocks. A data file is
+    at most this big, whatever ``file_bytes`` says."""
+    return capacity + capacity // 8 + (1 << 20)
+
+
 class NvmeTierConfig(_TierBase):
     kind: Literal["nvme"]
     path: str | list[str]           # one directory per drive; several stripe
@@ -71,6 +78,16 @@ class NvmeTierConfig(_TierBase):
         if any(os.path.realpath(p) == os.path.sep for p in paths):
             raise ValueError("the root directory cannot hold a tier; give it a directory of its own")
         return path
+
+    @model_validator(mode="after")
+    def _files_fit(self) -> "NvmeTierConfig":
+        # the default (1GiB) is capped by the tier; a size given larger than any file can be is a mistake
+        largest = nvme_dir_budget(self.capacity // len(self.paths) + self.capacity % len(self.paths))
+        if self.file_bytes > largest and self.file_bytes != type(self).model_fields["file_bytes"].default:
+            raise ValueError(f"file_bytes ({self.file_bytes}) is larger than any data file of this tier can be "
+                             f"({largest}: a directory's share of capacity, plus 1/8, plus 1MiB); give at most "
+                             "that")
+        return self
 
     @property
     def paths(self) -> list[str]:
@@ -103,7 +120,7 @@ class S3TierConfig(_TierBase):
 class RemoteTierConfig(_TierBase):
     kind: Literal["remote"]
     address: str = Field(min_length=1)   # host:port or unix socket path
-    token: str | None = None
+    token: str | None = Field(None, json_schema_extra=SECRET)
 
     _token_given = model_validator(mode="before")(_no_empty_token)
     timeout_s: float = Field(10.0, gt=0)
@@ -146,7 +163,7 @@ class RedisTierConfig(_TierBase):
     nodes: list[str] | None = None              # host:port of Cluster (or standalone) nodes
     cluster: Literal["auto"] | bool = "auto"
     username: str | None = None                 # ACL user (default: the server's default user)
-    password: SecretStr | None = None
+    password: SecretStr | None = Field(None, json_schema_extra=SECRET)
     password_env: str | None = None             # name of an environment variable holding the password
     tls: RedisTlsConfig | bool = False          # true: TLS without client certificate or CA check
     prefix: str = Field("kvstore", min_length=1)

@@ -63,7 +63,12 @@ def build_tier(cfg: TierConfig, *, header_frames: bool = False) -> Tier:
             raise
         raise ConfigError(f"tiers.{cfg.name}.kind: {needs}: {exc}") from exc
     started = time.monotonic()
-    tier = tier_class.from_config(cfg, **({"header_frames": True} if header_frames else {}))
+    try:
+        tier = tier_class.from_config(cfg, **({"header_frames": True} if header_frames else {}))
+    except Exception as exc:
+        if not isinstance(exc, ConfigError):     # a ConfigError names its field already
+            exc.add_note(f"tiers.{cfg.name} ({cfg.kind})")   # which tier: `kvstore serve` prints it
+        raise
     log.info("tier %s (%s, %s) opened in %.2f s", cfg.name, cfg.kind, format_size(cfg.capacity),
              time.monotonic() - started)
     return tier

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kvstore.config.tiers import nvme_dir_budget
 from kvstore.errors import ConfigError, TierError, TierFullError, TierIOError, TierUnavailableError
 from kvstore.tiers._extents import ExtentAllocator
 from kvstore.tiers.nvme.index import BlockIndex
@@ -251,7 +252,7 @@ class Shard:
         except BaseException:
             os.close(self.lock_fd)
             raise
-        budget = capacity + capacity // 8 + (1 << 20)
+        budget = nvme_dir_budget(capacity)
         self.data = DataDir(path, file_bytes=file_bytes, budget_bytes=budget, direct=self.direct)
         self.data.on_new_file = self.index.set_file_size
 

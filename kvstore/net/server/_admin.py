@@ -25,6 +25,7 @@ import ssl
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
+from kvstore.config import AIOHTTP_MISSING
 from kvstore.errors import ConfigError
 from kvstore.net.server import _lookup
 from kvstore.net.server._metrics import ServerMetrics
@@ -48,8 +49,7 @@ def require_aiohttp() -> Any:
     try:
         from aiohttp import web
     except ImportError:
-        raise ConfigError("server.admin_port: the admin port needs aiohttp (pip install 'kvstore-cache[server]'); "
-                          "set admin_port: null to serve without it") from None
+        raise ConfigError(AIOHTTP_MISSING) from None
     return web
 
 

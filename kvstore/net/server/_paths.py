@@ -5,12 +5,12 @@ and whether an address is loopback."""
 from __future__ import annotations
 
 import fcntl
-import ipaddress
 import logging
 import os
 import socket
 import stat
 
+from kvstore.config import is_loopback   # re-exported: the one rule, with the pre-start checks
 from kvstore.errors import ConfigError
 from kvstore.net.staging import STAGING_PREFIX
 
@@ -102,15 +102,6 @@ def take_socket_path(path: str) -> None:
     finally:
         probe.close()
     raise ConfigError(f"server.socket_path {path!r} belongs to another live server; give each server its own")
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False      # a name other than localhost may resolve anywhere
 
 
 __all__ = ["ARENA_PREFIX", "SHM_DIR", "is_loopback", "remove_stale_arenas", "remove_stale_sockets", "take_socket_path"]

@@ -9,6 +9,7 @@ other than :meth:`request_shutdown` must be called on the loop thread.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import secrets
@@ -16,10 +17,10 @@ import signal
 import socket
 import tempfile
 import time
-from typing import Any
+from typing import Any, Iterator
 
 from kvstore import __version__
-from kvstore.config import DramTierConfig, StoreConfig
+from kvstore.config import DramTierConfig, StoreConfig, preflight
 from kvstore.config.base import format_size
 from kvstore.errors import ConfigError
 from kvstore.net import protocol as P
@@ -65,8 +66,6 @@ def build_store(config: StoreConfig) -> Any:
                 t.close()
             raise
         return Store(config, tiers=tiers)
-    if config.server.transport == "shm" and not isinstance(first, DramTierConfig):
-        raise ConfigError("server.transport: 'shm' needs a first tier of kind dram")
     return Store(config)
 
 
@@ -76,15 +75,8 @@ class Server:
     def __init__(self, config: StoreConfig, *, store: Any = None) -> None:
         self.config = config
         cfg = config.server
+        preflight(config)   # what `kvstore config validate` checks too: the host/token rule, tier paths, ...
         self.tenants = Tenants(cfg)
-        if self.tenants.enabled and cfg.transport in ("shm", "nixl"):
-            raise ConfigError(f"server.transport: {cfg.transport!r} is not offered with server.tenants (the "
-                              f"{'shared arena' if cfg.transport == 'shm' else 'NIXL metadata of the arena'} "
-                              "would let every tenant read and write every other's blocks); use 'auto' or 'tcp'")
-        if self.tenants.open and not cfg.allow_unauthenticated and not is_loopback(cfg.host):
-            raise ConfigError(f"server.host {cfg.host!r} serves beyond this machine, and no server.token is set "
-                              "(nor server.tenants): anyone who reaches the port could read and write the cache; "
-                              "set a token, or set server.allow_unauthenticated: true to serve without one")
         # TLS on the TCP listener and the admin port (the Unix socket stays plaintext:
         # same-host, private to this user). Built before anything listens: a bad file
         # stops the start with a ConfigError.
@@ -93,6 +85,14 @@ class Server:
             require_aiohttp()   # before any resource: a missing aiohttp is a ConfigError
         self._owns_store = store is None
         self.store = store if store is not None else build_store(config)
+        try:
+            self._setup(cfg)
+        except BaseException:
+            if self._owns_store:
+                self.store.close()   # the arena under /dev/shm, the tiers' files and locks
+            raise
+
+    def _setup(self, cfg: Any) -> None:
         if self.tenants.enabled:
             self._attach_tenants()
         self.limits = P.Limits(cfg.max_frame_bytes, cfg.max_batch)
@@ -140,15 +140,10 @@ class Server:
     def _attach_tenants(self) -> None:
         """Bytes per tenant and tier, and the quotas, kept by the Store's eviction."""
         set_tenants = getattr(self.store, "set_tenants", None)
-        try:
-            if set_tenants is None:
-                raise ConfigError("server.tenants: the served store keeps no per-tenant accounting "
-                                  f"({type(self.store).__name__} has no set_tenants)")
-            set_tenants(self.tenants.ledger([t.name for t in self.store.tiers]))
-        except BaseException:
-            if self._owns_store:
-                self.store.close()
-            raise
+        if set_tenants is None:
+            raise ConfigError("server.tenants: the served store keeps no per-tenant accounting "
+                              f"({type(self.store).__name__} has no set_tenants)")
+        set_tenants(self.tenants.ledger([t.name for t in self.store.tiers]))
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -177,8 +172,9 @@ class Server:
 
     async def _listen(self) -> None:
         cfg = self.config.server
-        tcp = socket.create_server((cfg.host, cfg.port), family=_family(cfg.host), backlog=256,
-                                   reuse_port=False)
+        with _naming("server.port", f"{cfg.host}:{cfg.port}"):
+            tcp = socket.create_server((cfg.host, cfg.port), family=_family(cfg.host), backlog=256,
+                                       reuse_port=False)
         tcp.setblocking(False)
         self.port = tcp.getsockname()[1]
         self._listeners.append(tcp)
@@ -187,21 +183,31 @@ class Server:
             if not cfg.socket_path:
                 remove_stale_sockets(tempfile.gettempdir())
             path = cfg.socket_path or os.path.join(tempfile.gettempdir(), f"kvstore-{self.port}-{os.getpid()}.sock")
-            take_socket_path(path)
             unix = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             self._listeners.append(unix)
-            unix.bind(path)
+            with _naming("server.socket_path", path):
+                take_socket_path(path)
+                unix.bind(path)
             self.socket_path = path
             os.chmod(path, 0o600)
             unix.listen(256)
             unix.setblocking(False)
             self._tasks.append(asyncio.create_task(self._accept(unix, unix=True)))
         if self._admin is not None:
-            self.admin_port = await self._admin.start(cfg.host, cfg.admin_port, ssl_context=self.tls_context)
+            with _naming("server.admin_port", f"{cfg.host}:{cfg.admin_port}"):
+                self.admin_port = await self._admin.start(cfg.host, cfg.admin_port, ssl_context=self.tls_context)
         self._tasks.append(asyncio.create_task(self._reap()))
         log.info("listening: tcp %s:%d%s, unix socket %s, admin %s", cfg.host, self.port,
                  " (TLS)" if self.tls_context is not None else "", self.socket_path,
                  f"{cfg.host}:{self.admin_port}" if self.admin_port is not None else "off")
+
+    def abandon(self) -> None:
+        """Release what a server that never started holds (its threads, and the Store it
+        built: the arena under ``/dev/shm``, tier files and locks)."""
+        self.nixl.close()
+        self.sender.close()
+        if self._owns_store:
+            self.store.close()
 
     async def wait_closed(self) -> None:
         await self._stopped.wait()
@@ -389,13 +395,27 @@ def _fit_fd_limit(max_connections: int) -> int:
     return fitted
 
 
+@contextlib.contextmanager
+def _naming(setting: str, address: str) -> Iterator[None]:
+    """An OSError while binding names the setting and the address (one line)."""
+    try:
+        yield
+    except OSError as exc:
+        reason = os.strerror(exc.errno) if exc.errno else str(exc)
+        raise OSError(exc.errno, f"{setting}: cannot listen on {address}: {reason}") from exc
+
+
 def _family(host: str) -> int:
     return socket.AF_INET6 if ":" in host else socket.AF_INET
 
 
 async def _main(config: StoreConfig, ready: Any) -> None:
     server = Server(config)
-    await server.start()
+    try:
+        await server.start()
+    except BaseException:
+        server.abandon()
+        raise
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, server.request_shutdown)
