@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import copy
 import importlib.util
+import logging
 import os
 import sys
 from pathlib import Path
@@ -57,15 +58,15 @@ def run(args: argparse.Namespace) -> int:
     except KVStoreError as exc:
         return _start_failed(exc, 2)
 
-    def ready(server: Any) -> None:
-        from kvstore.net.server import start_line
-
-        print(start_line(server), flush=True)
+    logging.getLogger("kvstore.cli").info(
+        "config: %s", args.config or os.environ.get("KVSTORE_CONFIG") or f"built-in default (data dir {args.data_dir})")
 
     def on_ready(server: Any) -> None:
+        from kvstore.net.server import start_line
+
         nonlocal started
         started = True
-        ready(server)
+        print(start_line(server), flush=True)
 
     try:
         run_server(config, on_ready)
