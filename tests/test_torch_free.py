@@ -96,11 +96,12 @@ def test_serve_and_a_client_round_trip_without_torch(tmp_path):
         "tiers": [{"name": "hot", "kind": "dram", "capacity": "16MiB", "pin": False},
                   {"name": "warm", "kind": "nvme", "path": str(tmp_path / "nvme"), "capacity": "64MiB"}],
         "server": {"host": "127.0.0.1", "port": 0, "admin_port": 0, "socket_path": str(tmp_path / "s.sock")}}))
+    log = (tmp_path / "serve.log").open("w+")     # serve logs its start-up steps at INFO
     proc = subprocess.Popen([sys.executable, "-m", "kvstore", "serve", "--config", str(config)], cwd=tmp_path,
-                            env=_env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                            env=_env(tmp_path), stdout=subprocess.PIPE, stderr=log, text=True)
     try:
-        line = proc.stdout.readline()
-        assert "serving on " in line, line + proc.stdout.read()
+        line = proc.stdout.readline()      # the start line, or "" when serve exited
+        assert "serving on " in line, line + (tmp_path / "serve.log").read_text()
         address = line.split("serving on ", 1)[1].split()[0]
         for transport in ("tcp", "shm"):
             out = _python(tmp_path, """
@@ -124,7 +125,8 @@ def test_serve_and_a_client_round_trip_without_torch(tmp_path):
     finally:
         proc.send_signal(signal.SIGTERM)
         rc = proc.wait(30)
-    assert rc == 0, proc.stdout.read()
+        log.close()
+    assert rc == 0, (tmp_path / "serve.log").read_text()
 
 
 def test_cli_commands_run_without_torch(tmp_path):
