@@ -34,6 +34,7 @@ log = logging.getLogger(__name__)
 # Request states that end in vLLM's output loop, which never finishes a request whose
 # load failed in the step it reports: its held saves are valid KV.
 _NORMAL_FINISH = {"FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED", "FINISHED_REPETITION"}
+NULL_BLOCK = 0          # vLLM's null block: the block pool's first block, never a request's KV
 _TAINT_ENTRIES = 4096   # failed loads' unwritten blocks remembered (oldest forgotten first)
 
 
@@ -360,6 +361,12 @@ class SchedulerSide:
         if full <= st.saved_chunks:
             return
         lo = st.saved_chunks
+        if NULL_BLOCK in st.block_ids[lo * p:full * p]:
+            # vLLM's placeholder for a block the request does not hold: no KV of this request.
+            full = st.block_ids.index(NULL_BLOCK, lo * p) // p
+            self._stop_saves(st, full)
+            if full <= lo:
+                return
         meta.saves.append(ChunkTransfer(req_id, [k[lo:full] for k in st.keys], st.block_ids[lo * p:full * p],
                                         first_chunk=lo, hold=hold, per=p, hint=st.hint))
         st.saved_chunks = full
