@@ -64,9 +64,11 @@ class KVShape:
     def __init__(self, vllm_config: Any, kv_cache_config: Any, chunk_tokens: int, model_id: str | None) -> None:
         groups = kv_cache_config.kv_cache_groups
         if len(groups) != 1:
-            raise ConfigError(f"the kvstore connector supports one KV cache group, got {len(groups)} "
-                              "(hybrid models with the hybrid KV cache manager are not supported)")
+            specs = ", ".join(type(g.kv_cache_spec).__name__ for g in groups)
+            raise ConfigError(f"the kvstore connector supports one KV cache group, got {len(groups)} ({specs}; "
+                              "hybrid models with the hybrid KV cache manager are not supported)")
         spec = groups[0].kv_cache_spec
+        check_spec(spec, groups[0])
         self.block_size = int(spec.block_size)
         if chunk_tokens % self.block_size:
             raise ConfigError(f"chunk_tokens ({chunk_tokens}) must be a multiple of vLLM's block size "
@@ -92,7 +94,7 @@ class KVShape:
         self.world_size = self.tp_size * self.pp_size * self.pcp_size
         # MLA keeps one latent KV replicated on every TP rank (split only by DCP): one
         # copy is stored, written by the first replica and read by all.
-        self.mla = bool(getattr(spec, "use_mla", False)) or "MLA" in type(spec).__name__
+        self.mla = type(spec).__name__ == "MLAAttentionSpec"
         self.tp_shards = self.dcp_size if self.mla else self.tp_size
         self.key_ranks = self.tp_shards * self.pp_size * self.pcp_size
         parts = [f"vllm:{layout}", type(spec).__name__, f"L{len(self.layer_names)}",
@@ -115,6 +117,25 @@ class KVShape:
 
     def namespace(self, rank: int, salt: str) -> Namespace:
         return Namespace(self.model, self.dtype, self.chunk_tokens, self.layout, rank, self.key_ranks, salt)
+
+
+# The KV cache specs whose blocks the connector moves: every block a request was given
+# holds its positions' KV until the request ends. Matched by exact type name: a subclass
+# (sink, RSWA, hidden-state caches) keeps its blocks differently.
+SUPPORTED_SPECS = ("FullAttentionSpec", "MLAAttentionSpec")
+
+
+def check_spec(spec: Any, group: Any) -> None:
+    """Refuse, by name, a KV cache spec the connector does not handle: a sliding-window
+    or chunked-local group frees blocks behind the window (vLLM hands them to other
+    requests), Mamba keeps a state rather than per-token KV, cross-attention KV comes
+    from the encoder."""
+    name = type(spec).__name__
+    if name not in SUPPORTED_SPECS:
+        layers = list(getattr(group, "layer_names", None) or [])
+        shown = ", ".join(layers[:3]) + (f", ... ({len(layers)} layers)" if len(layers) > 3 else "")
+        raise ConfigError(f"the kvstore connector does not support KV cache spec {name} (layer group: "
+                          f"{shown or '<no layers>'}); it supports {' and '.join(SUPPORTED_SPECS)} only")
 
 
 def request_salt(request: Any) -> str:
@@ -145,4 +166,4 @@ def token_array(tokens: Any) -> np.ndarray:
         raise InvalidArgumentError(f"token ids must be integers in [0, 2**32): {exc}") from exc
 
 
-__all__ = ["KVShape", "VllmConnectorConfig", "request_salt", "token_array"]
+__all__ = ["SUPPORTED_SPECS", "KVShape", "VllmConnectorConfig", "check_spec", "request_salt", "token_array"]

@@ -34,6 +34,7 @@ log = logging.getLogger(__name__)
 # Request states that end in vLLM's output loop, which never finishes a request whose
 # load failed in the step it reports: its held saves are valid KV.
 _NORMAL_FINISH = {"FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED", "FINISHED_REPETITION"}
+NULL_BLOCK = 0          # vLLM's null block: the block pool's first block, never a request's KV
 _TAINT_ENTRIES = 4096   # failed loads' unwritten blocks remembered (oldest forgotten first)
 
 
@@ -55,6 +56,21 @@ class _Req:
     pending: set[int] = field(default_factory=set)  # serials of sync loads its saves wait for
     no_save_from: int | None = None   # first chunk computed over a failed load's block: never saved
     hint: Hint | None = None          # retention hint from the request (vllm_hint)
+    uncached: str | None = None       # why the request is neither offered nor saved (uncacheable)
+
+
+def uncacheable(request: Any) -> str | None:
+    """Why a request's KV is not a function of what its keys hash, or None. Prompt
+    embeddings: the embedded positions carry a placeholder token id and the real input
+    is ``prompt_embeds``, so token-id keys would give two different prompts one key."""
+    if getattr(request, "prompt_embeds", None) is not None:
+        return "prompt embeddings"
+    mask = getattr(request, "prompt_is_token_ids", None)
+    if mask is not None and not all(mask):
+        return "prompt embeddings"
+    if getattr(request, "prompt_token_ids", None) is None:
+        return "no prompt token ids"
+    return None
 
 
 def vllm_hint(request: Any) -> Hint | None:
@@ -100,6 +116,8 @@ class SchedulerSide:
         if not self.do_load:
             return 0, False
         st = self._state(request)
+        if st.uncached is not None:
+            return 0, False
         usable = (len(st.tokens) - 1) // self.shape.chunk_tokens
         if usable <= 0:
             return 0, False
@@ -115,7 +133,7 @@ class SchedulerSide:
         from the point it asked about, which the scheduler may cap below the offer —
         and lease their chunks so that they cannot be evicted before a worker loads them."""
         st = self._state(request)
-        if num_external_tokens <= 0:
+        if num_external_tokens <= 0 or st.uncached is not None:
             return
         c, bs, per = self.shape.chunk_tokens, self.shape.block_size, self.shape.blocks_per_chunk
         start = st.offer_from
@@ -281,12 +299,25 @@ class SchedulerSide:
     # -- internals ------------------------------------------------------------------------
 
     def _state(self, request: Any) -> _Req:
+        """The request's state, its chunk keys hashed on first sight. Never raises for a
+        request: one the keys cannot cover, or whose keys cannot be computed, is a miss
+        that is never saved (counted once in ``uncached_requests``)."""
         st = self._reqs.get(request.request_id)
         if st is None:
-            tokens = token_array(request.prompt_token_ids)
-            salt = request_salt(request)
-            keys = [self.shape.namespace(r, salt).chunk_keys(tokens) for r in range(self.shape.key_ranks)]
-            st = self._reqs[request.request_id] = _Req(tokens, keys, hint=vllm_hint(request))
+            why = uncacheable(request)
+            if why is None:
+                try:
+                    tokens = token_array(request.prompt_token_ids)
+                    salt = request_salt(request)
+                    keys = [self.shape.namespace(r, salt).chunk_keys(tokens) for r in range(self.shape.key_ranks)]
+                    st = _Req(tokens, keys, hint=vllm_hint(request))
+                except Exception as exc:   # a hook's exception would end vLLM's engine loop
+                    why = f"its keys cannot be computed ({type(exc).__name__}: {exc})"
+            if why is not None:
+                log.info("request %s is not cached by the kvstore connector: %s", request.request_id, why)
+                self.metrics.add("uncached_requests")
+                st = _Req(token_array([]), [[] for _ in range(self.shape.key_ranks)], uncached=why)
+            self._reqs[request.request_id] = st
         return st
 
     def _note_shared_loads(self, req_id: str, st: _Req, computed: int) -> None:
@@ -320,8 +351,8 @@ class SchedulerSide:
 
     def _plan_save(self, meta: KVStoreConnectorMetadata, req_id: str, st: _Req, computed: int, *,
                    hold: bool = False) -> None:
-        if st.pending:
-            return                      # computed over a load not yet confirmed
+        if st.pending or st.uncached is not None:
+            return                      # computed over a load not yet confirmed, or never cached
         p = self.shape.blocks_per_chunk
         full = min(computed, len(st.tokens)) // self.shape.chunk_tokens
         full = min(full, len(st.block_ids) // p, len(st.keys[0]))
@@ -330,6 +361,12 @@ class SchedulerSide:
         if full <= st.saved_chunks:
             return
         lo = st.saved_chunks
+        if NULL_BLOCK in st.block_ids[lo * p:full * p]:
+            # vLLM's placeholder for a block the request does not hold: no KV of this request.
+            full = st.block_ids.index(NULL_BLOCK, lo * p) // p
+            self._stop_saves(st, full)
+            if full <= lo:
+                return
         meta.saves.append(ChunkTransfer(req_id, [k[lo:full] for k in st.keys], st.block_ids[lo * p:full * p],
                                         first_chunk=lo, hold=hold, per=p, hint=st.hint))
         st.saved_chunks = full

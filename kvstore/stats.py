@@ -13,6 +13,7 @@ COUNTERS = {
     "failed_loads": "chunks whose load failed and were reported for recompute",
     "dropped_saves": "chunks not stored: over the staging budget, refused, or computed after a failed load",
     "deleted_saves": "stored chunks deleted because they were computed over a failed load",
+    "uncached_requests": "requests neither offered nor saved: inputs the keys do not cover (prompt embeddings)",
 }
 GAUGES = {"staging_bytes": "host and device staging memory held by the connector"}
 
