@@ -12,13 +12,16 @@ Two key spaces, never mixed, because their bytes differ:
   is stored as ONE block per page (K of every layer, then V of every layer),
   gathered into and scattered from a bounded staging buffer.
 
-Both namespaces carry the model, dtype, pool class and layout, layer count, page
-size, bytes per token and the shard (TP rank/size; MLA: one shared shard), so a key
-can only ever meet bytes of the same meaning.
+Both namespaces carry the model, dtype (the pool's storage dtype plus the logical
+``kv_cache_dtype``), pool class and layout, layer count, page size, bytes per token,
+the shard (TP rank/size; MLA: one shared shard) and the engine settings that change
+every byte (model path, revision, quantization, overrides, compute dtype,
+``weights_version``), so a key can only ever meet bytes of the same meaning.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import threading
 from collections import OrderedDict
@@ -116,11 +119,59 @@ class PageKeys:
         return out
 
 
-def make_namespace(model: str, dtype: str, layout: str, page_tokens: int, cfg: Any, salt: str) -> Namespace:
+# Storage dtypes that hold several KV formats (every fp8 and fp4 format is stored as uint8).
+_OPAQUE_DTYPES = {"uint8", "int8"}
+
+
+def kv_dtype(pool_dtype: str, kv_cache_dtype: str | None) -> str:
+    """The namespace dtype: the pool's storage dtype, plus SGLang's ``kv_cache_dtype``
+    when it names a format (``auto`` adds nothing, so default keys stay). A pool whose
+    storage dtype cannot tell its formats apart is refused without one."""
+    kv = str(kv_cache_dtype or "auto")
+    if kv == "auto":
+        if pool_dtype in _OPAQUE_DTYPES:
+            raise ConfigError(f"sglang: the host pool stores KV as {pool_dtype}, which every fp8/fp4 format "
+                              "shares, and the KV cache dtype is not known; set extra_config 'kv_cache_dtype' "
+                              "(the value of --kv-cache-dtype)")
+        return pool_dtype
+    return f"{pool_dtype}/{kv}"
+
+
+def engine_identity(server_args: Any, model: str, weights_version: str | None) -> dict[str, str]:
+    """What changes every KV byte besides the served name and the pool: the model path
+    (when the name does not already say it) and revision, quantization, model-config
+    overrides, the compute dtype and a ``weights_version``. Defaults add nothing."""
+    out: dict[str, str] = {}
+    sa = server_args
+    path = getattr(sa, "model_path", None)
+    if path and model != path and not model.startswith(f"{path}-"):
+        out["path"] = str(path)
+    for attr, tag in (("revision", "revision"), ("quantization", "quant"), ("dtype", "dtype")):
+        value = getattr(sa, attr, None)
+        if value and value != "auto":
+            out[tag] = str(value)
+    overrides = getattr(sa, "json_model_override_args", None)
+    if overrides and overrides not in ("{}", {}):
+        if isinstance(overrides, str):
+            try:
+                overrides = json.loads(overrides)
+            except ValueError:
+                pass
+        canonical = json.dumps(overrides, sort_keys=True, separators=(",", ":"))
+        out["overrides"] = hashlib.blake2b(canonical.encode(), digest_size=16).hexdigest()
+    if weights_version:
+        out["weights"] = str(weights_version)
+    return out
+
+
+def make_namespace(model: str, dtype: str, layout: str, page_tokens: int, cfg: Any, salt: str,
+                   identity: dict[str, str] | None = None) -> Namespace:
     rank, world, extra = shard_of(cfg)
+    fields: dict[str, Any] = {"shard": extra, "user": salt}
+    if identity:
+        fields["engine"] = identity
     return Namespace(model=model, dtype=dtype, chunk_tokens=page_tokens, layout=layout,
-                     rank=rank, world_size=world,
-                     salt=json.dumps({"shard": extra, "user": salt}, sort_keys=True))
+                     rank=rank, world_size=world, salt=json.dumps(fields, sort_keys=True))
 
 
 class PoolSegments:
@@ -411,4 +462,5 @@ class LeaseBook:
         return out
 
 
-__all__ = ["LeaseBook", "PageKeys", "PoolSegments", "Staging", "make_namespace", "pool_signature", "shard_of"]
+__all__ = ["LeaseBook", "PageKeys", "PoolSegments", "Staging", "engine_identity", "kv_dtype", "make_namespace",
+           "pool_signature", "shard_of"]

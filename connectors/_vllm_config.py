@@ -7,7 +7,10 @@ environment.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
+import json
+import os
 from array import array
 from typing import Any, Mapping
 
@@ -30,6 +33,7 @@ class VllmConnectorConfig(BaseModel):
     tls: bool | dict[str, Any] | None = None    # TLS to a server with server.tls (remote tier's tls settings)
     chunk_tokens: int = Field(256, gt=0)        # tokens per stored chunk (multiple of block size)
     model_id: str | None = None                 # namespace model name; default: the served model
+    weights_version: str | None = None          # bump when new weights are deployed under one path
     lease_s: float = Field(60.0, gt=0)          # how long a planned load protects its chunks
     load_async: bool = False                    # load while the request waits (WAITING_FOR_REMOTE_KVS)
     save_async: bool = True                     # saves finish in the background
@@ -61,7 +65,8 @@ class KVShape:
     """What one block means, read from vLLM's ``KVCacheConfig`` and ``VllmConfig`` the
     same way in the scheduler and in the workers."""
 
-    def __init__(self, vllm_config: Any, kv_cache_config: Any, chunk_tokens: int, model_id: str | None) -> None:
+    def __init__(self, vllm_config: Any, kv_cache_config: Any, chunk_tokens: int, model_id: str | None,
+                 weights_version: str | None = None) -> None:
         groups = kv_cache_config.kv_cache_groups
         if len(groups) != 1:
             specs = ", ".join(type(g.kv_cache_spec).__name__ for g in groups)
@@ -77,7 +82,8 @@ class KVShape:
         self.blocks_per_chunk = chunk_tokens // self.block_size
         self.layer_names = list(groups[0].layer_names)
         mc = vllm_config.model_config
-        self.model = model_id or f"{mc.model}@{getattr(mc, 'revision', None) or 'main'}"
+        self.model = model_identity(mc, model_id, weights_version,
+                                    str(getattr(vllm_config.cache_config, "cache_dtype", "auto") or "auto"))
         # The resolved element type of the cache (never "auto"), plus the cache dtype
         # vLLM was asked for where it adds a quantisation (fp8 variants share torch dtypes).
         self.dtype = str(spec.dtype).removeprefix("torch.")
@@ -138,6 +144,80 @@ def check_spec(spec: Any, group: Any) -> None:
                           f"{shown or '<no layers>'}); it supports {' and '.join(SUPPORTED_SPECS)} only")
 
 
+def _hub_commit(repo: str) -> str | None:
+    """The commit of ``repo``'s default revision in the local Hugging Face cache, which
+    is what vLLM loaded (it downloads before any connector starts); None for a local
+    directory, or when the cache does not hold it. Never touches the network."""
+    if os.path.isdir(repo):
+        return None
+    try:
+        from huggingface_hub import try_to_load_from_cache
+        path = try_to_load_from_cache(repo, "config.json")
+    except Exception:   # no huggingface_hub, or not a repo id: nothing to pin
+        return None
+    if not isinstance(path, str):
+        return None
+    parts = os.path.normpath(path).split(os.sep)
+    if len(parts) >= 3 and parts[-3] == "snapshots":
+        return parts[-2]
+    return None
+
+
+def _plain(value: Any) -> Any:
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return dataclasses.asdict(value)
+    if hasattr(value, "model_dump"):
+        return value.model_dump()
+    raise TypeError(f"{type(value).__name__} is not JSON")
+
+
+def _fingerprint(value: Any, what: str) -> str:
+    try:
+        canonical = json.dumps(value, sort_keys=True, separators=(",", ":"), default=_plain)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"the kvstore connector cannot fingerprint {what}: {exc}") from None
+    return hashlib.blake2b(canonical.encode(), digest_size=16).hexdigest()
+
+
+def model_identity(mc: Any, model_id: str | None, weights_version: str | None, cache_dtype: str) -> str:
+    """The namespace's model field: the model and the weights' revision, plus every model
+    setting that changes the KV bytes of the same tokens. Settings at their defaults add
+    nothing, so a default deployment keeps its keys.
+
+    - revision: ``revision``, else the cached commit of a hub repo's default branch
+      (``main`` moves), else ``main``; ``weights_version`` for re-deployed local weights;
+    - ``code_revision`` and ``model_weights`` (remote code and a separate weights path);
+    - ``quantization`` and ``quantization_config`` (online or from the checkpoint);
+    - ``hf_overrides`` (RoPE scaling and the like), as a digest of their canonical JSON; a
+      callable's effect cannot be known, so it needs ``weights_version``;
+    - the model dtype when the KV cache is stored in another one (fp8 KV computed in
+      float16 or bfloat16 differs).
+    """
+    rev = getattr(mc, "revision", None) or _hub_commit(str(mc.model)) or "main"
+    base = model_id or f"{mc.model}@{rev}"
+    extra = []
+    if weights_version:
+        extra.append(f"weights={weights_version}")
+    for attr, tag in (("code_revision", "code"), ("model_weights", "weights_path"), ("quantization", "quant")):
+        value = getattr(mc, attr, None)
+        if value:
+            extra.append(f"{tag}={value}")
+    overrides = getattr(mc, "hf_overrides", None)
+    if callable(overrides):
+        if not weights_version:
+            raise ConfigError("the kvstore connector cannot tell what a callable hf_overrides changes; set "
+                              "kv_connector_extra_config 'weights_version' to name this model variant")
+        extra.append(f"hf=callable:{getattr(overrides, '__module__', '')}.{getattr(overrides, '__qualname__', '')}")
+    elif overrides:
+        extra.append(f"hf={_fingerprint(overrides, 'hf_overrides')}")
+    quant_config = getattr(mc, "quantization_config", None)
+    if quant_config:
+        extra.append(f"qcfg={_fingerprint(quant_config, 'quantization_config')}")
+    if cache_dtype != "auto":
+        extra.append(f"act={str(getattr(mc, 'dtype', '')).removeprefix('torch.')}")
+    return base + "".join(f";{e}" for e in extra)
+
+
 def request_salt(request: Any) -> str:
     """Everything besides the token ids that changes a request's KV: its cache salt,
     its LoRA adapter and its multimodal inputs (hashes and positions)."""
@@ -166,4 +246,5 @@ def token_array(tokens: Any) -> np.ndarray:
         raise InvalidArgumentError(f"token ids must be integers in [0, 2**32): {exc}") from exc
 
 
-__all__ = ["SUPPORTED_SPECS", "KVShape", "VllmConnectorConfig", "check_spec", "request_salt", "token_array"]
+__all__ = ["SUPPORTED_SPECS", "KVShape", "VllmConnectorConfig", "check_spec", "model_identity", "request_salt",
+           "token_array"]

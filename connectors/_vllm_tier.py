@@ -64,7 +64,7 @@ class KVStoreTier(SecondaryTierManager):
     def __init__(self, offloading_spec: Any, primary_kv_view: memoryview, tier_type: str,
                  backpressure_detector: Any = None, *, store: Mapping[str, Any] | str | None = None,
                  server: str | None = None, token: str | None = None, model_id: str | None = None,
-                 locality: str | None = None, lease_s: float = DEFAULT_LEASE_S) -> None:
+                 weights_version: str | None = None, locality: str | None = None, lease_s: float = DEFAULT_LEASE_S) -> None:
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
         self._rows = _rows_of(primary_kv_view)
         cfg = offloading_spec.config
@@ -77,8 +77,11 @@ class KVStoreTier(SecondaryTierManager):
                   + (";canonical" if getattr(cfg, "canonical_layout", False) else "")
                   + (";replicated" if getattr(cfg, "replicated_layout", False) else ""))
         tokens = cfg.cache.tokens_per_hash * cfg.cache.blocks_per_chunk
-        self.namespace = Namespace(model_id or cfg.model.name, cfg.model.dtype, max(tokens, 1), layout,
-                                   0, 1, "")
+        # vLLM tells a secondary tier only the model's name and KV dtype, not its revision,
+        # quantization or hf_overrides: deployments that differ only in those must name
+        # themselves with weights_version (or model_id); see docs/vllm.md.
+        model = (model_id or cfg.model.name) + (f";weights={weights_version}" if weights_version else "")
+        self.namespace = Namespace(model, cfg.model.dtype, max(tokens, 1), layout, 0, 1, "")
         self._default_tokens = max(tokens, 1)
         self._group_tokens = {g.group_id: g.tokens_per_block * cfg.cache.blocks_per_chunk for g in cfg.groups}
         if (store is None) == (server is None):

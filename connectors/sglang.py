@@ -14,6 +14,9 @@ Options in ``extra_config`` (besides SGLang's own ``backend_name``/``module_path
   with an optional ``token``, for a shared ``kvstore serve``;
 - ``namespace``: a tenant / deployment salt mixed into every key;
 - ``model``: overrides SGLang's model name in the keys;
+- ``kv_cache_dtype``: the KV cache format (``fp8_e4m3``, ``fp8_e5m2``, ...), read from
+  SGLang's ServerArgs when not given; a ``uint8`` host pool is refused without it;
+- ``weights_version``: names the weights, for new weights deployed under one path;
 - ``lease_s``: the longest that pages counted by ``batch_exists`` are kept from
   eviction (default 30 s), so the prefetch that follows finds them. Leases are
   released as soon as SGLang can no longer read those pages (see
@@ -47,7 +50,8 @@ except ImportError as exc:  # pragma: no cover - exercised only without sglang
 from kvstore.connectors._hints import request_hint
 from kvstore.connectors._metrics import ConnectorMetrics
 from kvstore.connectors._store_handle import open_store, release_store
-from kvstore.connectors._sglang_pages import LeaseBook, PageKeys, PoolSegments, Staging, make_namespace, pool_signature
+from kvstore.connectors._sglang_pages import (LeaseBook, PageKeys, PoolSegments, Staging, engine_identity, kv_dtype,
+                                              make_namespace, pool_signature)
 from kvstore.api import StoreAPI
 from kvstore.buffers import copy_bytes, nbytes_of
 from kvstore.config import parse_size
@@ -59,11 +63,22 @@ log = logging.getLogger(__name__)
 
 # SGLang passes its own keys through; file_storage_path is added when --file-storage-path is set.
 _SGLANG_KEYS = {"backend_name", "module_path", "class_name", "interface_v1", "file_storage_path"}
-_OUR_KEYS = {"store", "server", "token", "tls", "namespace", "model", "lease_s", "staging_bytes"}
+_OUR_KEYS = {"store", "server", "token", "tls", "namespace", "model", "lease_s", "staging_bytes",
+             "kv_cache_dtype", "weights_version"}
 DEFAULT_STAGING_BYTES = 64 << 20
 # Failures of the store behind us: reported as misses / failed saves, never raised
 # into SGLang's I/O threads. Bad arguments (InvalidArgumentError) still raise.
 _STORE_FAILURES = (TierError, RemoteError, StoreClosedError, OSError)
+
+
+def _server_args() -> Any:
+    """SGLang's ServerArgs for this process, or None where none is published (a
+    backend built outside an engine)."""
+    try:
+        from sglang.srt.runtime_context import get_server_args
+        return get_server_args()
+    except (ImportError, ValueError, AttributeError):
+        return None
 
 
 class KVStoreHiCacheStorage(HiCacheStorage):
@@ -85,6 +100,10 @@ class KVStoreHiCacheStorage(HiCacheStorage):
         if not self.model:
             raise ConfigError("sglang: no model name (SGLang passed none); set extra_config 'model'")
         self._salt = str(extra.get("namespace", ""))
+        # What SGLang does not pass a storage backend (ServerArgs, published in this process).
+        self._server_args = _server_args()
+        self._kv_cache_dtype = extra.get("kv_cache_dtype") or getattr(self._server_args, "kv_cache_dtype", None)
+        self._identity = engine_identity(self._server_args, self.model, extra.get("weights_version"))
         try:
             self.lease_s = float(extra.get("lease_s", 30.0))
         except (TypeError, ValueError):
@@ -111,7 +130,7 @@ class KVStoreHiCacheStorage(HiCacheStorage):
         page = int(getattr(storage_config, "logical_page_size", None) or 1)
         # Until a host pool is registered, values are opaque bytes in their own namespace.
         self._v0 = PageKeys(make_namespace(self.model, "raw", "sglang-v0:raw", page,
-                                           storage_config, self._salt), 1)
+                                           storage_config, self._salt, self._identity), 1)
         self._v1: PageKeys | None = None
         self._page_tokens = page
         self._namespaces = [self._v0.ns.digest]   # every key space this backend used (clear)
@@ -122,15 +141,17 @@ class KVStoreHiCacheStorage(HiCacheStorage):
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
         super().register_mem_pool_host(mem_pool_host)
         dtype, layout, page = pool_signature(mem_pool_host)
+        dtype = kv_dtype(dtype, self._kv_cache_dtype)
         cfg = self.storage_config
-        self._v0 = PageKeys(make_namespace(self.model, dtype, f"sglang-v0:{layout}", page, cfg, self._salt), 1)
+        ident = self._identity
+        self._v0 = PageKeys(make_namespace(self.model, dtype, f"sglang-v0:{layout}", page, cfg, self._salt, ident), 1)
         self._page_tokens = page
         self._namespaces.append(self._v0.ns.digest)
         if self.interface_v1:
             self._segments = PoolSegments(mem_pool_host)
             # "v1" pages are the pool's segments, "v1-page" one staged block per page
             kind = "sglang-v1-page" if self._segments.staged else "sglang-v1"
-            ns = make_namespace(self.model, dtype, f"{kind}:{layout}", page, cfg, self._salt)
+            ns = make_namespace(self.model, dtype, f"{kind}:{layout}", page, cfg, self._salt, ident)
             self._v1 = PageKeys(ns, self._segments.per_page)
             self._namespaces.append(ns.digest)
             if self._segments.staged:

@@ -53,7 +53,8 @@ class KVStoreConnector(KVConnectorBase_V1):
         super().__init__(vllm_config, role, kv_cache_config)
         tc = self._kv_transfer_config
         self.config = VllmConnectorConfig.parse(tc.kv_connector_extra_config)
-        self.shape = KVShape(vllm_config, kv_cache_config, self.config.chunk_tokens, self.config.model_id)
+        self.shape = KVShape(vllm_config, kv_cache_config, self.config.chunk_tokens, self.config.model_id,
+                             self.config.weights_version)
         do_save = self.config.save if self.config.save is not None else tc.is_kv_producer
         do_load = self.config.load if self.config.load is not None else tc.is_kv_consumer
         if self.config.store is not None and self.shape.world_size > 1:

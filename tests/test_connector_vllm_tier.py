@@ -34,8 +34,8 @@ def engine(tmp_path):
     store = vs.store_config(name=f"t{uuid.uuid4().hex[:8]}")
     made = []
 
-    def make(*, server=None, canonical=False):
-        tier_cfg = {"type": "KVStoreTier", "module_path": "kvstore.connectors.vllm"}
+    def make(*, server=None, canonical=False, **tier_kwargs):
+        tier_cfg = {"type": "KVStoreTier", "module_path": "kvstore.connectors.vllm", **tier_kwargs}
         tier_cfg.update({"server": server, "token": TOKEN} if server else {"store": store})
         extra = {"spec_name": "TieringOffloadingSpec", "cpu_bytes_to_use": 1 << 20, "block_size": CHUNK_TOKENS,
                  "secondary_tiers": [tier_cfg]}
@@ -247,6 +247,15 @@ def test_canonical_and_direct_rows_never_share_keys(engine):
     outs = run(s2, tier2, lambda out: scheduled(out, "r2"))
     assert scheduled(outs[-1], "r2").num_computed_tokens == 0
     assert tier2.namespace != tier1.namespace
+
+
+def test_redeployed_weights_with_a_new_weights_version_never_share_keys(engine):
+    tier1, _, _ = cascade(engine)
+    s2, tier2 = engine(weights_version="v2")   # same path, dtype and rows; other weights
+    s2.add_request(vs.request("r2", PROMPT[:96] + list(range(600, 640))))
+    outs = run(s2, tier2, lambda out: scheduled(out, "r2"))
+    assert scheduled(outs[-1], "r2").num_computed_tokens == 0
+    assert tier2.namespace.model == tier1.namespace.model + ";weights=v2"
 
 
 def test_shutdown_detaches_counters_and_releases_leases(engine):
