@@ -111,7 +111,8 @@ def _hash_text(words: Sequence[int]) -> str:
 
 def request_key(request: Any) -> RequestKey | None:
     """What ``request`` adds to its blocks' keys besides its tokens, read from
-    TensorRT-LLM's ``LlmRequest``: ``cache_salt``, ``lora_task_id`` (with
+    TensorRT-LLM's ``LlmRequest``: ``cache_salt`` (or the binding's integer
+    ``cache_salt_id`` where the text is not exposed), ``lora_task_id`` (with
     ``py_lora_path`` where set) and the multimodal items (``multimodal_hashes``,
     ``multimodal_positions``, ``multimodal_lengths``). ``None`` when the request
     carries input that changes its KV and that cannot be keyed on: a prompt-tuning
@@ -137,7 +138,10 @@ def request_key(request: Any) -> RequestKey | None:
     if lora is not None:
         path = getattr(request, "py_lora_path", None)
         lora_text = str(int(lora)) + (f"@{path}" if path else "")
-    return RequestKey(salt=getattr(request, "cache_salt", None), lora=lora_text, mm_items=items)
+    salt = getattr(request, "cache_salt", None)
+    salt_id = getattr(request, "cache_salt_id", None) if salt is None else None
+    return RequestKey(salt=salt, lora=lora_text, mm_items=items,
+                      salt_id=int(salt_id) if salt_id is not None else None)
 
 
 def check_store_reach(llm_args: Any, scheme: KeyScheme) -> str | None:

@@ -59,15 +59,19 @@ class RequestKey:
     salt: str | None = None
     lora: str | None = None
     mm_items: tuple[tuple[int, str, int], ...] = ()
+    salt_id: int | None = None   # the binding's ``cache_salt_id``, where the salt text is not exposed
 
     def namespace_salt(self) -> str:
         """The namespace's salt: the bare ``cache_salt`` for a plain request (keys as
         before), else a JSON record no bare salt can equal (a JSON object's text
         starts with ``{``; a salt that does is encoded as a record too)."""
         plain = self.salt or ""
-        if self.lora is None and not plain.startswith("{"):
+        if self.lora is None and self.salt_id is None and not plain.startswith("{"):
             return plain
-        return json.dumps({"cache_salt": plain, "lora": self.lora}, sort_keys=True, separators=(",", ":"))
+        record = {"cache_salt": plain, "lora": self.lora}
+        if self.salt_id is not None:
+            record["cache_salt_id"] = self.salt_id
+        return json.dumps(record, sort_keys=True, separators=(",", ":"))
 
     def items_in(self, start: int, end: int) -> list[tuple[int, str, int]]:
         """The multimodal items that start inside token positions ``[start, end)``;

@@ -72,6 +72,20 @@ def test_a_salt_cannot_spell_another_requests_identity(trt):
     assert scheme.content_keys(PROMPT, lora) != scheme.content_keys(PROMPT, forged)
 
 
+def test_a_salt_only_exposed_as_cache_salt_id_still_separates(engine):
+    """The C++ binding exposes ``cache_salt_id`` (an integer of the salt); a request
+    carrying only that never shares blocks with an unsalted or another salt's request."""
+    eng = engine()
+    first = standin.LlmRequest(1, PROMPT)
+    first.cache_salt_id = 77
+    eng.prefill(first)
+    eng.finish(first)
+    assert eng.prefill(standin.LlmRequest(2, PROMPT)) == 0
+    again = standin.LlmRequest(3, PROMPT)
+    again.cache_salt_id = 77
+    assert eng.prefill(again) == 4 * BS
+
+
 def test_multimodal_items_are_keyed_by_hash_and_position(engine):
     eng = engine()
     image = dict(multimodal_hashes=[IMAGE_A], multimodal_positions=[8], multimodal_lengths=[4])
