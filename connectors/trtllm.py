@@ -11,7 +11,8 @@ Use it through ``kv_connector_config`` (see docs/trtllm.md)::
 TensorRT-LLM runs the scheduler on rank 0 and a worker on every rank. A block is one
 entry of the engine's primary pool (``kv_cache_tensor[block_id]``: all layers, K and
 V of one rank's heads) and is saved and loaded whole, in place. Keys chain the token
-ids of full blocks with the request's ``cache_salt`` (see ``_trtllm_plan``), then
+ids of full blocks with the request's ``cache_salt``, LoRA adapter and multimodal items
+(see ``_trtllm_plan.RequestKey``; a request whose input cannot be keyed is a miss), then
 add the TP rank, so equal prefixes meet across processes and restarts.
 
 Without ``server_url`` the scheduler and the worker of one process share one
