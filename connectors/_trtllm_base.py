@@ -20,7 +20,7 @@ except ImportError:
                           "connector API; see docs/trtllm.md") from exc
 
 from kvstore.connectors._store_handle import open_store, release_store
-from kvstore.connectors._trtllm_plan import KeyScheme
+from kvstore.connectors._trtllm_plan import KeyScheme, RequestKey
 from kvstore.api import StoreAPI
 from kvstore.errors import ConfigError, RemoteError, StoreClosedError, TierError
 
@@ -67,10 +67,14 @@ def scheme_of(llm_args: Any) -> KeyScheme:
     if pp > 1:
         raise ConfigError("trtllm connector: pipeline parallelism is not supported (TensorRT-LLM's KV cache "
                           "connector does not support it either)")
+    quant = getattr(llm_args, "quant_config", None)
+    if "FP4" in kv_dtype.upper() or "FP4" in text_of(getattr(quant, "kv_cache_quant_algo", None)).upper():
+        raise ConfigError("trtllm connector: an NVFP4 KV cache is not supported: TensorRT-LLM keeps its block "
+                          "scales in a second pool, and this connector moves only the primary pool (the scales "
+                          "would not match the blocks)")
     model = str(getattr(llm_args, "model", "") or "")
     if not model:
         raise ConfigError("trtllm connector: llm_args.model is empty; keys need a model name")
-    quant = getattr(llm_args, "quant_config", None)
     fields = (("revision", text_of(getattr(llm_args, "revision", None))),
               ("model_dtype", text_of(getattr(llm_args, "dtype", None)) or "auto"),
               ("quant_algo", text_of(getattr(quant, "quant_algo", None))),
@@ -78,6 +82,66 @@ def scheme_of(llm_args: Any) -> KeyScheme:
               ("tp", str(int(tp or 1))), ("pp", str(pp)))
     return KeyScheme(model=model, dtype=kv_dtype, tokens_per_block=tokens_per_block, world_size=int(tp or 1),
                      fields=fields)
+
+
+def windowed_pool(llm_args: Any) -> bool:
+    """Whether the pool holds a sliding (or chunked) attention window:
+    ``kv_cache_config.max_attention_window`` names a window shorter than the sequence
+    (or the sequence length is unknown). TensorRT-LLM reports the blocks such a
+    window has passed as ``-1``."""
+    windows = getattr(getattr(llm_args, "kv_cache_config", None), "max_attention_window", None) or []
+    if isinstance(windows, int):
+        windows = [windows]
+    max_seq_len = getattr(llm_args, "max_seq_len", None)
+    return bool(windows) and (max_seq_len is None or min(int(w) for w in windows) < int(max_seq_len))
+
+
+def _present(value: Any) -> bool:
+    if value is None:
+        return False
+    try:
+        return len(value) > 0
+    except TypeError:
+        return True
+
+
+def _hash_text(words: Sequence[int]) -> str:
+    return "".join(f"{int(w) & 0xFFFFFFFF:08x}" for w in words)
+
+
+def request_key(request: Any) -> RequestKey | None:
+    """What ``request`` adds to its blocks' keys besides its tokens, read from
+    TensorRT-LLM's ``LlmRequest``: ``cache_salt`` (or the binding's integer
+    ``cache_salt_id`` where the text is not exposed), ``lora_task_id`` (with
+    ``py_lora_path`` where set) and the multimodal items (``multimodal_hashes``,
+    ``multimodal_positions``, ``multimodal_lengths``). ``None`` when the request
+    carries input that changes its KV and that cannot be keyed on: a prompt-tuning
+    table (``prompt_embedding_table``), or multimodal input without hashes and
+    positions for every item; such a request is a miss and saves nothing."""
+    if _present(getattr(request, "prompt_embedding_table", None)):
+        return None
+    hashes = getattr(request, "multimodal_hashes", None)
+    positions = getattr(request, "multimodal_positions", None)
+    lengths = getattr(request, "multimodal_lengths", None)
+    items: tuple = ()
+    if _present(hashes):
+        if (positions is None or len(positions) != len(hashes)
+                or (lengths is not None and len(lengths) != len(hashes))):
+            return None
+        items = tuple(sorted((int(pos), _hash_text(h), int(lengths[i]) if lengths is not None else -1)
+                             for i, (pos, h) in enumerate(zip(positions, hashes))))
+    elif any(_present(getattr(request, name, None))
+             for name in ("multimodal_positions", "multimodal_embedding", "py_multimodal_data")):
+        return None
+    lora = getattr(request, "lora_task_id", None)
+    lora_text = None
+    if lora is not None:
+        path = getattr(request, "py_lora_path", None)
+        lora_text = str(int(lora)) + (f"@{path}" if path else "")
+    salt = getattr(request, "cache_salt", None)
+    salt_id = getattr(request, "cache_salt_id", None) if salt is None else None
+    return RequestKey(salt=salt, lora=lora_text, mm_items=items,
+                      salt_id=int(salt_id) if salt_id is not None else None)
 
 
 def check_store_reach(llm_args: Any, scheme: KeyScheme) -> str | None:
@@ -123,4 +187,4 @@ def record_event(stream: Any, tensors: list) -> Any:
 
 __all__ = ["KvCacheConnectorScheduler", "KvCacheConnectorWorker", "LEASE_S", "STAGING_BYTES", "STORE_FAILURES",
            "acquire_store", "check_store_reach", "connector_config", "leading", "on_stream", "record_event",
-           "release_store", "scheme_of", "server_url", "text_of"]
+           "release_store", "request_key", "scheme_of", "server_url", "text_of", "windowed_pool"]

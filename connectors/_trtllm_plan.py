@@ -6,7 +6,9 @@ Keys come in two steps so the scheduler (rank 0) can name every rank's blocks:
 - a **content key** per full block of tokens: the chained digest of the token ids in
   a namespace of everything that changes a block's bytes and that the scheduler can
   read from ``llm_args`` (model and revision, model dtype, KV cache dtype and
-  quantisation, tokens per block, TP/PP sizes), plus the request's ``cache_salt``;
+  quantisation, tokens per block, TP/PP sizes), plus what the request adds to its KV
+  (:class:`RequestKey`: ``cache_salt``, the LoRA adapter, and each multimodal item's
+  hash at the block where the item starts, as TensorRT-LLM's own block keys do);
 - a **rank key**: the content key mapped into the namespace of one TP rank and of the
   engine's KV pool as the worker sees it (:class:`PoolLayout`: the resolved torch
   dtype and shape of one block, never ``auto``). Under MLA (one latent per token,
@@ -19,6 +21,7 @@ scheduler reads the pool layout from the worker of its own process
 
 from __future__ import annotations
 
+import json
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Sequence
@@ -46,6 +49,40 @@ class PoolLayout:
 
 
 @dataclass(frozen=True)
+class RequestKey:
+    """What one request adds to the key of its blocks besides its tokens, stable across
+    processes: ``cache_salt``, the LoRA adapter (TensorRT-LLM's ``lora_task_id`` and,
+    where the request carries it, the adapter path) and the multimodal items
+    (``(position, hash, length)`` each, TensorRT-LLM's ``multimodal_positions``,
+    ``multimodal_hashes`` and ``multimodal_lengths``)."""
+
+    salt: str | None = None
+    lora: str | None = None
+    mm_items: tuple[tuple[int, str, int], ...] = ()
+    salt_id: int | None = None   # the binding's ``cache_salt_id``, where the salt text is not exposed
+
+    def namespace_salt(self) -> str:
+        """The namespace's salt: the bare ``cache_salt`` for a plain request (keys as
+        before), else a JSON record no bare salt can equal (a JSON object's text
+        starts with ``{``; a salt that does is encoded as a record too)."""
+        plain = self.salt or ""
+        if self.lora is None and self.salt_id is None and not plain.startswith("{"):
+            return plain
+        record = {"cache_salt": plain, "lora": self.lora}
+        if self.salt_id is not None:
+            record["cache_salt_id"] = self.salt_id
+        return json.dumps(record, sort_keys=True, separators=(",", ":"))
+
+    def items_in(self, start: int, end: int) -> list[tuple[int, str, int]]:
+        """The multimodal items that start inside token positions ``[start, end)``;
+        every later block chains from that block's key."""
+        return [item for item in self.mm_items if start <= item[0] < end]
+
+
+PLAIN = RequestKey()
+
+
+@dataclass(frozen=True)
 class KeyScheme:
     """What every key of one deployment shares. Immutable; safe across threads.
 
@@ -62,11 +99,28 @@ class KeyScheme:
     def _content_layout(self) -> str:
         return "trtllm:content;" + ";".join(f"{k}={v}" for k, v in self.fields)
 
-    def content_keys(self, tokens: Sequence[int], salt: str | None) -> list[BlockKey]:
-        """Content keys of every full block of ``tokens``."""
+    def content_keys(self, tokens: Sequence[int], ident: RequestKey | str | None) -> list[BlockKey]:
+        """Content keys of every full block of ``tokens`` for a request of identity
+        ``ident`` (a bare string or ``None``: only a ``cache_salt``). A block where a
+        multimodal item starts mixes the item's hash, position and length into its key,
+        and every later block chains from it; blocks before the first item keep the
+        keys of the same tokens without it (they do not depend on it)."""
+        if not isinstance(ident, RequestKey):
+            ident = RequestKey(salt=ident)
         ns = Namespace(model=self.model, dtype=self.dtype, chunk_tokens=self.tokens_per_block,
-                       layout=self._content_layout(), salt=salt or "")
-        return ns.chunk_keys(list(tokens))
+                       layout=self._content_layout(), salt=ident.namespace_salt())
+        keys = ns.chunk_keys(list(tokens))
+        if not ident.mm_items:
+            return keys
+        bs, out, mixed = self.tokens_per_block, [], False
+        for idx, key in enumerate(keys):
+            items = ident.items_in(idx * bs, (idx + 1) * bs)
+            if mixed or items:
+                mixed = True
+                block = key.digest + json.dumps(items, separators=(",", ":")).encode()
+                key = ns.key_for(block, parent=out[-1] if out else None)
+            out.append(key)
+        return out
 
     def rank_namespace(self, rank: int, layout: PoolLayout) -> Namespace:
         """The namespace rank ``rank`` stores blocks of pool ``layout`` under; under MLA
@@ -257,7 +311,7 @@ class PendingMatch:
 class RequestState:
     """Tokens and block ids seen so far for one in-flight request."""
 
-    salt: str | None
+    ident: RequestKey | None      # None: the connector never saw the request; nothing is saved
     tokens: list[int] = field(default_factory=list)
     block_ids: list[int] = field(default_factory=list)
     content: list[bytes] = field(default_factory=list)
@@ -269,10 +323,10 @@ class RequestState:
         """Content digests of the first ``n_blocks`` blocks (rehashed only when that
         number grows)."""
         if len(self.content) < n_blocks:
-            keys = scheme.content_keys(self.tokens[:n_blocks * scheme.tokens_per_block], self.salt)
+            keys = scheme.content_keys(self.tokens[:n_blocks * scheme.tokens_per_block], self.ident)
             self.content = [k.digest for k in keys]
         return self.content[:n_blocks]
 
 
-__all__ = ["LOCAL", "ConnectorMeta", "HostStaging", "KeyScheme", "LoadGroup", "LocalRegistry", "PendingMatch",
-           "PoolLayout", "RequestState", "Transfer"]
+__all__ = ["LOCAL", "PLAIN", "ConnectorMeta", "HostStaging", "KeyScheme", "LoadGroup", "LocalRegistry", "PendingMatch",
+           "PoolLayout", "RequestKey", "RequestState", "Transfer"]

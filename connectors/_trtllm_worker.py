@@ -54,6 +54,17 @@ class KVStoreConnectorWorker(KvCacheConnectorWorker):
                                  block.numel() * block.element_size())
         LOCAL.set_layout(self._url or "", self.rank, self.layout)
 
+    def register_kv_cache_layout(self, layout: Any) -> None:
+        """KVCacheManagerV2's layout: accepted only as one pool (one group of one
+        region). A second region (NVFP4's block scales, another layer group) holds KV
+        state this connector would not move, so it is refused by name."""
+        regions = [region for group in getattr(layout, "groups", []) for region in getattr(group, "regions", [])]
+        if len(regions) != 1:
+            raise ConfigError(f"trtllm connector: the KV cache layout has {len(regions)} pools (regions); only one "
+                              "primary pool is supported (a block-scale pool, as NVFP4 KV keeps, or a second "
+                              "layer group would not be moved)")
+        super().register_kv_cache_layout(layout)
+
     def _keys(self, transfers: Sequence[Transfer]) -> list:
         return self.scheme.rank_keys([t.content for t in transfers], self.rank, self.layout)
 

@@ -11,7 +11,8 @@ Use it through ``kv_connector_config`` (see docs/trtllm.md)::
 TensorRT-LLM runs the scheduler on rank 0 and a worker on every rank. A block is one
 entry of the engine's primary pool (``kv_cache_tensor[block_id]``: all layers, K and
 V of one rank's heads) and is saved and loaded whole, in place. Keys chain the token
-ids of full blocks with the request's ``cache_salt`` (see ``_trtllm_plan``), then
+ids of full blocks with the request's ``cache_salt``, LoRA adapter and multimodal items
+(see ``_trtllm_plan.RequestKey``; a request whose input cannot be keyed is a miss), then
 add the TP rank, so equal prefixes meet across processes and restarts.
 
 Without ``server_url`` the scheduler and the worker of one process share one
@@ -39,9 +40,10 @@ from typing import Any, List, Tuple
 
 from kvstore.connectors._metrics import ConnectorMetrics
 from kvstore.connectors._trtllm_base import (LEASE_S, STAGING_BYTES, STORE_FAILURES, KvCacheConnectorScheduler, acquire_store,
-                                     check_store_reach, leading, release_store, scheme_of)
+                                     check_store_reach, leading, release_store, request_key, scheme_of,
+                                     windowed_pool)
 from kvstore.connectors._trtllm_plan import (LOCAL, ConnectorMeta, HostStaging, LoadGroup, PendingMatch, PoolLayout,
-                                     RequestState, Transfer)
+                                     RequestKey, RequestState, Transfer)
 from kvstore.connectors._trtllm_worker import KVStoreConnectorWorker
 from kvstore.errors import BufferSizeError
 from kvstore.hint import Hint
@@ -65,6 +67,11 @@ class KVStoreConnectorScheduler(KvCacheConnectorScheduler):
         self._pending: dict[int, PendingMatch] = {}
         self._requests: dict[int, RequestState] = {}
         self._allocated: dict[int, list[int]] = {}
+        self._idents: dict[int, RequestKey | None] = {}   # per request, read from its LlmRequest
+        self.windowed = windowed_pool(llm_args)
+        if self.windowed:
+            log.warning("trtllm: the KV pool holds an attention window (kv_cache_config.max_attention_window); "
+                        "the connector offers nothing and saves nothing")
 
     # -- matching ---------------------------------------------------------------------
 
@@ -77,6 +84,9 @@ class KVStoreConnectorScheduler(KvCacheConnectorScheduler):
         request replaces (and releases) the previous answer."""
         rid = request.request_id
         self._drop_pending(rid)
+        ident = self._idents[rid] = request_key(request)
+        if ident is None or self.windowed:   # input it cannot key on (prompt table, unhashed multimodal); a window
+            return 0, False
         layout = LOCAL.layout(self._url or "")
         if layout is None:             # no worker of this process has registered its pool yet
             return 0, False
@@ -86,7 +96,7 @@ class KVStoreConnectorScheduler(KvCacheConnectorScheduler):
         if limit * bs <= num_computed_tokens:
             return 0, False
         first = num_computed_tokens // bs
-        content = [k.digest for k in self.scheme.content_keys(tokens[:limit * bs], getattr(request, "cache_salt", None))]
+        content = [k.digest for k in self.scheme.content_keys(tokens[:limit * bs], ident)]
         stored, leased = limit, []
         try:
             for rank in self.scheme.storing_ranks(layout):
@@ -168,6 +178,7 @@ class KVStoreConnectorScheduler(KvCacheConnectorScheduler):
         self._drop_pending(request.request_id)
         self._requests.pop(request.request_id, None)
         self._allocated.pop(request.request_id, None)
+        self._idents.pop(request.request_id, None)
 
     # -- planning -----------------------------------------------------------------------
 
@@ -176,9 +187,10 @@ class KVStoreConnectorScheduler(KvCacheConnectorScheduler):
         for data in scheduler_output.new_requests:
             rid = data.request_id
             pending = self._pending.pop(rid, None)
-            state = self._requests[rid] = RequestState(salt=getattr(data, "cache_salt", None))
+            state = self._requests[rid] = RequestState(ident=self._idents.get(rid))
             state.tokens = list(data.new_tokens)
             state.block_ids = list(data.new_block_ids) or self._allocated.get(rid, [])
+            self._note_window(state.block_ids)
             state.priorities = _priorities(data, len(state.block_ids))
             external = 0
             if pending is not None:
@@ -190,42 +202,57 @@ class KVStoreConnectorScheduler(KvCacheConnectorScheduler):
                 continue
             state.tokens.extend(data.new_tokens)
             state.block_ids.extend(data.new_block_ids)
+            self._note_window(data.new_block_ids)
             state.priorities.extend(_priorities(data, len(data.new_block_ids)))
             self._plan_saves(meta, data.request_id, state, data.computed_position + data.num_scheduled_tokens)
         return meta
 
+    def _note_window(self, block_ids: List[int]) -> None:
+        """A block id of ``-1`` (a page an attention window has passed) marks the pool
+        windowed: from then on nothing is offered or saved."""
+        if not self.windowed and any(b < 0 for b in block_ids):
+            self.windowed = True
+            log.warning("trtllm: the engine reported a block with no page (-1: an attention window); the "
+                        "connector offers nothing and saves nothing from now on")
+
     def _plan_load(self, meta: ConnectorMeta, rid: int, state: RequestState, pending: PendingMatch) -> int:
-        """Loads for the accepted part of ``pending``; returns the tokens it covers."""
+        """Loads for the accepted part of ``pending``, into every block of the range
+        that has a page (a ``-1``, a block an attention window has passed, is never a
+        target and needs no KV); returns the tokens it covers."""
         bs = self.scheme.tokens_per_block
-        last = min(math.ceil(pending.accepted_end / bs), pending.stored, len(state.block_ids))
+        last = max(min(math.ceil(pending.accepted_end / bs), pending.stored, len(state.block_ids)), pending.first)
         ids = state.block_ids
-        while last > pending.first and any(ids[i] < 0 for i in range(pending.first, last)):
-            last -= 1                  # a block with no page (-1) is never a load target
-        last = max(last, pending.first)
         self._release([keys[last:] for keys in pending.leased])
-        count = last - pending.first
-        ticket = self._trim_ticket(pending.ticket, count)
-        if count == 0:
+        keep = [i - pending.first for i in range(pending.first, last) if ids[i] >= 0]
+        ticket = self._trim_ticket(pending.ticket, last - pending.first, keep)
+        if last == pending.first:
             return 0
-        transfers = [Transfer(rid, ids[i], pending.content[i]) for i in range(pending.first, last)]
+        transfers = [Transfer(rid, ids[i], pending.content[i]) for i in range(pending.first, last) if ids[i] >= 0]
         tokens = min(pending.accepted_end, last * bs) - pending.num_computed
-        meta.loads.append(LoadGroup(rid, transfers, tokens, ticket))
+        if transfers:
+            meta.loads.append(LoadGroup(rid, transfers, tokens, ticket))
         state.content = list(pending.content[:last])
         state.saved_upto = last
         return tokens
 
-    def _trim_ticket(self, ticket: int | None, count: int) -> int | None:
+    def _trim_ticket(self, ticket: int | None, count: int, keep: list[int] | None = None) -> int | None:
+        """Keep the staged buffers ``keep`` (indexes; by default the first ``count``)
+        under a new ticket and hand the rest back."""
         if ticket is None:
             return None
         claimed = LOCAL.claim(ticket)
         if claimed is None:
             return None
         staging, bufs = claimed
-        staging.give(bufs[count:])
-        return LOCAL.park(staging, bufs[:count]) if count else None
+        wanted = set(range(min(count, len(bufs))) if keep is None else keep)
+        staging.give([b for i, b in enumerate(bufs) if i not in wanted])
+        kept = [b for i, b in enumerate(bufs) if i in wanted]
+        return LOCAL.park(staging, kept) if kept else None
 
     def _plan_saves(self, meta: ConnectorMeta, request_id: int, state: RequestState, valid_tokens: int) -> None:
         """Save each block that is full once this forward pass has run."""
+        if state.ident is None or self.windowed:   # a request it cannot key on, or a windowed pool
+            return
         bs = self.scheme.tokens_per_block
         full = min(valid_tokens, len(state.tokens), len(state.block_ids) * bs) // bs
         if full <= state.saved_upto:
@@ -245,6 +272,7 @@ class KVStoreConnectorScheduler(KvCacheConnectorScheduler):
         """True when saves were scheduled: the blocks stay allocated until every worker
         reports the request in ``get_finished``."""
         self._allocated.pop(request.request_id, None)
+        self._idents.pop(request.request_id, None)
         self._drop_pending(request.request_id)
         state = self._requests.pop(request.request_id, None)
         return bool(state and state.saves_scheduled)

@@ -59,6 +59,7 @@ class KvCacheConfig:
     dtype: str = "auto"
     enable_block_reuse: bool = True
     enable_partial_reuse: bool = True      # on by default: device matches need not be block-aligned
+    max_attention_window: Optional[List[int]] = None   # per layer group; shorter than the sequence: a window
 
 
 @dataclass
@@ -77,6 +78,7 @@ class TorchLlmArgs:
     pipeline_parallel_size: int = 1
     dtype: str = "auto"
     revision: Optional[str] = None
+    max_seq_len: Optional[int] = None
     quant_config: QuantConfig = field(default_factory=QuantConfig)
     kv_cache_config: KvCacheConfig = field(default_factory=KvCacheConfig)
     kv_connector_config: Optional[KvCacheConnectorConfig] = None
@@ -88,11 +90,25 @@ class TorchLlmArgs:
 class LlmRequest:
     """The few members of the C++ ``LlmRequest`` binding a connector reads."""
 
-    def __init__(self, request_id: int, tokens: List[int], cache_salt: Optional[str] = None) -> None:
+    def __init__(self, request_id: int, tokens: List[int], cache_salt: Optional[str] = None, *,
+                 lora_task_id: Optional[int] = None, prompt_embedding_table=None,
+                 multimodal_hashes: Optional[List[List[int]]] = None, multimodal_positions: Optional[List[int]] = None,
+                 multimodal_lengths: Optional[List[int]] = None, multimodal_embedding=None,
+                 py_multimodal_data: Optional[dict] = None, py_lora_path: Optional[str] = None) -> None:
         self.request_id = request_id
         self._tokens = list(tokens)
         self.cache_salt = cache_salt
         self.is_generation_only_request = False
+        # the binding's read-only properties (None when the request has none); py_* are
+        # the Python-side attributes the PyTorch backend sets on the request
+        self.lora_task_id = lora_task_id
+        self.prompt_embedding_table = prompt_embedding_table
+        self.multimodal_hashes = multimodal_hashes          # per item: 8 int32 words of its content hash
+        self.multimodal_positions = multimodal_positions    # per item: its first token position
+        self.multimodal_lengths = multimodal_lengths        # per item: its token count
+        self.multimodal_embedding = multimodal_embedding
+        self.py_multimodal_data = py_multimodal_data
+        self.py_lora_path = py_lora_path
 
     def get_tokens(self, beam: int) -> List[int]:
         return list(self._tokens)
