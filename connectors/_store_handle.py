@@ -24,13 +24,17 @@ Thread-safety: :func:`open_store` and :func:`release_store` may be called from a
 
 from __future__ import annotations
 
+import inspect
 import json
+import logging
 import threading
 from typing import Any, Mapping
 
 from kvstore.api import StoreAPI
 from kvstore.config import load_config
 from kvstore.errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 _lock = threading.Lock()
 _embedded: dict[str, list[Any]] = {}   # canonical config -> [store, refcount]
@@ -78,6 +82,30 @@ def release_store(store: StoreAPI) -> None:
     store.close()
 
 
+def clear_namespaces(store: StoreAPI, namespaces: Any, *, owner: str) -> bool:
+    """Remove every block of ``namespaces`` (namespace digests) from ``store``, an
+    embedded Store or a server (which scopes it to the caller's tenant). ``False``, and a
+    warning naming ``owner``, when the store cannot clear by namespace or the clear
+    failed: the caller's reset must then fail rather than keep stale KV."""
+    spaces = sorted({bytes(n) for n in namespaces})
+    try:
+        params = inspect.signature(store.clear).parameters
+    except (TypeError, ValueError):
+        params = {}
+    if "namespaces" not in params:
+        log.warning("%s: %s cannot clear by namespace; the cache was not reset", owner, type(store).__name__)
+        return False
+    if not spaces:
+        return True
+    try:
+        removed = store.clear(namespaces=spaces)
+    except Exception as exc:  # noqa: BLE001 - any failure means stale KV may remain
+        log.warning("%s: clearing %d namespace(s) failed (%s); the cache was not reset", owner, len(spaces), exc)
+        return False
+    log.info("%s: reset removed %d blocks of %d namespace(s)", owner, removed, len(spaces))
+    return True
+
+
 def _client(options: Mapping[str, Any], server: Any, owner: str) -> StoreAPI:
     if not isinstance(server, str) or not server.strip():
         raise ConfigError(f"{owner}: 'server' must be 'host:port', got {server!r}")
@@ -107,4 +135,4 @@ def _client(options: Mapping[str, Any], server: Any, owner: str) -> StoreAPI:
     return Client(server, token=token, **kwargs)
 
 
-__all__ = ["open_store", "release_store"]
+__all__ = ["clear_namespaces", "open_store", "release_store"]

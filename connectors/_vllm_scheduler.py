@@ -16,12 +16,14 @@ from __future__ import annotations
 
 import itertools
 import logging
+import secrets
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
 from kvstore.connectors._hints import request_hint, with_hint_actions
 from kvstore.connectors._metrics import ConnectorMetrics
+from kvstore.connectors._store_handle import clear_namespaces
 from kvstore.connectors._vllm_config import KVShape, VllmConnectorConfig, request_salt, token_array
 from kvstore.connectors._vllm_meta import ChunkTransfer, KVStoreConnectorMetadata, KVStoreWorkerMetadata
 from kvstore.api import StoreAPI
@@ -102,6 +104,10 @@ class SchedulerSide:
         # owns them; vLLM may keep them in its prefix cache until that request recomputes.
         self._tainted: OrderedDict[tuple[int, int], str] = OrderedDict()   # (position, block) -> owner
         self._serials = itertools.count(1)
+        # Every namespace digest this side made keys in since the last reset_cache, and the
+        # generation mixed into every salt after one (a fresh random one per reset).
+        self._namespaces: set[bytes] = set()
+        self._epoch = ""
 
     # -- vLLM hooks -----------------------------------------------------------------------
 
@@ -296,6 +302,26 @@ class SchedulerSide:
         # the engine's stream, before any later write to those blocks.
         return final, None
 
+    def reset_cache(self) -> bool:
+        """vLLM's ``reset_prefix_cache(reset_connector=True)`` (weight updates,
+        ``pause_generation(clear_cache=True)``): KV stored so far may be of other weights.
+        Drops the namespaces this side made keys in from the store and moves every later
+        key to a fresh generation (a random salt suffix), so a save still in flight with
+        old bytes lands where no key of this engine looks again. Requests vLLM still
+        holds keep their blocks but neither load nor save from here on (their keys were
+        of the old generation). ``False`` when the store could not drop them."""
+        self._epoch = f"\0gen:{secrets.token_hex(8)}"
+        for st in self._reqs.values():
+            if st.leased:
+                for keys in st.leased:
+                    self.store.release(keys)
+                st.leased = None
+            st.keys = [[] for _ in st.keys]
+            st.hit_chunks = 0
+        spaces, self._namespaces = self._namespaces, set()
+        spaces.update(self.shape.namespace(r, "").digest for r in range(self.shape.key_ranks))
+        return clear_namespaces(self.store, spaces, owner="vLLM kvstore connector")
+
     # -- internals ------------------------------------------------------------------------
 
     def _state(self, request: Any) -> _Req:
@@ -308,8 +334,9 @@ class SchedulerSide:
             if why is None:
                 try:
                     tokens = token_array(request.prompt_token_ids)
-                    salt = request_salt(request)
+                    salt = request_salt(request) + self._epoch
                     keys = [self.shape.namespace(r, salt).chunk_keys(tokens) for r in range(self.shape.key_ranks)]
+                    self._namespaces.update(k[0].namespace for k in keys if k)
                     st = _Req(tokens, keys, hint=vllm_hint(request))
                 except Exception as exc:   # a hook's exception would end vLLM's engine loop
                     why = f"its keys cannot be computed ({type(exc).__name__}: {exc})"

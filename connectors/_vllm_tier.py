@@ -41,9 +41,9 @@ from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, Tra
 
 from kvstore.connectors._hints import request_hint, with_hint_actions
 from kvstore.connectors._metrics import ConnectorMetrics
-from kvstore.connectors._store_handle import open_store, release_store
+from kvstore.connectors._store_handle import clear_namespaces, open_store, release_store
 from kvstore.api import StoreAPI
-from kvstore.errors import ConfigError
+from kvstore.errors import ConfigError, KVStoreError
 from kvstore.keys import BlockKey, Namespace
 
 log = logging.getLogger(__name__)
@@ -146,6 +146,19 @@ class KVStoreTier(SecondaryTierManager):
         self._lookups.finish(req_context.req_id)
 
     def drain_jobs(self) -> None:
+        """vLLM's tiering manager calls this (only) from its ``reset_cache`` (weight
+        update, sleep, ``reset_prefix_cache``), which resets the CPU tier and leaves
+        secondary tiers' data alone. Stored rows may be of other weights, so after
+        waiting for every job in flight this tier drops its namespace from the store and
+        forgets the hits it told; it raises where the store cannot (a reset that kept
+        stale KV would serve it later)."""
+        self.wait_idle()
+        self._lookups.forget_hits()
+        if not clear_namespaces(self.store, [self.namespace.digest], owner="vLLM KVStoreTier"):
+            raise KVStoreError("vLLM KVStoreTier: the store could not drop this tier's namespace on reset; "
+                               "rows of the old weights would be served")
+
+    def wait_idle(self) -> None:
         """Wait for every submitted load and store, and for the lookups and lease
         releases already sent to the store."""
         with self._lock:
@@ -156,7 +169,7 @@ class KVStoreTier(SecondaryTierManager):
     def shutdown(self) -> None:
         if self.store is None:
             return
-        self.drain_jobs()
+        self.wait_idle()
         self._lookups.close()
         self.metrics.close()
         store, self.store = self.store, None
@@ -320,6 +333,17 @@ class _LeasedLookups:
         probe.verdicts.clear()
         probe.asked.clear()
         probe.reported.clear()
+
+    def forget_hits(self) -> None:
+        """After a reset: every chunk a request was told (or is about to be told) is a
+        hit becomes a miss for it, and its lease goes, as at :meth:`finish`."""
+        for probe in self._reqs.values():
+            for key, found in list(probe.verdicts.items()):
+                if found:
+                    self._unhold(key)
+                    probe.verdicts[key] = False
+            probe.reported.clear()
+        self._post()
 
     def pending(self) -> bool:
         return bool(self._in_flight or self._to_release)

@@ -277,8 +277,9 @@ class KVStoreHiCacheStorage(HiCacheStorage):
     # -- management ---------------------------------------------------------------------
 
     def clear(self) -> None:
-        """Remove this backend's pages (SGLang calls this on ``/flush_cache``, e.g.
-        after new weights are loaded, when stored KV is stale). An embedded Store (this
+        """Remove this backend's pages (SGLang calls this on ``POST
+        /hicache/storage-backend/clear`` only; its ``/flush_cache`` and weight updates
+        do not, see docs/sglang.md "Weight updates"). An embedded Store (this
         process's, shared only with connectors naming the same config) is emptied; on a
         shared server only the key spaces
         this backend uses (model, layout, shard, salt) are removed, so other engines'

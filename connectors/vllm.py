@@ -117,6 +117,16 @@ class KVStoreConnector(KVConnectorBase_V1):
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict | None]:
         return self._sched().request_finished(request, block_ids)
 
+    def reset_cache(self) -> bool:
+        """Called by vLLM's scheduler on ``reset_prefix_cache(reset_connector=True)``
+        (weight updates, ``pause_generation(clear_cache=True)``); see
+        :meth:`SchedulerSide.reset_cache`. ``False`` (vLLM then reports the reset as
+        failed) where the store cannot drop this connector's namespaces; a worker-role
+        instance has no keys to reset and answers ``False`` too."""
+        if self._scheduler is None:
+            return False
+        return self._scheduler.reset_cache()
+
     # -- worker side ----------------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, "torch.Tensor"]) -> None:

@@ -3,7 +3,7 @@ side: one engine's CPU-tier chunks cascade into kvstore; a second engine (its ow
 empty CPU tier) promotes them back and gets the prefix as external tokens.
 
 Lookups are answered from one lease-taking store call per scheduler pass, made off the
-scheduler thread: a pass asks, the next answers. Tests call ``tier.drain_jobs()``
+scheduler thread: a pass asks, the next answers. Tests call ``tier.wait_idle()``
 between steps (it waits for the tier's loads, stores and lookups), so every run is the
 same sequence of passes."""
 
@@ -80,7 +80,7 @@ def run(sched, tier, until, on_store=None, steps=12):
     outs = []
     for _ in range(steps):
         outs.append(step(sched, on_store))
-        tier.drain_jobs()
+        tier.wait_idle()
         if until(outs[-1]):
             return outs
     raise AssertionError(f"not reached in {steps} scheduler steps")
@@ -130,7 +130,7 @@ def test_chunks_cascade_into_kvstore_and_promote_for_another_engine(engine):
     assert len(loaded) == 3
     assert all(np.array_equal(tier2._rows[c], w) for c, w in zip(loaded, written.values()))
     step(s2)
-    tier2.drain_jobs()
+    tier2.wait_idle()
     stats = tier2.store.stats()
     assert stats["leases"] == 0
     assert counters(tier2.store)["hit_tokens"] == 96
@@ -158,7 +158,7 @@ def test_one_leasing_lookup_per_pass_for_every_request_asking(engine):
     before = store.stats()["lookups"]
     out = step(s2)
     assert not out.scheduled_new_reqs          # the pass asks; nothing waits on the store
-    tier2.drain_jobs()
+    tier2.wait_idle()
     stats = store.stats()
     # Nine chunks asked by three requests: one lease-taking lookup, and the three
     # chunks held (shared by "a" and "b") are leased.
@@ -167,7 +167,7 @@ def test_one_leasing_lookup_per_pass_for_every_request_asking(engine):
     done = set()
     run(s2, tier2, lambda out: done.update(r.req_id for r in out.scheduled_new_reqs) or done == {"a", "b", "c"})
     step(s2)
-    tier2.drain_jobs()
+    tier2.wait_idle()
     assert store.stats()["leases"] == 0
     assert counters(store)["hit_tokens"] == 96      # offered once: "b" found them promoted
     assert counters(store)["loaded_tokens"] == 96
@@ -179,13 +179,13 @@ def test_a_lease_is_released_when_its_request_goes_away(engine):
     s2, tier2 = engine()
     s2.add_request(vs.request("r2", PROMPT[:96] + [5] * 20))
     step(s2)
-    tier2.drain_jobs()
+    tier2.wait_idle()
     assert store.stats()["leases"] == 3
     keys = [chunk_key(tier1, req, i) for i in range(3)]
     assert store.lookup(keys, lease_s=60) == 3      # another client leases the same chunks
     s2.finish_requests("r2", RequestStatus.FINISHED_ABORTED)
     step(s2)
-    tier2.drain_jobs()
+    tier2.wait_idle()
     assert store.stats()["leases"] == 3             # the tier gave back its own leases only
     store.release(keys)
     assert store.stats()["leases"] == 0
@@ -216,7 +216,7 @@ def test_server_mode_lookup_never_waits_for_the_server(engine, server):
               for c in job.src_spec.chunk_ids]
     assert all(np.array_equal(tier2._rows[c], w) for c, w in zip(loaded, written.values()))
     step(s2)
-    tier2.drain_jobs()
+    tier2.wait_idle()
     # The server keeps a lease until it expires unless the tier gives it back.
     assert server.store.stats()["leases"] == 0
     assert counters(tier2.store)["loaded_tokens"] == 96
@@ -236,7 +236,7 @@ def test_a_chunk_that_cannot_load_is_a_miss_not_a_retry_loop(engine):
     assert counters(store)["failed_loads"] == 3
     assert counters(store)["loaded_tokens"] == 0
     step(s2)
-    tier2.drain_jobs()
+    tier2.wait_idle()
     assert store.stats()["leases"] == 0
 
 
@@ -264,7 +264,7 @@ def test_shutdown_detaches_counters_and_releases_leases(engine):
     store = tier2.store
     s2.add_request(vs.request("r2", PROMPT[:96] + [5] * 20))
     step(s2)
-    tier2.drain_jobs()
+    tier2.wait_idle()
     assert store.stats()["leases"] == 3
     step(s2)                                    # the hits are offered, their load submitted
     assert counters(store)["hit_tokens"] == 96

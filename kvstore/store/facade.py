@@ -350,9 +350,16 @@ class Store:
         self._check_open()
         return self._data.delete(keys, cleared=cleared)
 
-    def clear(self) -> int:
-        """Remove every block from every tier (one ``AllBlocksCleared`` KV event)."""
-        return self._delete(list(self._where), cleared=True)
+    def clear(self, namespaces: Sequence[bytes] | None = None) -> int:
+        """Remove every block from every tier (one ``AllBlocksCleared`` KV event), or,
+        with ``namespaces`` (namespace digests, ``Namespace.digest``), only the blocks
+        whose keys carry one of them, as :meth:`kvstore.client.Client.clear`. Returns
+        how many blocks were removed."""
+        if namespaces is None:
+            return self._delete(list(self._where), cleared=True)
+        wanted = {bytes(n) for n in namespaces}
+        doomed = [key for key in list(self._where) if key.namespace in wanted] if wanted else []
+        return self._delete(doomed, cleared=False) if doomed else 0
 
     def stats(self) -> dict[str, Any]:
         """Counters per tier and for the Store; a consistent snapshot of each tier."""
