@@ -33,8 +33,11 @@ def _leftovers(pid: int) -> list[str]:
     return shm + socks
 
 
-def _serve_fails(tmp_path, raw: dict | None, *flags: str) -> tuple[int, str]:
-    args = [sys.executable, "-m", "kvstore", "serve", *flags]
+_INFO_LINE = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+ (INFO|DEBUG) kvstore[\w.]*: ")
+
+
+def _serve_fails(tmp_path, raw: dict | None, *flags: str, quiet: bool = False) -> tuple[int, str]:
+    args = [sys.executable, "-m", "kvstore", *(["--log-level", "WARNING"] if quiet else []), "serve", *flags]
     if raw is not None:
         path = tmp_path / "kv.yaml"
         path.write_text(yaml.safe_dump(raw))
@@ -43,8 +46,14 @@ def _serve_fails(tmp_path, raw: dict | None, *flags: str) -> tuple[int, str]:
                             text=True)
     out, err = proc.communicate(timeout=60)
     assert proc.returncode != 0 and "serving on" not in out, (out, err)
-    lines = err.splitlines()
+    # serve logs its start-up steps at INFO (its default level); the failure itself is one
+    # line, and under --log-level WARNING it is all there is
+    assert "Traceback" not in err, err
+    lines = [line for line in err.splitlines() if not _INFO_LINE.match(line)]
     assert len(lines) == 1 and lines[0].startswith("kvstore: error: "), err
+    assert err.splitlines()[-1] == lines[0], err
+    if quiet:
+        assert err.splitlines() == lines, err
     assert _leftovers(proc.pid) == []
     return proc.returncode, lines[0]
 
@@ -79,6 +88,12 @@ def test_a_port_in_use_is_one_line_naming_it(tmp_path, taken_port, setting):
     rc, line = _serve_fails(tmp_path, {"tiers": ONE_TIER, "server": server})
     assert rc == 1
     assert f"server.{setting}: cannot listen on 127.0.0.1:{taken_port}" in line and "in use" in line
+
+
+def test_a_port_in_use_under_log_level_warning_is_the_only_line(tmp_path, taken_port):
+    rc, line = _serve_fails(tmp_path, {"tiers": ONE_TIER, "server": {"port": taken_port, "admin_port": 0}},
+                            quiet=True)
+    assert rc == 1 and f"server.port: cannot listen on 127.0.0.1:{taken_port}" in line
 
 
 def test_the_port_flag_in_use(tmp_path, taken_port):

@@ -5,6 +5,7 @@ than its tmpfs is a clear error, not SIGBUS; files left by dead processes are re
 
 import os
 import socket
+import subprocess
 
 import numpy as np
 import pytest
@@ -184,7 +185,8 @@ def test_a_client_never_pairs_one_servers_arena_with_another_servers_socket(tmp_
 def test_sockets_left_by_killed_servers_are_removed_and_live_ones_kept(tmp_path):
     from kvstore.net.server import _paths
 
-    dead = str(tmp_path / "kvstore-1-1.sock")
+    gone = _a_dead_pid()
+    dead = str(tmp_path / f"kvstore-1-{gone}.sock")
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     s.bind(dead)
     s.close()
@@ -197,6 +199,27 @@ def test_sockets_left_by_killed_servers_are_removed_and_live_ones_kept(tmp_path)
         assert not os.path.exists(dead) and os.path.exists(live_path)
     finally:
         live.close()
+
+
+def _a_dead_pid() -> int:
+    proc = subprocess.Popen(["true"])
+    proc.wait()
+    return proc.pid
+
+
+def test_a_starting_servers_socket_is_not_taken_for_stale(tmp_path):
+    """Between bind and listen a server's socket refuses connections like a dead one's;
+    another server starting then must not remove it (its chmod failed with ENOENT)."""
+    from kvstore.net.server import _paths
+
+    path = str(tmp_path / f"kvstore-7480-{os.getpid()}.sock")
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.bind(path)          # bound, not listening: as a server between its bind and its listen
+    try:
+        assert _paths.remove_stale_sockets(str(tmp_path)) == 0
+        assert os.path.exists(path)
+    finally:
+        s.close()
 
 
 def test_two_servers_given_the_same_shm_path_the_second_refuses_and_the_first_keeps_serving(tmp_path):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import fcntl
 import logging
 import os
+import re
 import socket
 import stat
 
@@ -72,12 +73,30 @@ def remove_stale_sockets(directory: str) -> int:
             continue
         if not stat.S_ISSOCK(st.st_mode) or st.st_uid != os.geteuid():
             continue
+        if _owner_alive(name):
+            continue                       # a server still starting: bound, not yet listening
         try:
             take_socket_path(path)
             removed += not os.path.exists(path)
         except ConfigError:
             continue                       # a live server's
     return removed
+
+
+def _owner_alive(name: str) -> bool:
+    """Whether the process named in an automatic socket's name (``kvstore-PORT-PID.sock``)
+    still runs. Between its bind and its listen a starting server's socket refuses
+    connections like a dead one's; removing it then broke that server's start."""
+    m = re.fullmatch(r"kvstore-\d+-(\d+)\.sock", name)
+    if m is None:
+        return False
+    try:
+        os.kill(int(m.group(1)), 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def take_socket_path(path: str) -> None:
