@@ -139,12 +139,14 @@ def kv_dtype(pool_dtype: str, kv_cache_dtype: str | None) -> str:
 
 def engine_identity(server_args: Any, model: str, weights_version: str | None) -> dict[str, str]:
     """What changes every KV byte besides the served name and the pool: the model path
-    (when the name does not already say it) and revision, quantization, model-config
+    (when the name is not the path) and revision, quantization, model-config
     overrides, the compute dtype and a ``weights_version``. Defaults add nothing."""
     out: dict[str, str] = {}
     sa = server_args
     path = getattr(sa, "model_path", None)
-    if path and model != path and not model.startswith(f"{path}-"):
+    # Any served name other than the path itself: a prefix test (for SGLang's "-<format
+    # tag>" suffix) let a base model served under its instruct variant's name share it.
+    if path and model != path:
         out["path"] = str(path)
     for attr, tag in (("revision", "revision"), ("quantization", "quant"), ("dtype", "dtype")):
         value = getattr(sa, attr, None)

@@ -314,7 +314,10 @@ class SchedulerSide:
         for st in self._reqs.values():
             if st.leased:
                 for keys in st.leased:
-                    self.store.release(keys)
+                    try:
+                        self.store.release(keys)
+                    except Exception as exc:   # a lease times out by itself; the clear must still run
+                        log.warning("reset: releasing a lease failed (%s: %s)", type(exc).__name__, exc)
                 st.leased = None
             st.keys = [[] for _ in st.keys]
             st.hit_chunks = 0

@@ -28,8 +28,10 @@ set; set it (same value everywhere) for hits across processes that share a serve
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import queue
+import secrets
 import threading
 from concurrent.futures import Future, wait
 from typing import Any, Callable, ClassVar, Iterable, Mapping
@@ -149,14 +151,19 @@ class KVStoreTier(SecondaryTierManager):
         """vLLM's tiering manager calls this (only) from its ``reset_cache`` (weight
         update, sleep, ``reset_prefix_cache``), which resets the CPU tier and leaves
         secondary tiers' data alone. Stored rows may be of other weights, so after
-        waiting for every job in flight this tier drops its namespace from the store and
-        forgets the hits it told; it raises where the store cannot (a reset that kept
-        stale KV would serve it later)."""
+        waiting for every job in flight this tier forgets the hits it told, moves to a
+        fresh generation of its namespace (rows an engine still on the old weights writes
+        under the old one, on a shared server, are never this tier's hits) and drops the
+        old namespace from the store. A store that cannot drop it is logged, not raised:
+        raising would stop vLLM's reset half-way, and the new generation already keeps
+        the old rows from being served."""
         self.wait_idle()
         self._lookups.forget_hits()
-        if not clear_namespaces(self.store, [self.namespace.digest], owner="vLLM KVStoreTier"):
-            raise KVStoreError("vLLM KVStoreTier: the store could not drop this tier's namespace on reset; "
-                               "rows of the old weights would be served")
+        old = self.namespace
+        self.namespace = dataclasses.replace(old, salt=f"{old.salt}\0gen:{secrets.token_hex(8)}")
+        if not clear_namespaces(self.store, [old.digest], owner="vLLM KVStoreTier"):
+            log.warning("vLLM KVStoreTier: the store could not drop the old namespace on reset; its rows stay "
+                        "stored (never loaded by this tier: it moved to a new generation)")
 
     def wait_idle(self) -> None:
         """Wait for every submitted load and store, and for the lookups and lease

@@ -84,7 +84,12 @@ class KVStoreConnectorScheduler(KvCacheConnectorScheduler):
         request replaces (and releases) the previous answer."""
         rid = request.request_id
         self._drop_pending(rid)
-        ident = self._idents[rid] = request_key(request)
+        try:
+            ident = request_key(request)
+        except Exception as exc:   # a hook's exception would stop the executor loop: a miss
+            log.warning("request %s is not cached: its key cannot be computed (%s: %s)", rid, type(exc).__name__, exc)
+            ident = None
+        self._idents[rid] = ident
         if ident is None or self.windowed:   # input it cannot key on (prompt table, unhashed multimodal); a window
             return 0, False
         layout = LOCAL.layout(self._url or "")

@@ -103,3 +103,15 @@ def test_the_default_configuration_keeps_its_namespace(backend_for):
         # What earlier releases derived: served name, pool dtype, shard and user salt only.
         assert ns == Namespace(MODEL, "float16", ns.chunk_tokens, ns.layout, 0, 1,
                                json.dumps({"shard": "", "user": ""}, sort_keys=True))
+
+
+def test_a_base_model_served_under_its_variants_name_does_not_share_its_identity():
+    """The served name ``org/Llama-3-8B-Instruct`` over the path ``org/Llama-3-8B`` is not
+    the instruct model: the path goes into the identity whenever the name is not it."""
+    from types import SimpleNamespace
+
+    from kvstore.connectors._sglang_pages import engine_identity
+
+    base_as_instruct = engine_identity(SimpleNamespace(model_path="org/Llama-3-8B"), "org/Llama-3-8B-Instruct", None)
+    instruct = engine_identity(SimpleNamespace(model_path="org/Llama-3-8B-Instruct"), "org/Llama-3-8B-Instruct", None)
+    assert base_as_instruct != instruct

@@ -355,6 +355,7 @@ class Store:
         with ``namespaces`` (namespace digests, ``Namespace.digest``), only the blocks
         whose keys carry one of them, as :meth:`kvstore.client.Client.clear`. Returns
         how many blocks were removed."""
+        self._check_open()
         if namespaces is None:
             return self._delete(list(self._where), cleared=True)
         wanted = {bytes(n) for n in namespaces}
