@@ -61,6 +61,16 @@ class VllmConnectorConfig(BaseModel):
                               + "\n".join(lines)) from None
 
 
+def load_staging_bytes(config: "VllmConnectorConfig") -> int:
+    """The share of ``staging_bytes`` kept for loads (half; saves get the rest), so
+    queued saves never take the staging a load needs."""
+    return int(config.staging_bytes) - int(config.staging_bytes) // 2
+
+
+def save_staging_bytes(config: "VllmConnectorConfig") -> int:
+    return int(config.staging_bytes) // 2
+
+
 class KVShape:
     """What one block means, read from vLLM's ``KVCacheConfig`` and ``VllmConfig`` the
     same way in the scheduler and in the workers."""
@@ -81,6 +91,9 @@ class KVShape:
         self.chunk_tokens = chunk_tokens
         self.blocks_per_chunk = chunk_tokens // self.block_size
         self.layer_names = list(groups[0].layer_names)
+        # At most what one worker moves per chunk (layers sharing a tensor, and PP
+        # stages, move less): sizes the load offer against the load staging share.
+        self.chunk_bytes = len(self.layer_names) * self.blocks_per_chunk * int(spec.page_size_bytes)
         mc = vllm_config.model_config
         self.model = model_identity(mc, model_id, weights_version,
                                     str(getattr(vllm_config.cache_config, "cache_dtype", "auto") or "auto"))
@@ -246,5 +259,5 @@ def token_array(tokens: Any) -> np.ndarray:
         raise InvalidArgumentError(f"token ids must be integers in [0, 2**32): {exc}") from exc
 
 
-__all__ = ["SUPPORTED_SPECS", "KVShape", "VllmConnectorConfig", "check_spec", "model_identity", "request_salt",
-           "token_array"]
+__all__ = ["SUPPORTED_SPECS", "KVShape", "VllmConnectorConfig", "check_spec", "load_staging_bytes", "model_identity",
+           "request_salt", "save_staging_bytes", "token_array"]

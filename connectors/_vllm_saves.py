@@ -111,7 +111,7 @@ class SavePath:
 
     def _after_copy(self, save: _Save, done: Any) -> None:
         done.synchronize()
-        self.w.dev_pool.give(save.target)
+        self.w.save_dev_pool.give(save.target)
         save.target = save.buf
         futures = self._submit_save(save, wait=False)
         if not self.w.config.save_async:
@@ -137,9 +137,9 @@ class SavePath:
             # Registered even with nothing pending (saved in place, or refused).
             self.futures.setdefault(save.spec.req_id, []).extend(futures)
         if not futures:
-            self.w.pool.give(save.buf)
+            self.w.save_pool.give(save.buf)
             return futures
-        give_when_done(futures, save.buf, self.w.pool, save.spec.req_id)
+        give_when_done(futures, save.buf, self.w.save_pool, save.spec.req_id)
         if wait and not self.w.config.save_async:
             for future in futures:
                 wait_quietly(future, self.w.config.timeout_s, save.spec.req_id)
@@ -212,13 +212,13 @@ class SavePath:
             if spec is None or not self.w.writes:
                 continue
             n = spec.num_chunks
-            buf = self.w.pool.take(n * pages.chunk_bytes)
-            target = buf if buf is None or self.w.dev_pool is None else self.w.dev_pool.take(buf.numel())
+            buf = self.w.save_pool.take(n * pages.chunk_bytes)
+            target = buf if buf is None or self.w.save_dev_pool is None else self.w.save_dev_pool.take(buf.numel())
             if target is None:
                 if buf is not None:
-                    self.w.pool.give(buf)
-                log.warning("request %s: %d chunks do not fit in staging_bytes (%d): not saved",
-                            spec.req_id, n, self.w.config.staging_bytes)
+                    self.w.save_pool.give(buf)
+                log.warning("request %s: %d chunks do not fit in the save half of staging_bytes (%d): not saved",
+                            spec.req_id, n, self.w.save_pool.budget_bytes)
                 self.w.metrics.add("dropped_saves", n)
                 continue
             ids, _ = self.w.block_tensors(spec)

@@ -24,7 +24,7 @@ from typing import Any
 from kvstore.connectors._hints import request_hint, with_hint_actions
 from kvstore.connectors._metrics import ConnectorMetrics
 from kvstore.connectors._store_handle import clear_namespaces
-from kvstore.connectors._vllm_config import KVShape, VllmConnectorConfig, request_salt, token_array
+from kvstore.connectors._vllm_config import KVShape, VllmConnectorConfig, load_staging_bytes, request_salt, token_array
 from kvstore.connectors._vllm_meta import ChunkTransfer, KVStoreConnectorMetadata, KVStoreWorkerMetadata
 from kvstore.api import StoreAPI
 from kvstore.errors import KVStoreError
@@ -108,6 +108,12 @@ class SchedulerSide:
         # generation mixed into every salt after one (a fresh random one per reset).
         self._namespaces: set[bytes] = set()
         self._epoch = ""
+        # The most chunks one load may span: a worker stages a load in one take from the
+        # load half of staging_bytes, so a longer offer would fail on every attempt.
+        self.max_load_chunks = load_staging_bytes(config) // max(1, shape.chunk_bytes)
+        if do_load and self.max_load_chunks == 0:
+            log.warning("kvstore connector: the load half of staging_bytes (%d) holds no chunk of %d bytes: "
+                        "nothing is loaded (raise staging_bytes)", load_staging_bytes(config), shape.chunk_bytes)
 
     # -- vLLM hooks -----------------------------------------------------------------------
 
@@ -118,7 +124,9 @@ class SchedulerSide:
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         """Tokens beyond ``num_computed_tokens`` that the store can supply. No leases,
         no plans: vLLM may ask several times. A prompt's last token is never served
-        (vLLM must compute at least one token to sample)."""
+        (vLLM must compute at least one token to sample), and no more chunks than one
+        worker's load staging holds (``max_load_chunks``): the rest is computed, then
+        saved."""
         if not self.do_load:
             return 0, False
         st = self._state(request)
@@ -128,6 +136,7 @@ class SchedulerSide:
         if usable <= 0:
             return 0, False
         hit = min(self.store.lookup(keys[:usable], hint=st.hint) for keys in st.keys)
+        hit = min(hit, num_computed_tokens // self.shape.chunk_tokens + self.max_load_chunks)
         st.hit_chunks, st.offer_from = hit, num_computed_tokens
         external = hit * self.shape.chunk_tokens - num_computed_tokens
         if external <= 0:

@@ -10,7 +10,9 @@ store, the requests whose loads failed) and hands vLLM's hooks to the load path
 (:mod:`connectors._vllm_loads`, fail-closed loads) and the save path
 (:mod:`connectors._vllm_saves`, no save over a failed load). Pages are gathered and
 scattered on the caches' own device; device caches cross to pinned host staging, bounded
-by ``staging_bytes`` (host, and as much on the device).
+by ``staging_bytes`` (host, and as much on the device): half of it for loads, half for
+saves, so queued saves never starve a load (the scheduler offers no more than the load
+half holds).
 
 Threading: vLLM calls every hook from the worker's main thread. Store futures complete
 on store threads; their callbacks only return staging buffers to the pool.
@@ -25,7 +27,7 @@ import torch
 
 from kvstore.connectors._metrics import ConnectorMetrics
 from kvstore.connectors._staging import StagingPool
-from kvstore.connectors._vllm_config import KVShape, VllmConnectorConfig
+from kvstore.connectors._vllm_config import KVShape, VllmConnectorConfig, load_staging_bytes, save_staging_bytes
 from kvstore.connectors._vllm_loads import LoadPath
 from kvstore.connectors._vllm_meta import ChunkTransfer, KVStoreConnectorMetadata, KVStoreWorkerMetadata
 from kvstore.connectors._vllm_saves import SavePath
@@ -47,8 +49,10 @@ class WorkerSide:
         self.writes = writes           # False: an MLA replica whose copy another rank stores
         self.pages: PagedLayers | None = None
         self.layer_index: dict[str, int] = {}
-        self.pool: StagingPool | None = None          # host staging
-        self.dev_pool: StagingPool | None = None      # device staging (device caches only)
+        self.pool: StagingPool | None = None          # host staging for loads
+        self.dev_pool: StagingPool | None = None      # device staging for loads (device caches only)
+        self.save_pool: StagingPool | None = None     # host staging for saves
+        self.save_dev_pool: StagingPool | None = None  # device staging for saves (device caches only)
         self.load_parts = 1            # store loads per transfer (device caches overlap them)
         self.in_place = False          # host caches over an embedded Store: no staging copy
         self.side: Any = None          # CUDA: stream for device->host copies
@@ -77,9 +81,10 @@ class WorkerSide:
         self.pages = PagedLayers(tensors, blocks_per_chunk=self.shape.blocks_per_chunk,
                                  page_dim=page_dim, pages_per_block=ratio)
         device = self.pages.device
-        budget = self.config.staging_bytes
-        self.pool = StagingPool(torch.device("cpu"), budget, pin=device.type == "cuda")
-        self.dev_pool = StagingPool(device, budget) if device.type != "cpu" else None
+        pin = device.type == "cuda"
+        for kind, budget in (("", load_staging_bytes(self.config)), ("save_", save_staging_bytes(self.config))):
+            setattr(self, f"{kind}pool", StagingPool(torch.device("cpu"), budget, pin=pin))
+            setattr(self, f"{kind}dev_pool", StagingPool(device, budget) if device.type != "cpu" else None)
         if device.type == "cuda":
             self.side = torch.cuda.Stream(device)
         # Device caches: scatter group i on the device while the store copies group
@@ -160,8 +165,8 @@ class WorkerSide:
         return event
 
     def gauge(self) -> None:
-        dev = self.dev_pool.allocated_bytes if self.dev_pool is not None else 0
-        self.metrics.set("staging_bytes", self.pool.allocated_bytes + dev)
+        pools = (self.pool, self.dev_pool, self.save_pool, self.save_dev_pool)
+        self.metrics.set("staging_bytes", sum(p.allocated_bytes for p in pools if p is not None))
 
     def paged(self) -> PagedLayers:
         if self.pages is None:

@@ -601,8 +601,9 @@ def test_a_load_over_the_staging_budget_fails_closed(engine):
     """A load that does not fit in staging_bytes writes nothing and reports every block
     for recompute (never a partial or stale staging buffer as KV)."""
     seed_first_chunks(engine)
-    s2, w2, c2, f2 = engine(staging_bytes=4096)            # smaller than one chunk
-    w2._worker.in_place = False                            # the staging path itself
+    s2, w2, c2, f2 = engine()
+    w2._worker.pool.budget_bytes = 4096                    # load staging smaller than one chunk (the
+    w2._worker.in_place = False                            # scheduler would offer none); the staging path
     s2.add_request(vs.request("r2", PROMPT))
     out = s2.schedule()
     (load,) = out.kv_connector_metadata.loads
