@@ -29,6 +29,14 @@ class StagingPool:
         self._free: list[tuple[torch.Tensor, Any]] = []   # (buffer, event it waits for)
         self._lock = threading.Lock()
 
+    def _drop(self, buf: torch.Tensor) -> None:
+        """Take ``buf`` off the free list, found by identity: ``list.remove`` compares the
+        tuples' tensors with ``==`` (elementwise; raises for two of different sizes)."""
+        for i, (b, _) in enumerate(self._free):
+            if b is buf:
+                del self._free[i]
+                return
+
     def take(self, nbytes: int) -> torch.Tensor | None:
         """A buffer of exactly ``nbytes`` (a view of a pooled one), or ``None`` when it
         would take the pool over its budget; return it with :meth:`give` once nothing
@@ -39,13 +47,13 @@ class StagingPool:
             fits = [entry for entry in free if entry[0].numel() >= nbytes]
             if fits:
                 entry = min(fits, key=lambda e: e[0].numel())
-                self._free.remove(entry)
+                self._drop(entry[0])
                 return entry[0][:nbytes]
             # Idle buffers too small for this request are dropped to make room.
             for entry in free:
                 if self.allocated_bytes + nbytes <= self.budget_bytes:
                     break
-                self._free.remove(entry)
+                self._drop(entry[0])
                 self.allocated_bytes -= entry[0].numel()
             if self.allocated_bytes + nbytes > self.budget_bytes:
                 return None

@@ -104,6 +104,8 @@ class SchedulerSide:
         # owns them; vLLM may keep them in its prefix cache until that request recomputes.
         self._tainted: OrderedDict[tuple[int, int], str] = OrderedDict()   # (position, block) -> owner
         self._serials = itertools.count(1)
+        # vLLM's KVCacheManager (bound by vLLM's scheduler), to evict failed loads' blocks.
+        self.kv_cache_manager: Any = None
         # Every namespace digest this side made keys in since the last reset_cache, and the
         # generation mixed into every salt after one (a fresh random one per reset).
         self._namespaces: set[bytes] = set()
@@ -248,6 +250,8 @@ class SchedulerSide:
         blocks from saving past them, and remember those blocks for requests that reach
         them through vLLM's prefix cache later."""
         bad = connector_output.invalid_block_ids or set()
+        if bad:
+            self._evict_from_prefix_cache(bad)
         worker_meta = connector_output.kv_connector_worker_meta
         outcomes = worker_meta.loads if isinstance(worker_meta, KVStoreWorkerMetadata) else {}
         per = self.shape.blocks_per_chunk
@@ -376,6 +380,34 @@ class SchedulerSide:
             # vLLM's prefix cache; one that still computes the block itself is not flagged.
             if pos < len(ids) and ids[pos] == block and computed > pos * bs:
                 self._stop_saves(st, pos // self.shape.blocks_per_chunk)
+
+    def _evict_from_prefix_cache(self, bad: set[int]) -> None:
+        """Take the blocks a failed load left unwritten, and every later block of each
+        request holding one (computed over them in the same step), out of vLLM's prefix
+        cache. vLLM caches a sync load's blocks at allocation and, under ``recompute``,
+        evicts nothing: with chunked prefill the owner recomputes them over several steps,
+        and meanwhile a new request with the same prefix would be given them as computed.
+        The requests keep their blocks (and recompute them); only the hashes go, so the
+        cost is lost reuse of those blocks. Async loads' blocks are not cached yet: no-op."""
+        manager = self.kv_cache_manager
+        if manager is None:
+            return
+        evict = set(bad)
+        for req_id, st in self._reqs.items():
+            try:
+                (ids,) = manager.get_block_ids(req_id)
+            except Exception:   # an engine whose manager answers otherwise: the connector's own list
+                ids = []
+            ids = ids or st.block_ids   # not held by the manager (any more): what the connector saw
+            for i, block in enumerate(ids or ()):
+                if block in bad:
+                    evict.update(ids[i:])
+                    break
+        try:
+            manager.evict_blocks(evict)
+        except Exception as exc:   # a hook's exception would end vLLM's engine loop
+            log.error("could not evict %d failed-load blocks from vLLM's prefix cache (%s: %s); requests with "
+                      "the same prefix may reuse them", len(evict), type(exc).__name__, exc)
 
     def _taint(self, pos: int, block: int, owner: str) -> None:
         self._tainted[(pos, block)] = owner

@@ -110,6 +110,13 @@ class KVStoreConnector(KVConnectorBase_V1):
     def build_connector_meta(self, scheduler_output: Any) -> KVStoreConnectorMetadata:
         return self._sched().build_connector_meta(scheduler_output)
 
+    def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
+        """vLLM's scheduler hands over its KV cache manager once built: the scheduler side
+        evicts a failed sync load's blocks from vLLM's prefix cache through it."""
+        super().bind_kv_cache_manager(kv_cache_manager)
+        if self._scheduler is not None:
+            self._scheduler.kv_cache_manager = kv_cache_manager
+
     def update_connector_output(self, connector_output: Any) -> None:
         if self._scheduler is not None:
             self._scheduler.update_connector_output(connector_output)

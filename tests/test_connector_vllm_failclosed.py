@@ -614,3 +614,62 @@ def test_a_load_over_the_staging_budget_fails_closed(engine):
     assert kv_out.invalid_block_ids == set(load.block_ids)
     assert all(torch.equal(c2[n], before[n]) for n in c2)
     assert w2.store.stats()["connectors"]["vllm"]["failed_loads"] == 3
+
+
+def test_a_failed_sync_load_leaves_no_unwritten_block_in_vllms_prefix_cache(engine, monkeypatch):
+    """Issue 33 item 4. r2's sync load of chunks 0-2 fails on chunk 0 under
+    ``recompute``; vLLM cached r2's blocks at allocation and evicts none under
+    ``recompute``. With chunked prefill (32 tokens a step) r2 recomputes over several
+    steps, and r3, with the same prompt, arrives meanwhile: vLLM's prefix cache must not
+    give it blocks that were never written (or were computed over them). Every block
+    r3 counts as computed must hold the true KV after every step."""
+    seed_first_chunks(engine)
+    s2, w2, c2, f2 = engine()
+    s2.scheduler_config.long_prefill_token_threshold = 32
+    s2.adaptive_long_prefill_threshold = False
+    sample = vs.model_output
+
+    def model_output(out, kv_out=None):   # a partial prefill samples nothing (as vLLM's model runner)
+        mo = sample(out, kv_out)
+        for i, req_id in enumerate(mo.req_ids):
+            req = s2.requests.get(req_id)
+            if req is not None and req.num_computed_tokens < req.num_prompt_tokens:
+                mo.sampled_token_ids[i] = []
+        return mo
+
+    monkeypatch.setattr(vs, "model_output", model_output)
+    s2.add_request(vs.request("r2", PROMPT))
+    out = s2.schedule()
+    (load,) = out.kv_connector_metadata.loads
+    assert load.first_chunk == 0 and load.num_chunks == 3
+    w2.store.delete([load.keys[0][0]])                   # evicted after the plan
+    for t in c2.values():
+        t.fill_(0.5)                                     # never-written blocks hold garbage
+    _, kv_out = step(s2, w2, f2, out=out)
+    assert set(load.chunk(0)) <= kv_out.invalid_block_ids
+    r2 = s2.requests["r2"]
+    assert r2.num_computed_tokens == 0                   # vLLM recomputes it from the first block
+
+    r3 = vs.request("r3", PROMPT)
+    s2.add_request(r3)
+    deadline = time.monotonic() + 30
+    seen = False
+    while s2.has_unfinished_requests():
+        out = s2.schedule()
+        cached = out.scheduled_cached_reqs
+        starts = {n.req_id: n.num_computed_tokens for n in out.scheduled_new_reqs}
+        starts.update(zip(cached.req_ids, cached.num_computed_tokens))
+        step(s2, w2, f2, out=out)
+        if "r3" in starts:
+            # What r3 counted as computed when scheduled must hold true KV once the step's
+            # forward (which also writes what r2 recomputes in it) has run.
+            seen = True
+            blocks = f2.blocks["r3"]
+            for name, cache in c2.items():
+                for j in range(starts["r3"] // vs.BLOCK):
+                    assert torch.equal(cache[blocks[j]], f2.truth[name][j]), \
+                        f"r3 was given block {j} as computed; it holds no true KV ({name})"
+        assert time.monotonic() < deadline
+    assert seen
+    settle(w2.store)
+    assert False not in stored_chunks(w2, c2, f2)

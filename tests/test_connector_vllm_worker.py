@@ -240,3 +240,19 @@ def test_load_takes_first_tier_chunks_in_place_and_the_rest_from_below(make_work
     assert not out.invalid_block_ids
     assert all(torch.equal(expected[n], pages(caches, dst)[n]) for n in caches)
     assert worker.store.stats()["tiers"][1]["hits"] == 1
+
+
+def test_staging_pool_reuses_a_buffer_among_idle_ones_of_other_sizes():
+    """Taking a pooled buffer finds it by identity: ``list.remove`` compared the free
+    list's tensors elementwise and raised for two of different sizes."""
+    import torch
+
+    from kvstore.connectors._staging import StagingPool
+
+    pool = StagingPool(torch.device("cpu"), 1 << 20)
+    small, big = pool.take(16), pool.take(48)
+    pool.give(small)
+    pool.give(big)
+    again = pool.take(40)
+    assert again is not None and again.data_ptr() == big.data_ptr() and again.numel() == 40
+    assert pool.take(16).data_ptr() == small.data_ptr()
