@@ -81,10 +81,12 @@ class WorkerSide:
         self.pages = PagedLayers(tensors, blocks_per_chunk=self.shape.blocks_per_chunk,
                                  page_dim=page_dim, pages_per_block=ratio)
         device = self.pages.device
-        pin = device.type == "cuda"
-        for kind, budget in (("", load_staging_bytes(self.config)), ("save_", save_staging_bytes(self.config))):
-            setattr(self, f"{kind}pool", StagingPool(torch.device("cpu"), budget, pin=pin))
-            setattr(self, f"{kind}dev_pool", StagingPool(device, budget) if device.type != "cpu" else None)
+        loads, saves = load_staging_bytes(self.config), save_staging_bytes(self.config)
+        host, pin = torch.device("cpu"), device.type == "cuda"
+        self.pool = StagingPool(host, loads, pin=pin)
+        self.save_pool = StagingPool(host, saves, pin=pin)
+        if device.type != "cpu":
+            self.dev_pool, self.save_dev_pool = StagingPool(device, loads), StagingPool(device, saves)
         if device.type == "cuda":
             self.side = torch.cuda.Stream(device)
         # Device caches: scatter group i on the device while the store copies group

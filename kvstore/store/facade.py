@@ -356,10 +356,12 @@ class Store:
         whose keys carry one of them, as :meth:`kvstore.client.Client.clear`. Returns
         how many blocks were removed."""
         self._check_open()
+        with self._lock:     # a snapshot of the index under its lock (see its lock rule)
+            keys = list(self._where)
         if namespaces is None:
-            return self._delete(list(self._where), cleared=True)
+            return self._delete(keys, cleared=True)
         wanted = {bytes(n) for n in namespaces}
-        doomed = [key for key in list(self._where) if key.namespace in wanted] if wanted else []
+        doomed = [key for key in keys if key.namespace in wanted] if wanted else []
         return self._delete(doomed, cleared=False) if doomed else 0
 
     def stats(self) -> dict[str, Any]:
