@@ -72,6 +72,11 @@ class ServerStore:
     # -- state ---------------------------------------------------------------------------
 
     @property
+    def client(self) -> Any:
+        """The :class:`kvstore.client.Client` (``None`` until the server first answered)."""
+        return self._client
+
+    @property
     def reachable(self) -> bool:
         """Whether the last call reached the server (may be stale on return)."""
         return self._down_since is None and self._client is not None

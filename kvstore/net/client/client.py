@@ -264,9 +264,10 @@ class Client:
                 c.close()
             if close:
                 failed.transport.close()
-            session.transport.start(self._run)
-            log.info("kvstore server %s was restarted: reconnected to its new instance (transport %s)",
-                     self.address, session.transport.name)
+        # Outside the lock: starting (NIXL's introduction) runs calls that may re-resolve.
+        session.transport.start(self._run)
+        log.info("kvstore server %s was restarted: reconnected to its new instance (transport %s)",
+                 self.address, session.transport.name)
 
     # -- control operations ----------------------------------------------------------------------
 
