@@ -104,3 +104,60 @@ def test_a_restarted_server_without_the_blocks_is_a_miss_never_old_bytes(tmp_pat
         client.close()
         if proc is not None:
             stop_server(proc)
+
+
+def test_loads_in_flight_across_a_restart_are_exact_or_misses(tmp_path):
+    """Several threads load through one Client while its server restarts: a call fails
+    as unavailable or answers from one instance, never a block reported loaded with
+    other bytes (the old arena stays mapped until its last call is done)."""
+    import threading
+    import time
+
+    port = free_port()
+    config = _config(tmp_path, port)
+    log_path = tmp_path / "serve.log"
+    keys, data = _blocks(8, seed=7)
+    proc = start_server(config, port, log_path)
+    client = Client(f"127.0.0.1:{port}", transport="auto", pool_size=4)
+    stop = threading.Event()
+    full, wrong, errors = [0], [], []
+
+    def loader() -> None:
+        while not stop.is_set():
+            dsts = [np.zeros(BLOCK, np.uint8) for _ in keys]
+            try:
+                ok = client.load(keys, dsts).result(60)
+            except TierUnavailableError:
+                continue
+            except Exception as exc:   # anything else is a finding
+                errors.append(exc)
+                return
+            wrong.extend(i for i, (o, d, e) in enumerate(zip(ok, dsts, data)) if o and not np.array_equal(d, e))
+            if all(ok):
+                full[0] += 1
+
+    threads = [threading.Thread(target=loader) for _ in range(3)]
+    try:
+        assert client.save(keys, data).result() == [True] * 8
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 60
+        while full[0] < 3:
+            assert time.monotonic() < deadline and not errors, errors
+            time.sleep(0.01)
+        stop_server(proc)
+        proc = start_server(config, port, log_path)
+        seen = full[0]
+        while full[0] < seen + 3:
+            assert time.monotonic() < deadline + 60 and not errors, errors
+            time.sleep(0.01)
+        assert client.transport == "shm"
+    finally:
+        stop.set()
+        for t in threads:
+            if t.is_alive():
+                t.join(60)
+        client.close()
+        if proc is not None:
+            stop_server(proc)
+    assert not errors and not wrong
