@@ -250,7 +250,7 @@ class Client:
             try:
                 session = self._open_session(first)
             except KVStoreError:
-                raise
+                raise                       # connect_transport closed ``first``
             except Exception as exc:        # e.g. the new arena cannot be mapped here
                 first.close()
                 raise TierUnavailableError(f"kvstore server {self.address} restarted and could not be "
@@ -426,7 +426,7 @@ class Client:
             return out
         for lo, hi in self._batches(srcs, self._transport.put_limit(self._max_payload)):
             out += self._run_on(lambda c, t: t.put(c, keys[lo:hi], srcs[lo:hi],
-                                                           None if sums is None else sums[lo:hi]))
+                                                   None if sums is None else sums[lo:hi]))
         return out
 
     def _load(self, keys: list[BlockKey], dsts: list[Any]) -> list[bool]:
