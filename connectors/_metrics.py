@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import threading
 
+from kvstore.connectors._server_store import ServerStore
 from kvstore.stats import COUNTERS, GAUGES
 from kvstore.api import StoreAPI
 
@@ -24,6 +25,8 @@ class ConnectorMetrics:
         self._lock = threading.Lock()
         self._store = store
         store.attach_stats(name, self.snapshot)
+        if isinstance(store, ServerStore):
+            store.count_into(self)        # its lookups answered without the server
 
     def add(self, counter: str, n: int = 1) -> None:
         if n:

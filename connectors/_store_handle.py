@@ -6,9 +6,12 @@ A connector passes its options mapping (vLLM's ``kv_connector_extra_config``, SG
 ``extra_config``, TensorRT-LLM's ``server_url``) and gets:
 
 - ``{"server": "host:port", "token": ..., "timeout_s": ..., "tls": ...}``: a new Client
-  of that running ``kvstore serve``. The server is what processes share. ``tls`` (for a
-  server with ``server.tls``) is ``true`` (the system's trust store) or the remote tier's
-  ``tls`` settings (``ca``, ``cert``, ``key``, ``server_hostname``, ``check_hostname``).
+  of that ``kvstore serve``, held by a :class:`~kvstore.connectors._server_store.ServerStore`:
+  while the server is unreachable (at start-up too) lookups miss and saves are skipped,
+  and it reconnects on its own, so an engine never fails because its cache did. The
+  server is what processes share. ``tls`` (for a server with ``server.tls``) is ``true``
+  (the system's trust store) or the remote tier's ``tls`` settings (``ca``, ``cert``,
+  ``key``, ``server_hostname``, ``check_hostname``).
 - ``{"store": {...} | "path.yaml"}``: an embedded Store built from exactly that config;
   ``KVSTORE_…`` environment variables are not applied to it.
 - neither: an embedded Store of the environment's config, ``$KVSTORE_CONFIG`` (with
@@ -132,7 +135,9 @@ def _client(options: Mapping[str, Any], server: Any, owner: str) -> StoreAPI:
             kwargs["tls"] = client_tls(dict(tls) if isinstance(tls, Mapping) else tls)
         except ConfigError as exc:
             raise ConfigError(f"{owner}: {exc}") from None
-    return Client(server, token=token, **kwargs)
+    from kvstore.connectors._server_store import ServerStore
+
+    return ServerStore(lambda: Client(server, token=token, **kwargs), server, owner=owner)
 
 
 __all__ = ["clear_namespaces", "open_store", "release_store"]

@@ -133,6 +133,8 @@ class SavePath:
                 log.warning("request %s: save refused: %s", save.spec.req_id, exc)
                 self.w.metrics.add("dropped_saves", n - lo)
                 break
+        for (lo, hi), future in zip(groups(n) if n else [], futures):
+            future.add_done_callback(lambda f, n=hi - lo: self._count_unsaved(f, n))
         if wait:
             # Registered even with nothing pending (saved in place, or refused).
             self.futures.setdefault(save.spec.req_id, []).extend(futures)
@@ -144,6 +146,12 @@ class SavePath:
             for future in futures:
                 wait_quietly(future, self.w.config.timeout_s, save.spec.req_id)
         return futures
+
+    def _count_unsaved(self, future: Future, n: int) -> None:
+        """Count the chunks of a finished store save that were not stored (refused, or
+        the server unreachable) in ``dropped_saves``."""
+        ok = future.result() if future.exception() is None else []
+        self.w.metrics.add("dropped_saves", n - sum(1 for stored in ok if stored))
 
     def _save_in_place(self, save: _Save) -> list[int]:
         """Gather chunks straight into first-tier slots reserved in the store and

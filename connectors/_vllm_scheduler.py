@@ -137,7 +137,7 @@ class SchedulerSide:
         usable = (len(st.tokens) - 1) // self.shape.chunk_tokens
         if usable <= 0:
             return 0, False
-        hit = min(self.store.lookup(keys[:usable], hint=st.hint) for keys in st.keys)
+        hit = min(self._lookup(request, keys[:usable], hint=st.hint) for keys in st.keys)
         hit = min(hit, num_computed_tokens // self.shape.chunk_tokens + self.max_load_chunks)
         st.hit_chunks, st.offer_from = hit, num_computed_tokens
         external = hit * self.shape.chunk_tokens - num_computed_tokens
@@ -168,7 +168,7 @@ class SchedulerSide:
             raise KVStoreError(f"request {request.request_id}: {len(blocks.blocks[0])} blocks allocated for "
                                f"{end} loaded tokens; vLLM's allocation contract changed")
         keys = [k[first:last] for k in st.keys]
-        got = [self.store.lookup(k, lease_s=self.config.lease_s) for k in keys]
+        got = [self._lookup(request, k, lease_s=self.config.lease_s) for k in keys]
         if min(got) < len(keys[0]):
             # Evicted since the lookup; the worker will fail closed on the missing chunks.
             log.info("request %s: %d of %d chunks still cached at allocation", request.request_id,
@@ -297,8 +297,7 @@ class SchedulerSide:
         if st.load is not None:
             self._planned = [s for s in self._planned if s is not st.load]
         if st.leased:
-            for keys in st.leased:
-                self.store.release(keys)
+            self._release(request.request_id, st.leased)
         final = False
         if st.pending and self.do_save:
             if getattr(request.status, "name", "") in _NORMAL_FINISH:
@@ -326,11 +325,7 @@ class SchedulerSide:
         self._epoch = f"\0gen:{secrets.token_hex(8)}"
         for st in self._reqs.values():
             if st.leased:
-                for keys in st.leased:
-                    try:
-                        self.store.release(keys)
-                    except Exception as exc:   # a lease times out by itself; the clear must still run
-                        log.warning("reset: releasing a lease failed (%s: %s)", type(exc).__name__, exc)
+                self._release("reset", st.leased)   # the clear must still run
                 st.leased = None
             st.keys = [[] for _ in st.keys]
             st.hit_chunks = 0
@@ -339,6 +334,25 @@ class SchedulerSide:
         return clear_namespaces(self.store, spaces, owner="vLLM kvstore connector")
 
     # -- internals ------------------------------------------------------------------------
+
+    def _lookup(self, request: Any, keys: list[BlockKey], **kwargs: Any) -> int:
+        """The store's lookup; a failure is a miss: a hook's exception would end vLLM's
+        engine loop. (A server store answers an unreachable server with a miss itself,
+        counted and logged at a bounded rate; this catches what else a store raises.)"""
+        try:
+            return self.store.lookup(keys, **kwargs)
+        except KVStoreError as exc:
+            log.warning("request %s: kvstore lookup failed (%s: %s); a miss", request.request_id,
+                        type(exc).__name__, exc)
+            return 0
+
+    def _release(self, what: str, leased: list[list[BlockKey]]) -> None:
+        """Drop leases; a failure is logged only (a lease times out by itself)."""
+        for keys in leased:
+            try:
+                self.store.release(keys)
+            except Exception as exc:   # noqa: BLE001 - a hook's exception would end vLLM's engine loop
+                log.warning("%s: releasing a kvstore lease failed (%s: %s)", what, type(exc).__name__, exc)
 
     def _state(self, request: Any) -> _Req:
         """The request's state, its chunk keys hashed on first sight. Never raises for a

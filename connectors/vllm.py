@@ -57,11 +57,8 @@ class KVStoreConnector(KVConnectorBase_V1):
                              self.config.weights_version)
         do_save = self.config.save if self.config.save is not None else tc.is_kv_producer
         do_load = self.config.load if self.config.load is not None else tc.is_kv_consumer
-        if self.config.store is not None and self.shape.world_size > 1:
-            # Workers of a TP/PP group are separate processes: each would get its own
-            # Store, and the scheduler's lookups would never see what workers saved.
-            raise ConfigError("the embedded 'store' is for single-process serving (TP=1, PP=1); "
-                              f"this engine has {self.shape.world_size} workers: use 'server'")
+        if self.config.store is not None:
+            _check_embedded(vllm_config, self.shape)
         self.store = open_store({"store": self.config.store, "server": self.config.server,
                                  "token": self.config.token, "timeout_s": self.config.timeout_s,
                                  "tls": self.config.tls},
@@ -203,6 +200,43 @@ class KVStoreConnector(KVConnectorBase_V1):
         if self._worker is None:
             raise ConfigError("worker-side hook called on a scheduler-role kvstore connector")
         return self._worker
+
+
+def _check_embedded(vllm_config: Any, shape: KVShape) -> None:
+    """Refuse an embedded ``store`` unless every worker runs in the scheduler's process:
+    a worker in its own process would open a Store of its own, so saves would land in
+    one Store and lookups ask another (never a hit, and nothing would say so)."""
+    if shape.world_size > 1:
+        # Workers of a TP/PP group are separate processes.
+        raise ConfigError("the embedded 'store' is for single-process serving (TP=1, PP=1); "
+                          f"this engine has {shape.world_size} workers: use 'server' (a kvstore serve "
+                          "that the scheduler and the workers share)")
+    backend = vllm_config.parallel_config.distributed_executor_backend
+    if not _in_process(backend):
+        name = backend if isinstance(backend, str) else getattr(backend, "__qualname__", repr(backend))
+        raise ConfigError(f"the embedded 'store' needs vLLM's worker in the scheduler's process, but the "
+                          f"executor backend is {name!r}, which runs the worker in a process of its own (vLLM's "
+                          "CPU platform picks 'mp' even at TP=1): the two would hold different Stores and "
+                          "never hit; use 'server' (a kvstore serve both processes share)")
+
+
+def _in_process(backend: Any) -> bool:
+    """Whether vLLM's executor ``backend`` (ParallelConfig.distributed_executor_backend, as
+    resolved by VllmConfig) runs the worker in the scheduler's (engine-core) process: the
+    uniprocess executors (``uni``, ``external_launcher`` and their subclasses) do; ``mp``,
+    ``ray`` and anything else do not, or cannot be told to."""
+    if backend in ("uni", "external_launcher"):
+        return True
+    if backend in (None, "mp", "ray"):
+        return False        # None: not resolved yet, so not known to be in process
+    try:
+        from vllm.utils.import_utils import resolve_obj_by_qualname
+        from vllm.v1.executor.uniproc_executor import UniProcExecutor
+
+        cls = resolve_obj_by_qualname(backend) if isinstance(backend, str) else backend
+        return isinstance(cls, type) and issubclass(cls, UniProcExecutor)
+    except Exception:   # an executor that cannot be resolved here is not known to be in process
+        return False
 
 
 def _worker_rank(vllm_config: Any, shape: KVShape) -> tuple[int, int]:

@@ -11,9 +11,11 @@ COUNTERS = {
     "hit_tokens": "prompt tokens the store offered to the engine",
     "loaded_tokens": "tokens loaded, verified, into the engine's KV cache",
     "failed_loads": "chunks whose load failed and were reported for recompute",
-    "dropped_saves": "chunks not stored: over the staging budget, refused, or computed after a failed load",
+    "dropped_saves": "chunks not stored: over the staging budget, refused (the cache server unreachable "
+                     "included), or computed after a failed load",
     "deleted_saves": "stored chunks deleted because they were computed over a failed load",
     "uncached_requests": "requests neither offered nor saved: inputs the keys do not cover (prompt embeddings)",
+    "unreachable_lookups": "lookups answered as a miss because the cache server was unreachable",
 }
 GAUGES = {"staging_bytes": "host and device staging memory held by the connector"}
 

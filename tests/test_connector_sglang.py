@@ -460,7 +460,8 @@ def test_connector_metrics_reach_store_stats(make_backend, host_pool_factory):
     assert backend.batch_set_v1(page_hashes(2, "late"), torch.arange(0, 2 * P)) == [False, False]
     got = backend.store.stats()["connectors"]["sglang"]
     assert got == {"hit_tokens": 4 * P, "loaded_tokens": 3 * P, "failed_loads": 1, "dropped_saves": 2,
-                   "deleted_saves": 0, "staging_bytes": 0, "uncached_requests": 0}
+                   "deleted_saves": 0, "staging_bytes": 0, "uncached_requests": 0,
+                   "unreachable_lookups": 0}
     store = backend.store
     backend.close()
     assert "sglang" not in store.stats()["connectors"]

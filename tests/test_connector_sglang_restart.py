@@ -121,3 +121,43 @@ def test_corrupt_pages_on_disk_are_not_loaded(tmp_path):
         second.close()
     finally:
         _stop(proc)
+
+
+@pytest.mark.slow
+def test_backend_starts_without_its_server_and_stores_once_it_is_up(tmp_path):
+    """A cache is best effort (issue 35, finding 2): SGLang's backend is built while no
+    server listens; every query is a miss, every save is skipped (counted), nothing is
+    reported loaded, and it reconnects on its own once the server is up."""
+    import time
+
+    port = free_port()
+    config = _config(tmp_path, port)
+    pool = make_mha_host_pool("page_first", layers=2)
+    gen = torch.Generator().manual_seed(12)
+    pool.kv_buffer.copy_(torch.randn(pool.kv_buffer.shape, generator=gen).half())
+    P, keys = pool.page_size, page_hashes(3, "down")
+    backend = _backend(port, pool)                  # nothing listens on the port
+    try:
+        assert backend.batch_exists(keys) == 0
+        assert backend.batch_set_v1(keys, torch.arange(0, 3 * P)) == [False] * 3
+        sentinel = pool.get_data_page(8 * P).clone()
+        assert backend.batch_get_v1(keys[:1], torch.arange(8 * P, 9 * P)) == [False]
+        assert torch.equal(pool.get_data_page(8 * P), sentinel)
+        got = backend.store.stats()["connectors"]["sglang"]
+        assert got["dropped_saves"] == 3 and got["failed_loads"] == 1 and got["unreachable_lookups"] == 1
+
+        proc = _start(config, port, tmp_path / "serve.log")
+        try:
+            deadline = time.monotonic() + 30
+            while not backend.store.stats()["server_link"]["reachable"]:
+                assert time.monotonic() < deadline, "the backend did not reconnect"
+                time.sleep(0.05)
+            expect = [pool.get_data_page(i * P).clone() for i in range(3)]
+            assert backend.batch_set_v1(keys, torch.arange(0, 3 * P)) == [True] * 3
+            assert backend.batch_exists(keys) == 3
+            assert backend.batch_get_v1(keys, torch.arange(8 * P, 11 * P)) == [True] * 3
+            assert all(torch.equal(pool.get_data_page((8 + i) * P), expect[i]) for i in range(3))
+        finally:
+            _stop(proc)
+    finally:
+        backend.close()

@@ -569,3 +569,24 @@ def test_mla_two_ranks_store_one_copy_and_both_read_it(engine, kvstore_url):
             assert torch.equal(eng.block(b, idx, rank), expected_block(PROMPT, idx, 0, kv_factor=1))
     eng.finish(b)
     assert eng.scheduler.store.stats()["leases"] == 0
+
+
+def test_engine_runs_while_its_server_was_never_there(engine):
+    """A cache is best effort (issue 35, finding 2): with ``server_url`` naming a port
+    nothing listens on, the connector starts, every match is a miss, the saves are
+    skipped (counted) and the request computes as without a cache."""
+    from kvstore.testing import free_port
+
+    eng = engine(llm_args(tp=1, server_url=f"kvstore://127.0.0.1:{free_port()}"))
+    a = standin.LlmRequest(1, PROMPT)
+    assert eng.prefill(a) == 0
+    eng.finish(a)
+    b = standin.LlmRequest(2, PROMPT)
+    assert eng.prefill(b) == 0
+    assert trt_stats(eng.scheduler.store)["unreachable_lookups"] >= 1
+    deadline = time.monotonic() + 30
+    while trt_stats(eng.workers[0].store)["dropped_saves"] == 0:
+        assert time.monotonic() < deadline, "skipped saves were not counted"
+        time.sleep(0.01)
+    for idx in range(len(PROMPT) // BS):
+        assert torch.equal(eng.block(b, idx), expected_block(PROMPT, idx, 0))

@@ -181,9 +181,11 @@ def test_idle_connections_are_closed_and_the_client_reconnects():
 def test_connectors_open_a_client_to_the_server(server):
     from kvstore.connectors._store_handle import open_store, release_store
 
+    from kvstore.connectors._server_store import ServerStore
+
     store = open_store({"server": server.address}, owner="test")
     try:
-        assert isinstance(store, Client)
+        assert isinstance(store, ServerStore) and isinstance(store.client, Client)
         key = make_keys(1, salt="connector")
         assert store.save(key, [payload(8, 4096)]).result(10) == [True]
         dst = np.zeros(4096, np.uint8)

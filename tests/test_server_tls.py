@@ -429,7 +429,7 @@ def test_a_connector_reaches_a_tls_server_through_open_store(mtls_server, pki):
         dst = [np.zeros(4096, np.uint8) for _ in keys]
         assert store.load(keys, dst).result(WAIT_S) == [True, True]
         assert all(np.array_equal(d, s) for d, s in zip(dst, srcs))
-        assert store.tls
+        assert store.client.tls
     finally:
         release_store(store)
     with pytest.raises(ConfigError, match="vllm: 'tls' must be true or a mapping"):

@@ -47,9 +47,10 @@ def store_config(capacity: str = "64MiB", name: str = "hot") -> dict[str, Any]:
 
 def vllm_config(model: str, extra: dict[str, Any] | None, *, layout: str = "LBHNC",
                 connector: str = "KVStoreConnector", module: str | None = "kvstore.connectors.vllm",
-                prefix_caching: bool = True, policy: str = "recompute", max_model_len: int = 4096):
-    from vllm.config import (CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig,
-                             VllmConfig)
+                prefix_caching: bool = True, policy: str = "recompute", max_model_len: int = 4096,
+                parallel=None):
+    from vllm.config import (CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, ParallelConfig,
+                             SchedulerConfig, VllmConfig)
 
     mc = ModelConfig(model=model, skip_tokenizer_init=True, max_model_len=max_model_len, dtype="float16")
     cc = CacheConfig(block_size=BLOCK, enable_prefix_caching=prefix_caching)
@@ -59,7 +60,7 @@ def vllm_config(model: str, extra: dict[str, Any] | None, *, layout: str = "LBHN
     kt = KVTransferConfig(kv_connector=connector, kv_connector_module_path=module, kv_role="kv_both",
                           kv_connector_extra_config=extra or {}, kv_load_failure_policy=policy)
     return VllmConfig(model_config=mc, cache_config=cc, scheduler_config=sc, device_config=DeviceConfig("cpu"),
-                      kv_transfer_config=kt)
+                      kv_transfer_config=kt, parallel_config=parallel or ParallelConfig())
 
 
 def kv_cache_config(vc, num_blocks: int = 64, *, layers: int = LAYERS, heads: int = HEADS,

@@ -27,7 +27,10 @@ connection each, so up to ``pool_size`` run at once. ``save``/``load`` return fu
 callers must not touch their buffers until the future is done. A network failure is
 retried once on a fresh connection and then raised as
 :class:`~kvstore.errors.TierUnavailableError`; a load never reports ``True`` for a
-block whose bytes did not fully arrive.
+block whose bytes did not fully arrive. A restarted server is found again at the given
+address: its HELLO names a new instance, and the client takes the transport that
+instance offers (its new same-host socket and arena: both are named after the server's
+pid) in place of the old one, which is unmapped once no call uses it.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Callable, Iterator, Sequence
 
@@ -49,7 +53,7 @@ from kvstore.errors import (InvalidArgumentError, KVStoreError, NotSupportedErro
 from kvstore.hint import Hint, check_hint
 from kvstore.keys import BlockKey
 from kvstore.net import protocol as P
-from kvstore.net.client.selection import FallbackCounter, Transport, connect_transport
+from kvstore.net.client.selection import Connected, FallbackCounter, Transport, connect_transport
 from kvstore.net.client.tcp import Integrity, TcpTransport
 from kvstore.net.client.wire import Address, Conn
 from kvstore.net.tls import client_tls
@@ -86,32 +90,42 @@ class Client:
         self.address = Address.parse(address)
         self._tls = client_tls(tls)
         self._token, self._timeout_s = token, timeout_s
-        self._pool_size, self._staging_bytes = max(1, pool_size), staging_bytes
+        self._setting = transport
+        self._pool_size, self._staging_wanted = max(1, pool_size), staging_bytes
         self._lock = threading.Lock()
+        self._resolve_lock = threading.Lock()   # one re-resolution after a restart at a time
         self._stat_sources: list[tuple[str, Any]] = []  # this process's connectors (attach_stats)
+        self._registered: list[Any] = []   # register()ed buffers, handed to each new transport
         self._closed = False
         self.integrity = Integrity(verify)
         self.fallbacks = FallbackCounter()
-        self._transport: Transport | None = None   # chosen below; a NIXL failure swaps in TCP
-        first = Conn(self.address, token, timeout_s, self._tls)
-        self.info = first.info
-        self._max_batch = int(self.info.get("max_batch", 4096))
-        self._max_payload = min(int(self.info.get("max_frame_bytes", 256 << 20)),
-                                int(self.info.get("max_inflight_bytes", 1 << 30))) - (1 << 20)
-        # the server refuses a staging region larger than its per-client in-flight limit
-        self._staging_bytes = min(self._staging_bytes, int(self.info.get("max_inflight_bytes", 1 << 30)))
         # Same-host copies of a large batch are split over a few threads (SameHostTransport).
-        if copy_threads is None:
-            copy_threads = min(2, os.cpu_count() or 1)
-        # One transport for the client's life (a NIXL failure swaps in TCP: _fell_back).
-        chosen = connect_transport(transport, first, tls=self._tls, connect=self._connect,
-                                   integrity=self.integrity, staging_bytes=self._staging_bytes,
-                                   max_batch=self._max_batch, copy_threads=copy_threads,
-                                   timeout_s=timeout_s, on_failure=self._fell_back)
-        self._transport = chosen.transport
-        self._conn_addr, self._idle = chosen.addr, chosen.conns
+        self._copy_threads = copy_threads if copy_threads is not None else min(2, os.cpu_count() or 1)
+        # One session per server instance: a restarted server gets a new one (_reresolve).
+        self._session: _Session | None = None   # set below (a NIXL failure may be reported first)
+        self._session = self._open_session(Conn(self.address, token, timeout_s, self._tls))
         self._pool = ThreadPoolExecutor(self._pool_size, thread_name_prefix="kvstore-client")
-        self._transport.start(self._run)
+        self._session.transport.start(self._run)
+
+    def _open_session(self, first: Conn) -> "_Session":
+        """The transport for the server instance whose HELLO ``first`` received (chosen
+        by :func:`connect_transport`: the same-host socket and arena it names, NIXL or
+        TCP), with the limits that HELLO announced."""
+        info = first.info
+        max_batch = int(info.get("max_batch", 4096))
+        self._max_payload = min(int(info.get("max_frame_bytes", 256 << 20)),
+                                int(info.get("max_inflight_bytes", 1 << 30))) - (1 << 20)
+        # the server refuses a staging region larger than its per-client in-flight limit
+        self._staging_bytes = min(self._staging_wanted, int(info.get("max_inflight_bytes", 1 << 30)))
+        self._max_batch = max_batch
+        self.info = info
+        chosen: Connected = connect_transport(self._setting, first, tls=self._tls, connect=self._connect,
+                                              integrity=self.integrity, staging_bytes=self._staging_bytes,
+                                              max_batch=max_batch, copy_threads=self._copy_threads,
+                                              timeout_s=self._timeout_s, on_failure=self._fell_back)
+        for buf in self._registered:
+            chosen.transport.register(buf)
+        return _Session(chosen.transport, chosen.addr, chosen.conns, info.get("instance"))
 
     def _connect(self, addr: Address) -> Conn:
         return Conn(addr, self._token, self._timeout_s, self._tls)
@@ -120,62 +134,140 @@ class Client:
         """``failed`` (NIXL) stopped working: logged, counted, TCP from now on."""
         self.fallbacks.record(str(self.address), failed.name, exc)
         with self._lock:
-            if self._transport is failed:
-                self._transport = TcpTransport(self.integrity)
+            if self._session is not None and self._session.transport is failed:
+                self._session.transport = TcpTransport(self.integrity)
 
     def register(self, buf: Any) -> None:
         """Register a long-lived buffer (e.g. a KV-cache pool, host or GPU memory) so the
         NIXL path moves blocks straight into and out of it. A no-op on other paths."""
-        self._transport.register(buf)
+        self._registered.append(buf)
+        self._session.transport.register(buf)
+
+    @property
+    def _transport(self) -> Transport:
+        return self._session.transport
 
     @property
     def tls(self) -> bool:
         """Whether this client's connections run over TLS (TCP with ``tls`` given; the
         same-host path never does)."""
-        return self._tls is not None and self._conn_addr.path is None
+        return self._tls is not None and self._session.addr.path is None
 
     @property
     def transport(self) -> str:
         """``shm`` when bulk bytes move through shared memory, ``nixl`` through NIXL,
         else ``tcp``."""
-        return self._transport.name
+        return self._session.transport.name
 
     # -- connections ---------------------------------------------------------------------------
 
     @contextmanager
-    def _conn(self) -> Iterator[Conn]:
+    def _conn(self, session: "_Session") -> Iterator[Conn]:
+        """A connection of ``session`` (pooled, else new). A new one answered by another
+        server instance (restarted where the session's socket was) is refused with
+        :class:`TierUnavailableError`: its transport belongs to the old instance."""
         if self._closed:
             raise StoreClosedError("the Client is closed")
         with self._lock:
-            conn = self._idle.pop() if self._idle else None
+            conn = session.idle.pop() if session.idle else None
         if conn is None:
-            conn = self._connect(self._conn_addr)
+            conn = self._connect(session.addr)
+            if conn.info.get("instance") != session.instance:
+                conn.close()
+                raise TierUnavailableError(f"kvstore server {session.addr} was restarted (another instance "
+                                           "answers there)")
         try:
             yield conn
         finally:
-            if conn.broken or self._closed:
+            if conn.broken or self._closed or session.retired:
                 conn.close()
             else:
                 with self._lock:
-                    if len(self._idle) < self._pool_size:
-                        self._idle.append(conn)
+                    if len(session.idle) < self._pool_size:
+                        session.idle.append(conn)
                         conn = None
                 if conn is not None:
                     conn.close()
 
     def _run(self, fn: Callable[[Conn], Any]) -> Any:
-        """Run ``fn`` on a pooled connection; on a network failure retry once on a fresh
-        connection (a restarted server, a connection the server closed while idle)."""
+        """Run ``fn`` on a pooled connection (see :meth:`_run_on`)."""
+        return self._run_on(lambda conn, _transport: fn(conn))
+
+    def _run_on(self, fn: Callable[[Conn, Transport], Any]) -> Any:
+        """Run ``fn`` on a pooled connection and the transport of the same server
+        instance; on a network failure retry once on a fresh connection (a connection
+        the server closed while idle, a restarted server). A restarted server is found
+        again at the address the client was given: its HELLO names a new instance, whose
+        same-host socket and arena (both named after its pid) replace the old ones
+        (:meth:`_reresolve`)."""
+        session = self._enter()
         try:
-            with self._conn() as conn:
-                return fn(conn)
+            with self._conn(session) as conn:
+                return fn(conn, session.transport)
         except TierUnavailableError:
             with self._lock:
-                stale, self._idle = self._idle, []
+                stale, session.idle = session.idle, []
             for c in stale:
                 c.close()
-            with self._conn() as conn:
-                return fn(conn)
+        finally:
+            self._leave(session)
+        self._reresolve(session)
+        session = self._enter()
+        try:
+            with self._conn(session) as conn:
+                return fn(conn, session.transport)
+        finally:
+            self._leave(session)
+
+    def _enter(self) -> "_Session":
+        with self._lock:
+            session = self._session
+            session.users += 1
+            return session
+
+    def _leave(self, session: "_Session") -> None:
+        """A call on ``session`` is over; a retired session's transport (a mapped arena a
+        call may still have been copying from) is closed by its last user."""
+        with self._lock:
+            session.users -= 1
+            close = session.retired and session.users == 0 and not session.closed
+            session.closed = session.closed or close
+        if close:
+            session.transport.close()
+
+    def _reresolve(self, failed: "_Session") -> None:
+        """After a network failure on ``failed``: ask the address the client was given
+        which server instance answers there now; a new one (a restart) gets a session of
+        its own (HELLO, transport chosen again, its arena mapped) and ``failed`` is
+        retired. Raises TierUnavailableError while no server answers."""
+        with self._resolve_lock:
+            if self._session is not failed or self._closed:
+                return                      # another call found the new instance already
+            first = self._connect(self.address)
+            if first.info.get("instance") == failed.instance:
+                first.close()               # the same server: only a connection broke
+                return
+            try:
+                session = self._open_session(first)
+            except KVStoreError:
+                raise                       # connect_transport closed ``first``
+            except Exception as exc:        # e.g. the new arena cannot be mapped here
+                first.close()
+                raise TierUnavailableError(f"kvstore server {self.address} restarted and could not be "
+                                           f"reached again: {exc}") from exc
+            with self._lock:
+                self._session, failed.retired = session, True
+                stale, failed.idle = failed.idle, []
+                close = failed.users == 0 and not failed.closed   # else its last user closes it
+                failed.closed = failed.closed or close
+            for c in stale:
+                c.close()
+            if close:
+                failed.transport.close()
+        # Outside the lock: starting (NIXL's introduction) runs calls that may re-resolve.
+        session.transport.start(self._run)
+        log.info("kvstore server %s was restarted: reconnected to its new instance (transport %s)",
+                 self.address, session.transport.name)
 
     # -- control operations ----------------------------------------------------------------------
 
@@ -333,8 +425,8 @@ class Client:
         if not keys:
             return out
         for lo, hi in self._batches(srcs, self._transport.put_limit(self._max_payload)):
-            out += self._run(lambda c: self._transport.put(c, keys[lo:hi], srcs[lo:hi],
-                                                           None if sums is None else sums[lo:hi]))
+            out += self._run_on(lambda c, t: t.put(c, keys[lo:hi], srcs[lo:hi],
+                                                   None if sums is None else sums[lo:hi]))
         return out
 
     def _load(self, keys: list[BlockKey], dsts: list[Any]) -> list[bool]:
@@ -342,7 +434,7 @@ class Client:
         if not keys:
             return out
         for lo, hi in self._batches(dsts, self._max_payload):
-            out += self._run(lambda c: self._transport.get(c, keys[lo:hi], dsts[lo:hi]))
+            out += self._run_on(lambda c, t: t.get(c, keys[lo:hi], dsts[lo:hi]))
         return out
 
     # -- batching ---------------------------------------------------------------------------------
@@ -372,16 +464,36 @@ class Client:
         self._closed = True
         self._pool.shutdown(wait=True)
         with self._lock:
-            idle, self._idle = self._idle, []
+            session = self._session
+            idle, session.idle = session.idle, []
+            close = not session.closed
+            session.closed = True
         for c in idle:
             c.close()
-        self._transport.close()
+        if close:
+            session.transport.close()
 
     def __enter__(self) -> "Client":
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+@dataclass(eq=False)
+class _Session:
+    """One server instance as this client reaches it: the transport its HELLO chose,
+    where pooled connections go (``addr``), the idle ones, and the instance id they must
+    answer with. ``users``: calls running on it; a session retired after a restart is
+    closed (its arena unmapped) by the last of them. Guarded by the Client's lock."""
+
+    transport: Transport
+    addr: Address
+    idle: list[Conn] = field(default_factory=list)
+    instance: Any = None
+    users: int = 0
+    retired: bool = False
+    closed: bool = False
 
 
 def _unsupported(method: str, why: str) -> NotSupportedError:
