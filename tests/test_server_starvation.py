@@ -14,10 +14,11 @@ import time
 
 import numpy as np
 
+from kvstore.block import checksum
 from kvstore.client import Client
 from kvstore.net import protocol as P
 from kvstore.testing import make_keys, payload
-from tests._hello import raw_hello
+from tests._hello import paced_put, raw_hello, recv_exact
 from tests._servers import ThreadServer, config_dict
 
 WAIT_S = 30          # the longest a test waits for the server to act (a bound, not a timing)
@@ -119,6 +120,54 @@ def test_one_tenant_holds_at_most_its_share_of_the_buffer_budget():
     finally:
         for h in held:
             h.close()
+        s.stop()
+
+
+def test_an_upload_above_the_minimum_rate_is_served_however_long_it_takes_and_its_wait_for_the_budget_is_free():
+    """The rate counts only time spent waiting for the client's bytes: an upload paced
+    above min_body_rate_bytes_s is stored though it lasts past the grace and past
+    read_timeout_s in all, and one that waited longer than the grace for the buffer
+    budget (reading nothing) is not closed for it once it gets its turn."""
+    s = ThreadServer(config_dict("16MiB", max_inflight_bytes="2MiB", max_inflight_bytes_total="2MiB",
+                                 min_body_rate_bytes_s="256KiB", min_body_rate_grace_s=0.5, read_timeout_s=1.0))
+    try:
+        first = socket.create_connection(("127.0.0.1", s.server.port), timeout=WAIT_S)
+        second = socket.create_connection(("127.0.0.1", s.server.port), timeout=WAIT_S)
+        raw_hello(first)
+        raw_hello(second)
+        waiting = {}
+
+        def queued_behind() -> None:             # announced while the first holds the whole budget
+            data = payload(8, 1 << 20)
+            body = P.encode_records(P.PUT_REC, make_keys(1, salt="queued"), [1 << 20], [checksum(data)])
+            second.sendall(P.pack_header(P.Op.PUT, 9, len(body), 1 << 20) + body)
+            _wait_for(lambda: s.server.buffers.waiting == 1, "the second upload waiting for the budget")
+            waiting["since"] = time.monotonic()
+            _wait_for(lambda: s.server.buffers.waiting == 0, "the budget given to the second upload")
+            waiting["s"] = time.monotonic() - waiting["since"]
+            second.sendall(data.tobytes())
+            hdr = P.parse_header(recv_exact(second, P.HEADER_BYTES), P.Limits(1 << 40, 1 << 30), reply=True)
+            waiting["reply"] = (hdr.status, recv_exact(second, hdr.body_len))
+
+        # the first: 2 MiB in 16 chunks of 128 KiB, one every 0.15 s (about 850 KiB/s; 2.4 s in all)
+        t = threading.Thread(target=queued_behind, daemon=True)
+        results = {}
+
+        def paced() -> None:
+            results["first"] = paced_put(first, "paced", 2 << 20, 128 << 10, 0.15)
+
+        p = threading.Thread(target=paced, daemon=True)
+        p.start()
+        _wait_for(lambda: s.server.buffers.used == 2 << 20, "the paced upload holding the budget")
+        t.start()
+        p.join(WAIT_S)
+        t.join(WAIT_S)
+        assert results["first"] == b"\x01"
+        assert waiting["reply"] == (0, b"\x01") and waiting["s"] > 0.5   # it waited past the grace, then was served
+        assert _refused(s, "min_body_rate") == 0 and _refused(s, "read_timeout") == 0
+        first.close()
+        second.close()
+    finally:
         s.stop()
 
 
