@@ -146,10 +146,9 @@ def _resave_same_key(port: int, stop: threading.Event, counts: dict) -> None:
         payloads = {1 << 20: [np.full(1 << 20, 1, np.uint8)] * RESAVE_KEYS,
                     4096: [np.full(4096, 2, np.uint8)] * RESAVE_KEYS}
 
-        def save(client: Client, nbytes: int) -> None:
+        def save(client: Client, nbytes: int) -> None:   # one PUT of all 50 (split by max_inflight_bytes)
             try:
-                ok = client.save(keys, payloads[nbytes]).result(30)
-                counts["resave_ok"] += sum(ok)
+                counts["resave_ok"] += sum(client.save(keys, payloads[nbytes]).result(30))
             except Exception:
                 counts["resave_failed"] += 1
 

@@ -372,7 +372,7 @@ class Server:
         if self.tenants.enabled:
             out["tenants"] = self.tenants.stats(out.get("tenants", {}), tenant)
         out["server"] = {"version": __version__, "uptime_s": round(time.time() - self.started, 3),
-                         "connections": len(self.conns),
+                         "connections": len(self.conns), "unauthenticated_connections": len(self.unauthed),
                          "leased_bytes": sum(c.leased_bytes for c in self.conns),
                          "buffer_bytes": self.buffers.used, "buffer_waits": self.buffers.waits,
                          "shm": self.arena.path if self.arena else None, "port": self.port,
