@@ -288,9 +288,10 @@ class Server:
                 self.metrics.refused.labels(reason).inc()   # counted before the peer can see the close
                 sock.close()                 # closed before anything is read or allocated
                 continue
+            dropped = False
             if len(self.conns) >= self.max_connections or \
                     len(self.unauthed) >= self.config.server.max_unauthenticated_connections:
-                self._drop_oldest_unauthenticated()
+                dropped = self._drop_oldest_unauthenticated()
             sock.setblocking(False)
             if not unix:
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -301,8 +302,10 @@ class Server:
             self.conns.add(conn)
             self.unauthed[conn] = None
             conn.task = asyncio.create_task(conn.run())
+            if dropped:
+                await asyncio.sleep(0)   # the dropped one's task closes its socket now: a flood holds no extra fds
 
-    def _drop_oldest_unauthenticated(self) -> None:
+    def _drop_oldest_unauthenticated(self) -> bool:
         """Room for a new connection: the oldest connection that has not authenticated is
         closed (a real client authenticates in a round trip or two; a silent one only
         holds a slot), so silent connections never lock authenticated clients out. The
@@ -317,6 +320,7 @@ class Server:
         self.metrics.refused.labels("max_unauthenticated_connections").inc()
         if victim.task is not None:
             victim.task.cancel()
+        return True
 
     def _forget(self, conn: Connection) -> None:
         self.conns.discard(conn)
