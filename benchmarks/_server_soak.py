@@ -17,7 +17,8 @@ it and not to the good client on 127.0.0.1):
   they announce twice the server's buffer budget);
 - connection floods: :data:`FLOOD_PER_ADDRESS` connections from each of
   :data:`FLOOD_ADDRESSES` addresses, past ``max_connections_per_ip`` and, together,
-  past ``max_connections``, held a moment, then closed; round after round;
+  past ``max_connections`` (silent, so past ``max_unauthenticated_connections`` the
+  oldest are closed to make room), held a moment, then closed; round after round;
 - malformed frames: random bytes, bad magic or version, a PUT whose sizes wrap past
   2**64 (authenticated).
 
@@ -295,7 +296,7 @@ def _drain(sock: socket.socket, timeout: float = 5.0) -> bool:
         sock.close()
 
 
-def _hello(sock: socket.socket) -> None:
+def _hello(sock: socket.socket, token: str = TOKEN) -> None:
     from kvstore.net.auth import hello_proof
     P = _frames()
 
@@ -309,7 +310,7 @@ def _hello(sock: socket.socket) -> None:
         return body
 
     nonce = bytes.fromhex(P.decode_json(call(P.encode_json({"client": "soak", "protocol": P.VERSION}), 1))["challenge"])
-    call(P.encode_json({"client": "soak", "protocol": P.VERSION, "proof": hello_proof(TOKEN, nonce, "soak")}), 2)
+    call(P.encode_json({"client": "soak", "protocol": P.VERSION, "proof": hello_proof(token, nonce, "soak")}), 2)
 
 
 def _recv_exact(sock: socket.socket, n: int) -> bytes:
@@ -432,14 +433,19 @@ ATTACKS = {"stalled_hellos": _stalled_hellos, "oversized_hellos": _oversized_hel
 
 
 def attack(port: int, duration_s: float, only: list[str] | None = None) -> dict[str, int]:
-    """Every attack loop (or those in ``only``) in its own thread for ``duration_s``
-    (each also capped in count)."""
+    """Every attack loop of issue 20 (or those in ``only``, which may name issue 34's
+    too: ``benchmarks/_soak_attacks.py``) in its own thread for ``duration_s`` (each
+    also capped in count)."""
+    from benchmarks import _soak_attacks
+    loops = {**ATTACKS, **_soak_attacks.ATTACKS}
     counts: dict[str, int] = {k: 0 for k in (
         "stalled_hellos", "stalled_hellos_closed", "stalled_hello_rounds", "oversized_hellos",
         "oversized_hellos_closed", "stalled_puts", "stalled_puts_closed", "stalled_put_backpressured",
         "flood_connections", "flood_rounds", "malformed", "malformed_closed", "connect_failed")}
+    if set(only or ATTACKS) - set(ATTACKS):
+        counts.update({k: 0 for k in _soak_attacks.COUNTS})
     stop = threading.Event()
-    threads = [threading.Thread(target=ATTACKS[name], args=(port, stop, counts), daemon=True)
+    threads = [threading.Thread(target=loops[name], args=(port, stop, counts), daemon=True)
                for name in (only or ATTACKS)]
     for t in threads:
         t.start()
@@ -451,14 +457,19 @@ def attack(port: int, duration_s: float, only: list[str] | None = None) -> dict[
 
 
 if __name__ == "__main__":
-    if sys.argv[1:2] == ["attack"]:          # attack PORT NAMES; then "attack SECONDS" lines on stdin
+    if sys.argv[1:2] == ["attack"]:
+        # attack PORT NAMES [ADMIN_PORT]; then "attack SECONDS [NAMES]" lines on stdin
+        from benchmarks import _soak_attacks
         port, names = int(sys.argv[2]), sys.argv[3].split(",")
+        _soak_attacks.TARGET.update(port=port, admin_port=int(sys.argv[4]) if len(sys.argv) > 4 else 0)
         _frames()
-        from kvstore import testing  # noqa: F401
+        from kvstore import client, testing  # noqa: F401
         from kvstore.net import auth  # noqa: F401
         print("ready", flush=True)
         for command in sys.stdin:
-            print(json.dumps(attack(port, float(command.split()[1]), names)), flush=True)
+            words = command.split()
+            window = words[2].split(",") if len(words) > 2 else names
+            print(json.dumps(attack(port, float(words[1]), window)), flush=True)
     else:
         with tempfile.TemporaryDirectory() as d:
             print(summary(run(Path(d))))

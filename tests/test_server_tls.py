@@ -24,7 +24,7 @@ from kvstore.net import protocol as P  # noqa: E402
 from kvstore.store import Store  # noqa: E402
 from kvstore.testing import make_keys, payload  # noqa: E402
 from tests._flip_proxy import ByteFlipProxy  # noqa: E402
-from tests._hello import raw_hello  # noqa: E402
+from tests._hello import paced_put, raw_hello  # noqa: E402
 from tests._pki import encrypted_key, make_pki  # noqa: E402
 from tests._servers import ThreadServer, config_dict  # noqa: E402
 
@@ -210,6 +210,46 @@ def test_a_silent_or_stalled_tls_peer_is_closed(pki):
         assert _closed(sock)
         assert s.store.contains(keys) == [False]
         assert _refused(s, "handshake_timeout") >= 2 and _refused(s, "read_timeout") >= 1
+    finally:
+        s.stop()
+
+
+def test_over_tls_a_trickling_upload_is_closed_for_its_rate_and_a_paced_one_is_stored(pki):
+    """min_body_rate_bytes_s over TLS: the bytes a TLS read has taken so far count
+    while it waits, so an upload paced above the rate is stored however long it lasts,
+    and one that trickles a record at a time (each in time for read_timeout_s) is
+    closed and counted."""
+    s = ThreadServer(config_dict("8MiB", transport="tcp", tls=pki.server_tls(), read_timeout_s=1.0,
+                                 min_body_rate_bytes_s="256KiB", min_body_rate_grace_s=0.5))
+    ctx = ssl.create_default_context(cafile=pki.ca)
+    try:
+        paced = ctx.wrap_socket(socket.create_connection(("127.0.0.1", s.server.port), timeout=WAIT_S),
+                                server_hostname="127.0.0.1")
+        raw_hello(paced)
+        assert paced_put(paced, "paced-tls", 2 << 20, 128 << 10, 0.15) == b"\x01"   # 2.4 s, ~850 KiB/s
+        paced.close()
+        trickle = ctx.wrap_socket(socket.create_connection(("127.0.0.1", s.server.port), timeout=WAIT_S),
+                                  server_hostname="127.0.0.1")
+        raw_hello(trickle)
+        keys = make_keys(1, salt="trickle-tls")
+        body = P.encode_records(P.PUT_REC, keys, [1 << 20], [0])
+        trickle.sendall(P.pack_header(P.Op.PUT, 2, len(body), 1 << 20) + body)
+        closed = False
+        for _ in range(int(WAIT_S / 0.2)):                  # a byte every 0.2 s until the server closes it
+            try:
+                trickle.sendall(b"\0")
+                trickle.settimeout(0.2)
+                if trickle.recv(4096) == b"":
+                    closed = True
+                    break
+            except socket.timeout:
+                continue
+            except OSError:
+                closed = True
+                break
+        trickle.close()
+        assert closed and _refused(s, "min_body_rate") >= 1 and _refused(s, "read_timeout") == 0
+        assert s.store.contains(keys) == [False]
     finally:
         s.stop()
 

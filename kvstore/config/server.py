@@ -63,7 +63,15 @@ class ServerConfig(_Frozen):
     idle_timeout_s: float = Field(300.0, gt=0)
     handshake_timeout_s: float = Field(5.0, gt=0)  # a connection must authenticate (HELLO) within this
     read_timeout_s: float = Field(30.0, gt=0)      # a frame's body or payload may stall this long at most
+    # A frame's body and payload must arrive at this rate at least (bytes per second of
+    # waiting for them, over the whole frame) once its first min_body_rate_grace_s have
+    # passed; a slower connection is closed (0: no rate, read_timeout_s alone).
+    min_body_rate_bytes_s: Size = Field(1 << 20, ge=0)
+    min_body_rate_grace_s: float = Field(2.0, gt=0)
     max_connections: int = Field(1024, ge=1)       # open client connections; more are closed at accept
+    # of max_connections, at most this many not yet authenticated (the oldest is closed
+    # for a new one): the rest stay for authenticated sessions
+    max_unauthenticated_connections: int = Field(128, ge=1)
     max_connections_per_ip: int = Field(512, ge=1)  # open TCP connections from one address
     shm_lease_s: float = Field(30.0, gt=0)       # a same-host read lease ends after this at most
     shutdown_grace_s: float = Field(10.0, ge=0)  # requests in flight get this long at shutdown

@@ -1,18 +1,22 @@
-"""The server-wide budget of scratch-buffer bytes (``server.max_inflight_bytes_total``).
+"""The server-wide budget of scratch-buffer bytes (``server.max_inflight_bytes_total``),
+split into one share per tenant.
 
 Every connection's scratch buffer (PUT payloads, blocks a GET loads from slower tiers)
-is taken from this budget before it is allocated and given back when it is dropped, so
-the buffers of all connections together never pass the limit, however many uploads
-stall at once. A connection that finds the budget spent waits, reading nothing more
-of its frame (TCP back-pressure on its client), first asking idle connections to drop
-the buffers they keep between requests. Event-loop thread only.
+is taken from its tenant's share before it is allocated and given back when it is
+dropped, so the buffers of all connections together never pass the limit, however many
+uploads stall at once, and one tenant's connections never hold (or queue for) another
+tenant's share: each share is a budget of its own with its own queue. Within a share a
+connection holds one buffer of at most ``max_inflight_bytes``. A connection that finds
+its share spent waits, reading nothing more of its frame (TCP back-pressure on its
+client), first asking its tenant's idle connections to drop the buffers they keep
+between requests. Event-loop thread only.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
-from typing import Callable
+from typing import Callable, Sequence
 
 
 class ByteBudget:
@@ -72,4 +76,29 @@ class ByteBudget:
             fut.set_result(None)
 
 
-__all__ = ["ByteBudget"]
+class TenantBudgets:
+    """``total`` bytes split evenly over ``tenants`` (names): one :class:`ByteBudget`
+    each, so a tenant's stalled or slow uploads wait in its own queue only."""
+
+    def __init__(self, total: int, tenants: Sequence[str]) -> None:
+        share = max(1, total // max(1, len(tenants)))
+        self.total = total
+        self.shares = {name: ByteBudget(share) for name in tenants}
+
+    def of(self, tenant: str) -> ByteBudget:
+        return self.shares[tenant]
+
+    @property
+    def used(self) -> int:
+        return sum(b.used for b in self.shares.values())
+
+    @property
+    def waits(self) -> int:
+        return sum(b.waits for b in self.shares.values())
+
+    @property
+    def waiting(self) -> int:
+        return sum(b.waiting for b in self.shares.values())
+
+
+__all__ = ["ByteBudget", "TenantBudgets"]

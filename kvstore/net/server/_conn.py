@@ -31,6 +31,7 @@ from kvstore.net.server._tenants import Tenant, clear as _clear
 from kvstore.net.server._tls_stream import TlsStream, peek_first_byte
 
 if TYPE_CHECKING:
+    from kvstore.net.server._budget import ByteBudget
     from kvstore.net.server._context import ConnContext
 
 log = logging.getLogger("kvstore.server")
@@ -41,8 +42,8 @@ HELLO_MAX_BYTES = 4096          # the largest HELLO body read before authenticat
 class Connection(SameHostOps):
     """State of one client connection; all of it lives on the event loop thread.
     Memory it may hold: a scratch buffer of at most ``max_inflight_bytes`` (dropped after
-    use when over 256 MiB, or when others wait for the server's buffer budget,
-    ``max_inflight_bytes_total``, which every connection's buffer comes from) and leases
+    use when over 256 MiB, or when others wait for its tenant's share of the server's
+    buffer budget, ``max_inflight_bytes_total``, which every buffer comes from) and leases
     plus reservations on at most ``max_inflight_bytes`` of slots. The same-host
     operations live in :class:`SameHostOps` (``_conn_shm.py``). All it uses of the
     server comes in ``ctx`` (:class:`~kvstore.net.server._context.ConnContext`)."""
@@ -60,6 +61,10 @@ class Connection(SameHostOps):
         self.busy = False
         self.accepted = self.last_active = time.monotonic()
         self.stalled_since: float | None = None   # a frame's body or payload is being waited for
+        self.frame_got = 0                 # bytes of the current frame's body and payload received
+        self.frame_wait_s = 0.0            # time spent waiting for them (min_body_rate_bytes_s)
+        self.budget: "ByteBudget | None" = None   # the tenant's share of the buffer budget (after HELLO)
+        self._buf_budget: "ByteBudget | None" = None   # the share self.buf was taken from
         self.leases: dict[int, Lease] = {}
         self.reservations: dict[int, tuple[Any, int]] = {}  # id -> (Store reservation, bytes)
         self.leased_bytes = 0
@@ -74,10 +79,18 @@ class Connection(SameHostOps):
     async def _recv_exact(self, view: memoryview, *, in_frame: bool = True) -> None:
         """Fill ``view`` from the socket. ``in_frame``: part of a frame whose header has
         arrived, so the server's reaper closes the connection when no byte arrives for
-        ``read_timeout_s`` (a header may wait for ``idle_timeout_s``)."""
+        ``read_timeout_s``, or when the frame's bytes arrive slower than
+        ``min_body_rate_bytes_s`` (a header may wait for ``idle_timeout_s``). Only the
+        time spent waiting for the peer counts (not a wait for the buffer budget)."""
         if self.tls is not None:
-            got = await self.tls.recv_exact(view, self._stalled if in_frame else None)
-            self.stalled_since = None
+            base = self.frame_got
+            progress = (lambda waiting, k: self._progress(waiting, base + k)) if in_frame else None
+            try:
+                got = await self.tls.recv_exact(view, progress)
+            finally:
+                self._waited()
+            if in_frame:
+                self.frame_got = base + got
             if got < view.nbytes:
                 raise _Disconnected(f"peer closed after {got} of {view.nbytes} bytes")
             return
@@ -86,14 +99,37 @@ class Connection(SameHostOps):
         while got < n:
             if in_frame:
                 self.stalled_since = time.monotonic()
-            k = await recv(self.sock, view[got:])
+            try:
+                k = await recv(self.sock, view[got:])
+            finally:
+                self._waited()
             if not k:
                 raise _Disconnected(f"peer closed after {got} of {n} bytes")
             got += k
-        self.stalled_since = None
+            if in_frame:
+                self.frame_got += k
 
-    def _stalled(self, waiting: bool) -> None:
-        self.stalled_since = time.monotonic() if waiting else None
+    def _progress(self, waiting: bool, got: int) -> None:
+        """A TLS read of the frame waits for the peer (``waiting``) or got more."""
+        self.frame_got = got
+        if waiting:
+            self.stalled_since = time.monotonic()
+        else:
+            self._waited()
+
+    def _waited(self) -> None:
+        if self.stalled_since is not None:
+            self.frame_wait_s += time.monotonic() - self.stalled_since
+            self.stalled_since = None
+
+    def below_min_rate(self, now: float, rate: int, grace_s: float) -> bool:
+        """Whether the frame being read arrives slower than ``rate`` bytes per second of
+        waiting for it, after the first ``grace_s`` of waiting (``min_body_rate_bytes_s``):
+        a trickle of bytes keeps a per-byte timer alive, never this average."""
+        if self.stalled_since is None or rate <= 0:
+            return False
+        waited = self.frame_wait_s + (now - self.stalled_since)
+        return waited > grace_s and self.frame_got < rate * (waited - grace_s)
 
     async def _reply(self, op: int, rid: int, body: bytes = b"", payload_len: int = 0,
                      status: int = 0) -> None:
@@ -136,23 +172,27 @@ class Connection(SameHostOps):
 
     async def _buffer(self, nbytes: int) -> np.ndarray:
         """The connection's scratch buffer, grown on demand and reused across requests.
-        Its bytes come from the server-wide budget (``max_inflight_bytes_total``): when
-        that is spent, this waits (reading nothing more of the frame) until it has room."""
+        Its bytes come from its tenant's share of the server-wide budget
+        (``max_inflight_bytes_total``): when that is spent, this waits (reading nothing
+        more of the frame, and not counted against ``min_body_rate_bytes_s``) until it
+        has room. Only after HELLO (the tenant names the share)."""
         limit = self.ctx.max_inflight_bytes
         if nbytes > limit:
             raise _Fatal(P.Status.TOO_LARGE, f"{nbytes} bytes in flight exceed max_inflight_bytes {limit}")
         if self.buf.nbytes < nbytes:
             self.drop_buffer()                 # given back before a larger one is taken
             size = min(max(nbytes, 1 << 20), limit)
-            await self.ctx.buffers.take(size, self.ctx.reclaim_buffers)
-            self.buf = np.empty(size, np.uint8)
+            budget = self.budget
+            await budget.take(size, lambda: self.ctx.reclaim_buffers(self.tenant))
+            self.buf, self._buf_budget = np.empty(size, np.uint8), budget
         return self.buf
 
     def drop_buffer(self) -> None:
-        """Free the scratch buffer and give its bytes back to the server's budget."""
+        """Free the scratch buffer and give its bytes back to the share it came from."""
         if self.buf.nbytes:
             nbytes, self.buf = self.buf.nbytes, np.empty(0, np.uint8)
-            self.ctx.buffers.give(nbytes)
+            self._buf_budget.give(nbytes)
+            self._buf_budget = None
 
     # -- the loop ----------------------------------------------------------------------------
 
@@ -168,6 +208,7 @@ class Connection(SameHostOps):
                 self.busy, t0 = True, time.perf_counter()
                 self.last_active = time.monotonic()
                 header = P.parse_header(self.head, ctx.limits)
+                self.frame_got, self.frame_wait_s = 0, 0.0
                 rid, op = header.request_id, P.Op(header.op)
                 if not self.authed and op is not P.Op.HELLO:
                     raise _Fatal(P.Status.AUTH, "the first frame must be HELLO (with the token, if the "
@@ -184,7 +225,7 @@ class Connection(SameHostOps):
                 if self.authed:   # the tenant's key space, for every op: no handler sees a client's key
                     args = self.tenant.scope(op, args)
                 status = await self._dispatch(op, rid, args, header)
-                if self.buf.nbytes > _KEEP_BUFFER_BYTES or ctx.buffers.waiting:
+                if self.buf.nbytes > _KEEP_BUFFER_BYTES or (self.budget is not None and self.budget.waiting):
                     self.drop_buffer()   # a rare huge request, or others wait: do not hold its memory
                 metrics.latency.labels(op.name).observe(time.perf_counter() - t0)
                 metrics.requests.labels(op.name, status.name).inc()
@@ -302,6 +343,8 @@ class Connection(SameHostOps):
             # its leases and reservations are in the first tenant's space: never handed to another
             raise _Fatal(P.Status.AUTH, "a connection cannot change tenants; open a new one")
         self.authed, self.tenant = True, tenant
+        self.budget = self.ctx.buffers.of(tenant.name)
+        self.ctx.authenticated(self)   # leaves the unauthenticated pool (max_unauthenticated_connections)
         await self._reply(P.Op.HELLO, rid, P.encode_json(self.ctx.hello_info(self.local, tenant)))
 
     async def _op_ping(self, rid: int, args: None, header: P.Header) -> None:

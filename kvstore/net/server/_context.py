@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from kvstore.net import protocol as P
 
 if TYPE_CHECKING:
-    from kvstore.net.server._budget import ByteBudget
+    from kvstore.net.server._budget import TenantBudgets
     from kvstore.net.server._metrics import ServerMetrics
     from kvstore.net.server._nixl import NixlService
     from kvstore.net.server._send import Sender
@@ -28,11 +28,12 @@ class ConnContext:
     ``max_inflight_bytes``/``idle_timeout_s``: from ``server`` config; ``tls_context``:
     ``server.tls`` (TCP connections are wrapped in it), ``None`` without; ``sender``: the
     vectored-send threads; ``buffers``: the budget every connection's scratch buffer
-    comes from; ``nixl``: the NIXL data plane; ``arena``: the shared first tier offered
+    comes from (one share per tenant); ``nixl``: the NIXL data plane; ``arena``: the shared first tier offered
     to same-host clients (``None`` when not). Callbacks into the server:
     ``hello_info(local, tenant)`` (a HELLO's answer), ``stats(tenant)`` (called in the
-    loop's executor), ``reclaim_buffers()`` (idle connections give their scratch
-    buffers back), ``closing()`` (shutdown began) and ``forget(conn)`` (a connection
+    loop's executor), ``reclaim_buffers(tenant)`` (that tenant's idle connections give
+    their scratch buffers back), ``authenticated(conn)`` (a connection's HELLO
+    succeeded), ``closing()`` (shutdown began) and ``forget(conn)`` (a connection
     closed)."""
 
     served: ServedStore
@@ -43,12 +44,13 @@ class ConnContext:
     idle_timeout_s: float
     tls_context: ssl.SSLContext | None
     sender: Sender
-    buffers: ByteBudget
+    buffers: TenantBudgets
     nixl: NixlService
     arena: Arena | None
     hello_info: Callable[[bool, Tenant | None], dict[str, Any]]
     stats: Callable[[Tenant | None], dict[str, Any]]
-    reclaim_buffers: Callable[[], None]
+    reclaim_buffers: Callable[[Tenant | None], None]
+    authenticated: Callable[[Any], None]
     closing: Callable[[], bool]
     forget: Callable[[Any], None]
 

@@ -9,6 +9,7 @@ other than :meth:`request_shutdown` must be called on the loop thread.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import os
@@ -26,7 +27,7 @@ from kvstore.errors import ConfigError
 from kvstore.net import protocol as P
 from kvstore.net.server._admin import (MAX_CONNECTIONS as ADMIN_MAX_CONNECTIONS, AdminContext, AdminServer,
                                       require_aiohttp)
-from kvstore.net.server._budget import ByteBudget
+from kvstore.net.server._budget import TenantBudgets
 from kvstore.net.server._conn import Connection
 from kvstore.net.server._context import ConnContext
 from kvstore.net.server._metrics import ServerMetrics
@@ -108,9 +109,12 @@ class Server:
         self.nixl = NixlService(self.served, transport=cfg.transport, tenants=self.tenants.enabled,
                                 max_inflight_bytes=cfg.max_inflight_bytes)
         self.sender = Sender(cfg.send_threads, cfg.idle_timeout_s)
-        self.buffers = ByteBudget(cfg.max_inflight_bytes_total)   # every connection's scratch buffer
+        # every connection's scratch buffer, from its tenant's share
+        self.buffers = TenantBudgets(cfg.max_inflight_bytes_total, [t.name for t in self.tenants.all])
         self.max_connections = cfg.max_connections                # lowered at start to fit the fd limit
         self.conns: set[Connection] = set()
+        # not yet authenticated, oldest first (at most max_unauthenticated_connections)
+        self.unauthed: dict[Connection, None] = {}
         self.closing = False
         self.port = 0
         self.admin_port: int | None = None
@@ -129,7 +133,8 @@ class Server:
             max_inflight_bytes=cfg.max_inflight_bytes, idle_timeout_s=cfg.idle_timeout_s,
             tls_context=self.tls_context, sender=self.sender, buffers=self.buffers, nixl=self.nixl,
             arena=self.arena, hello_info=self.hello_info, stats=self.stats, reclaim_buffers=self.reclaim_buffers,
-            closing=lambda: self.closing, forget=self.conns.discard)
+            authenticated=lambda conn: self.unauthed.pop(conn, None), closing=lambda: self.closing,
+            forget=self._forget)
 
     def admin_context(self) -> AdminContext:
         """What an admin port (:class:`AdminServer`) serves of this server. ``stats`` is
@@ -274,8 +279,8 @@ class Server:
                 await asyncio.sleep(0.05)
                 continue
             reason = None
-            if len(self.conns) >= self.max_connections:
-                reason = "max_connections"
+            if len(self.conns) >= self.max_connections and not self.unauthed:
+                reason = "max_connections"   # every slot is an authenticated session's
             elif not unix and sum(c.peer_ip == addr[0] for c in self.conns) >= \
                     self.config.server.max_connections_per_ip:
                 reason = "max_connections_per_ip"   # one address cannot take every slot
@@ -283,6 +288,10 @@ class Server:
                 self.metrics.refused.labels(reason).inc()   # counted before the peer can see the close
                 sock.close()                 # closed before anything is read or allocated
                 continue
+            dropped = False
+            if len(self.conns) >= self.max_connections or \
+                    len(self.unauthed) >= self.config.server.max_unauthenticated_connections:
+                dropped = self._drop_oldest_unauthenticated()
             sock.setblocking(False)
             if not unix:
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -291,12 +300,36 @@ class Server:
             conn = Connection(self._conn_context, sock, peer, local)
             conn.peer_ip = None if unix else addr[0]
             self.conns.add(conn)
+            self.unauthed[conn] = None
             conn.task = asyncio.create_task(conn.run())
+            if dropped:
+                await asyncio.sleep(0)   # the dropped one's task closes its socket now: a flood holds no extra fds
+
+    def _drop_oldest_unauthenticated(self) -> bool:
+        """Room for a new connection: the oldest connection that has not authenticated is
+        closed (a real client authenticates in a round trip or two; a silent one only
+        holds a slot), so silent connections never lock authenticated clients out. The
+        oldest of the address holding the most of them: silent connections reopened as
+        fast as they are closed then push out their own address's, never a client's
+        handshake from an address with fewer in progress."""
+        counts = collections.Counter(c.peer_ip for c in self.unauthed)
+        most = max(counts.values())
+        victim = next(c for c in self.unauthed if counts[c.peer_ip] == most)
+        self._forget(victim)              # its slot is free now; the task closes the socket
+        log.debug("closing connection %s: max_unauthenticated_connections", victim.peer)
+        self.metrics.refused.labels("max_unauthenticated_connections").inc()
+        if victim.task is not None:
+            victim.task.cancel()
+        return True
+
+    def _forget(self, conn: Connection) -> None:
+        self.conns.discard(conn)
+        self.unauthed.pop(conn, None)
 
     async def _reap(self) -> None:
         cfg = self.config.server
         period = min(1.0, cfg.idle_timeout_s / 4, cfg.shm_lease_s / 4, cfg.handshake_timeout_s / 4,
-                     cfg.read_timeout_s / 4)
+                     cfg.read_timeout_s / 4, cfg.min_body_rate_grace_s / 4)
         while True:
             await asyncio.sleep(period)
             now = time.monotonic()
@@ -308,6 +341,8 @@ class Server:
                     reason = "handshake_timeout"     # never authenticated: holds no more than a HELLO
                 elif c.stalled_since is not None and now - c.stalled_since > cfg.read_timeout_s:
                     reason = "read_timeout"          # a frame's body or payload stopped arriving
+                elif c.below_min_rate(now, cfg.min_body_rate_bytes_s, cfg.min_body_rate_grace_s):
+                    reason = "min_body_rate"         # it trickles: each byte in time, the frame not
                 elif not c.busy and now - c.last_active > cfg.idle_timeout_s:
                     reason = "idle"
                 else:
@@ -318,11 +353,11 @@ class Server:
 
     # -- helpers for connections ---------------------------------------------------------------
 
-    def reclaim_buffers(self) -> None:
-        """Idle connections drop the scratch buffers they keep between requests (the
-        budget is short: someone waits for it)."""
+    def reclaim_buffers(self, tenant: Tenant | None = None) -> None:
+        """``tenant``'s idle connections (every idle one for None) drop the scratch
+        buffers they keep between requests (its share is short: someone waits for it)."""
         for c in self.conns:
-            if not c.busy:
+            if not c.busy and (tenant is None or c.tenant is tenant):
                 c.drop_buffer()
 
     def hello_info(self, local: bool, tenant: Tenant | None = None) -> dict[str, Any]:
@@ -341,7 +376,7 @@ class Server:
         if self.tenants.enabled:
             out["tenants"] = self.tenants.stats(out.get("tenants", {}), tenant)
         out["server"] = {"version": __version__, "uptime_s": round(time.time() - self.started, 3),
-                         "connections": len(self.conns),
+                         "connections": len(self.conns), "unauthenticated_connections": len(self.unauthed),
                          "leased_bytes": sum(c.leased_bytes for c in self.conns),
                          "buffer_bytes": self.buffers.used, "buffer_waits": self.buffers.waits,
                          "shm": self.arena.path if self.arena else None, "port": self.port,

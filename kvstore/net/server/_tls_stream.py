@@ -142,7 +142,7 @@ class TlsStream:
                 await self._wait("w")
 
     async def _drive(self, step: Callable[[ssl.SSLSocket, list], str | None], state: list, nbytes: int,
-                     stalled: Callable[[bool], None] | None = None) -> str | None:
+                     stalled: Callable[[bool, int], None] | None = None) -> str | None:
         pool = self.sender.executor(nbytes)
         while True:
             if pool is None:
@@ -157,15 +157,15 @@ class TlsStream:
             if want is None or want == _EOF:
                 return want
             if stalled is not None:
-                stalled(True)
+                stalled(True, state[1])
             await self._wait(want)
             if stalled is not None:
-                stalled(False)
+                stalled(False, state[1])
 
-    async def recv_exact(self, view: memoryview, stalled: Callable[[bool], None] | None = None) -> int:
+    async def recv_exact(self, view: memoryview, stalled: Callable[[bool, int], None] | None = None) -> int:
         """Fill ``view``; returns the bytes received (fewer only when the peer closed).
-        ``stalled(True)`` is called before each wait for the peer, ``stalled(False)``
-        once it sent more."""
+        ``stalled(True, got)`` is called before each wait for the peer, ``stalled(False,
+        got)`` once it sent more (``got``: the bytes of ``view`` filled so far)."""
         state = [view, 0]
         await self._drive(_recv_some, state, view.nbytes, stalled)
         return state[1]
