@@ -79,6 +79,7 @@ class PutPlan:
     victims: list[tuple[BlockKey, int]] = field(default_factory=list)
     parents: set[bytes | None] | None = None
     charged: dict = field(default_factory=dict)  # per-tenant bytes in flight (kvstore.store.tenants)
+    claimed: list[BlockKey] = field(default_factory=list)  # sizes claimed in the index (Index.claim)
 
 
 class Mover:
@@ -89,18 +90,21 @@ class Mover:
     ``hints`` (:class:`kvstore.store.hints.StoreHints`), ``events`` (the KV event
     publisher, or ``None``), ``clock`` (the Store's, for lease expiry), ``tenants`` (the
     cache server's :class:`kvstore.store.tenants.TenantLedger`, or ``None``; set through
-    the Store) and per-thread scratch buffers.
+    the Store), ``ops`` (the Store's op counters: ``resave_size_mismatch``) and
+    per-thread scratch buffers.
 
     Lock rule: ``Index.lock`` (``lock`` here; not reentrant) guards the index, each
     level's policies, counters and ``pending_free``, the hint table and the tenant
-    ledger. :meth:`evictable`, :meth:`take_victim`, :meth:`drop`, :meth:`forget` and
-    ``_choose_victims`` run with the caller holding it; every other method takes it
+    ledger. :meth:`evictable`, :meth:`take_victim`, :meth:`drop`, :meth:`forget`,
+    :meth:`touched`, :meth:`refuse_size` and ``_choose_victims`` run with the caller holding it; every other method takes it
     itself, briefly, never across tier I/O, so the caller must not hold it.
     """
 
     def __init__(self, index: Index, levels: list[Level], hints: "StoreHints", events: Any,
-                 clock: Callable[[], float]) -> None:
+                 clock: Callable[[], float], ops: dict[str, int] | None = None) -> None:
         self.index = index
+        self.ops = ops if ops is not None else {}
+        self.ops.setdefault("resave_size_mismatch", 0)
         self.lock = index.lock
         self.levels = levels
         self.hints = hints
@@ -111,20 +115,21 @@ class Mover:
 
     def put(self, i: int, keys: list[BlockKey], srcs: list[Any],
              checksums: list[int | None] | None = None, *, admit: bool = True,
-             failed: set[BlockKey] | None = None) -> list[bool]:
+             failed: set[BlockKey] | None = None, refused: set[BlockKey] | None = None) -> list[bool]:
         """Store blocks into level ``i``, evicting (and spilling) to make room.
         ``checksums``: the XXH3-64 each source was stored with in the tier it comes
         from, kept by a tier that takes them (``write_checksums``) instead of a re-hash.
         ``admit=False``: not an offer (a flush), the level's admission is not asked.
         ``failed``: collects the keys whose write failed in the tier (an error, not a
-        lack of room)."""
+        lack of room); ``refused``: those refused because the Store holds (or is
+        saving) the key with another size (:meth:`Index.fits`; no level will take them)."""
         lvl = self.levels[i]
         sizes = [nbytes_of(src) for src in srcs]
-        plan = self.plan_put(i, keys, sizes, admit=admit)
+        plan = self.plan_put(i, keys, sizes, admit=admit, refused=refused)
         try:
             return self._put_planned(i, lvl, keys, srcs, sizes, plan, checksums, failed)
         finally:
-            if plan.charged:   # a tenant's bytes in flight end with the put, stored or not
+            if plan.charged or plan.claimed:   # in flight until the put ends, stored or not
                 self.settle(i, plan)
 
     def _put_planned(self, i: int, lvl: Level, keys: list[BlockKey], srcs: list[Any], sizes: list[int],
@@ -169,18 +174,26 @@ class Mover:
         return self.tier_io(lvl, lvl.tier.write, *args)
 
     def plan_put(self, i: int, keys: list[BlockKey], sizes: list[int], *, evict: bool = True,
-                 admit: bool = True) -> "PutPlan":
+                 admit: bool = True, refused: set[BlockKey] | None = None) -> "PutPlan":
         """Admission and room for new blocks in level ``i``: which to write, and the
         victims to evict first (already out of the index). ``evict=False`` takes free
         room only: blocks that do not fit are left out. ``admit=False``: every block is
-        admitted without asking the level's admission (which would count an offer)."""
+        admitted without asking the level's admission (which would count an offer).
+        Atomic under the lock: a key held (or being saved) with another size is refused
+        (:meth:`refuse_size`; into ``refused``), each owner's quota is checked and its
+        bytes charged in flight, and the size of each block chosen is claimed in the
+        index (``plan.claimed``) until :meth:`index_put` or :meth:`settle`."""
         lvl = self.levels[i]
         plan = PutPlan([False] * len(keys))
         chosen = plan.chosen
+        index = self.index
         with self.lock:
             for j, key in enumerate(keys):
-                if self.index.where.get(key, 0) >> i & 1:
-                    lvl.policy.on_access(key)
+                if not index.fits(key, sizes[j]):
+                    self.refuse_size(key, refused)
+                    continue
+                if index.where.get(key, 0) >> i & 1:
+                    self.touched(key, i)
                     plan.result[j] = True
                     continue
                 decision = lvl.admission.decide(key, sizes[j]) if admit else Decision.ADMIT
@@ -217,15 +230,39 @@ class Mover:
                 plan.inserted = set(staged.sizes)
             else:
                 plan.victims += self._choose_victims(i, sum(sizes[j] for j in chosen), protect=plan.parents)
+            for j in plan.chosen:
+                index.claim(keys[j], sizes[j])
+            plan.claimed = [keys[j] for j in plan.chosen]
         return plan
+
+    def refuse_size(self, key: BlockKey, refused: set[BlockKey] | None = None) -> None:
+        """A save of ``key`` with another size than the one it is held (or being saved)
+        with: refused, counted (``resave_size_mismatch``), never indexed."""
+        self.ops["resave_size_mismatch"] += 1
+        if refused is not None:
+            refused.add(key)
+
+    def touched(self, key: BlockKey, i: int) -> None:
+        """Level ``i`` holds ``key`` and it was read or saved again: its policy (and its
+        owner's victim order there) hear of it."""
+        self.levels[i].policy.on_access(key)
+        if self.tenants is not None:
+            self.tenants.touch(key, i)
 
     def settle(self, i: int, plan: "PutPlan") -> None:
         """The blocks ``plan`` charged to their tenants in level ``i`` are no longer in
-        flight (indexed, or not stored). Idempotent."""
-        if plan.charged:
+        flight (indexed, or not stored), and their sizes no longer claimed. Idempotent."""
+        if plan.charged or plan.claimed:
             with self.lock:
-                self.tenants.settle(i, plan.charged)
+                self._settle(i, plan)
+
+    def _settle(self, i: int, plan: "PutPlan") -> None:
+        if plan.charged:
+            self.tenants.settle(i, plan.charged)
             plan.charged = {}
+        for key in plan.claimed:
+            self.index.unclaim(key)
+        plan.claimed = []
 
     def unstage(self, i: int, keys: list[BlockKey], plan: "PutPlan", ok: list[bool] | None) -> None:
         """Take blocks placed in the policy ahead of the write but not stored out again."""
@@ -248,15 +285,23 @@ class Mover:
         where, index_sizes, policy, result = self.index.where, self.index.sizes, lvl.policy, plan.result
         inserted, bit, uses_parent = plan.inserted, 1 << i, policy.uses_parent
         full = written = 0
-        with self.lock:
+        strays: list[BlockKey] = []   # written, never indexed: another size is indexed (cannot happen
+        with self.lock:               # while the plan claims the size; checked all the same)
             tenants = self.tenants
             for j, good in zip(plan.chosen, ok):
                 key = keys[j]
                 if not good:
                     full += 1
                     continue
-                result[j] = True
                 mask = where.get(key, 0)
+                if index_sizes.get(key, sizes[j]) != sizes[j]:
+                    self.refuse_size(key)
+                    if not mask & bit:
+                        strays.append(key)
+                        if key in inserted:
+                            policy.on_remove(key)
+                    continue
+                result[j] = True
                 if not mask & bit:
                     nbytes = sizes[j]
                     where[key] = mask | bit
@@ -278,9 +323,9 @@ class Mover:
                 self.events.stored(i, fresh)
             if self.hints.records:
                 self.hints.entering(i, [keys[j] for j, good in zip(plan.chosen, ok) if good], persist)
-            if plan.charged:
-                tenants.settle(i, plan.charged)
-                plan.charged = {}
+            self._settle(i, plan)
+        if strays:
+            self.tier_io(lvl, lvl.tier.delete, strays)
         if persist:
             self.hints.persist(persist)
 
@@ -335,7 +380,7 @@ class Mover:
         lvl.pending_free += size
         lvl.counters["evictions"] += 1
         if self.tenants is not None:
-            self.tenants.remove(key, i, size, evicted=True)
+            self.tenants.remove(key, i, evicted=True)
         return size
 
     def evict(self, i: int, victims: list[tuple[BlockKey, int]]) -> None:
@@ -389,7 +434,7 @@ class Mover:
             return
         self.levels[i].policy.on_remove(key)
         if self.tenants is not None:
-            self.tenants.remove(key, i, index.sizes.get(key, 0))
+            self.tenants.remove(key, i)
         if self.events is not None:
             self.events.removed(i, (key,))
         if not index.remove_level(key, i):
