@@ -139,6 +139,7 @@ def test_a_resave_with_another_size_is_refused_and_counted(server):
         assert a.save(keys, [payload(3, BIG), payload(4, SMALL)]).result(10) == [False, True]
         stats = _ledgers_match_the_tiers(s)
         assert stats["resave_size_mismatch"] == 1
+        assert s.server.metrics.registry.get_sample_value("kvstore_store_resave_size_mismatch_total") == 1
         assert stats["tenants"]["a"]["tiers"]["warm"]["blocks"] == 0
         dst = np.zeros(SMALL, np.uint8)
         assert a.load(keys[:1], [dst]).result(10) == [True] and np.array_equal(dst, payload(1, SMALL))

@@ -285,6 +285,7 @@ class DataPath:
                     for i, lvl in enumerate(levels):
                         if mask >> i & 1:
                             lvl.policy.on_remove(key)
+                            lvl.doomed.add(key)   # no put writes it here until it is deleted
                             if tenants is not None:
                                 tenants.remove(key, i)
                 mover.forget(key)
@@ -295,7 +296,11 @@ class DataPath:
         for i, lvl in enumerate(levels):
             doomed = [k for k, m in plan if m >> i & 1]
             if doomed:
-                mover.tier_io(lvl, lvl.tier.delete, doomed)
+                try:
+                    mover.tier_io(lvl, lvl.tier.delete, doomed)
+                finally:
+                    with self.lock:
+                        lvl.doomed.difference_update(doomed)
         return len(plan)
 
     # -- copies between levels ------------------------------------------------------------

@@ -36,8 +36,9 @@ _COUNTERS = ("hits", "misses", "writes", "bytes_written", "bytes_read", "evictio
 
 @dataclass
 class Level:
-    """One tier with its policies and counters. The policies, ``counters`` and
-    ``pending_free`` change under ``Index.lock`` (with the index they describe)."""
+    """One tier with its policies and counters. The policies, ``counters``,
+    ``pending_free`` and ``doomed`` change under ``Index.lock`` (with the index they
+    describe)."""
 
     tier: Tier
     policy: EvictionPolicy
@@ -45,6 +46,9 @@ class Level:
     kind: str
     counters: dict[str, int] = field(default_factory=lambda: dict.fromkeys(_COUNTERS, 0))
     pending_free: int = 0   # bytes of chosen victims not yet deleted from the tier
+    # keys out of this level's index whose delete from the tier is under way (victims, a
+    # delete): no put writes them here meanwhile, or the delete would take its bytes
+    doomed: set[BlockKey] = field(default_factory=set)
     recovered: int | None = None   # persistent tiers: blocks indexed from it at start-up
 
     @property
@@ -196,6 +200,8 @@ class Mover:
                     self.touched(key, i)
                     plan.result[j] = True
                     continue
+                if key in lvl.doomed:   # its old copy is being deleted here: as if no room
+                    continue
                 decision = lvl.admission.decide(key, sizes[j]) if admit else Decision.ADMIT
                 if decision is Decision.ADMIT:
                     chosen.append(j)
@@ -308,8 +314,8 @@ class Mover:
                     index_sizes[key] = nbytes
                     if tenants is not None:
                         tenants.add(key, i, nbytes)
-                    # a staged key another put chose as a victim meanwhile (it freed
-                    # nothing: never written) is no longer in the policy: insert it again
+                    # a staged key dropped from the policy meanwhile (a delete of it, or
+                    # its own put's stage) is not in the policy: insert it again
                     if key not in inserted or key not in policy:
                         policy.on_insert(key, nbytes, parent_of(key) if uses_parent else None)
                     written += nbytes
@@ -359,6 +365,11 @@ class Mover:
                 if free >= need:
                     break
                 continue
+            if not self.index.where.get(key, 0) >> i & 1:
+                # another put's staged block (placed in the policy ahead of its write, not
+                # indexed yet): not this walk's to take; deleting it from the tier could
+                # land after that put's write, leaving it indexed with no bytes
+                continue
             free += self.take_victim(i, key, victims)
             if free >= need:
                 break
@@ -377,6 +388,7 @@ class Mover:
         size = self.index.sizes.get(key, 0)
         lvl.policy.on_remove(key)
         victims.append((key, self.index.remove_level(key, i)))
+        lvl.doomed.add(key)
         lvl.pending_free += size
         lvl.counters["evictions"] += 1
         if self.tenants is not None:
@@ -409,6 +421,7 @@ class Mover:
             with self.lock:
                 for (key, _), size in zip(victims, sizes):
                     lvl.pending_free -= size
+                    lvl.doomed.discard(key)
                     if not self.index.where.get(key):
                         self.forget(key)
 

@@ -103,7 +103,7 @@ class Discovery:
                     if n is None:
                         continue
                     mask = where.get(key, 0)
-                    if mask >> i & 1 or not index.fits(key, n):
+                    if mask >> i & 1 or not index.fits(key, n) or key in lvl.doomed:
                         continue   # indexed meanwhile, or another size than this node's copy
                     where[key] = mask | 1 << i
                     sizes[key] = n

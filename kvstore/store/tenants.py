@@ -6,7 +6,7 @@ server attaches one with :meth:`Store.set_tenants` (it is held by the Store's
 :class:`kvstore.store.mover.Mover`, which calls it); a Store without one (every embedded
 Store) runs none of this. Not thread-safe: every method runs with the caller holding the
 index's lock (``Index.lock``); :meth:`TenantLedger.plan` calls the mover's
-lock-held methods (``evictable``, ``take_victim``).
+lock-held methods (``evictable``, ``take_victim``, ``clock``, ``hints``).
 
 Ownership is read off the key. The server maps each tenant's keys into the tenant's own
 space, whose digests begin with the tenant's :data:`TAG_BYTES`-byte tag
@@ -14,18 +14,32 @@ space, whose digests begin with the tenant's :data:`TAG_BYTES`-byte tag
 tier, and survives a restart from a persistent tier. A key without a tenant's tag (one
 stored before tenants were configured) is nobody's: counted against no quota.
 
+Ledgers: a tenant's bytes in level ``i`` are exactly what level ``i`` holds of its blocks.
+Each block is charged in a level when it enters that level's index (:meth:`TenantLedger.add`)
+and uncharged, by what was charged, when it leaves it (:meth:`TenantLedger.remove`), so no
+ledger can go negative (asserted where it changes, as are the bytes in flight); the Store
+keeps one size per key, fixed by its first save (:meth:`kvstore.store.index.Index.fits`: a
+re-save with another size is refused), so every level holding a key charges the same.
+
 Quotas: before blocks enter level ``i`` (a save, a spill from the level above, a
 promotion, a reservation), a tenant whose bytes there plus the incoming ones pass its
-quota for that level first evicts its *own* blocks there, in the level's eviction
-order (victims spill down as any eviction does); blocks that still do not fit are
-refused in that level as by a full tier (counted in ``quota_full``; a save then tries
-the next level). A quota is a cap, not a reservation: a full tier still evicts in its
-policy's order across tenants. The walk for a tenant's own victims steps over other
-tenants' blocks ahead of its first one, a skip as far as the policy can tell (as for a
-leased block: S3-FIFO and SIEVE move such keys on). So it is bounded: a tenant that
-holds no bytes in the level has nothing to evict and is refused at once (no walk), and
-a walk stops after :data:`WALK_STEPS` keys (what is still over the quota is refused;
-counted in ``walk_capped``), so no save walks the whole shared policy under the lock.
+quota for that level first evicts its *own* blocks there (victims spill down as any
+eviction does); blocks that still do not fit are refused in that level as by a full
+tier (counted in ``quota_full``; a save then tries the next level). The check, the
+charge of the blocks in flight and the victims are one step under the lock
+(:meth:`kvstore.store.mover.Mover.plan_put`), so concurrent saves never pass a quota
+together. A quota is a cap, not a reservation: a full tier still evicts in its policy's
+order across tenants. A tenant's own victims come from its own order in the level (one
+per tenant and level, the keys :meth:`TenantLedger.add` charged): least recently saved or
+read first (:meth:`TenantLedger.touch`), those a live retention hint holds after all its
+others (as the level's retention layer ranks them, while the tenant is within its quota).
+So the walk never steps over another tenant's block, however many lie ahead in the
+level's policy, and pulls nothing from that policy (a pull has side effects: S3-FIFO and
+SIEVE move skipped keys on). It is bounded: a tenant that holds no bytes in the level
+has nothing to evict and is refused at once (no walk), and a walk looks at no more than
+:data:`WALK_STEPS` of the tenant's own keys (all of them leased, say: what is still over
+the quota is refused; counted in ``walk_capped``). Cost: one ordered-dict entry per
+tenant-owned block per level.
 
 Retention within the quota: every block a tenant holds in a level counts in its bytes
 there, leased, pinned or hinted alike, so leases and pins never let it hold more than
@@ -55,7 +69,7 @@ if TYPE_CHECKING:
     from kvstore.store.mover import Mover
 
 TAG_BYTES = 8   # a tenant's keys all begin with its tag (see kvstore.net.server._tenants)
-WALK_STEPS = 1024   # keys one quota eviction walk may pull from a level's policy
+WALK_STEPS = 1024   # of a tenant's own keys, one quota eviction walk looks at most
 
 
 class TenantLedger:
@@ -226,8 +240,7 @@ class TenantLedger:
         cap = self._quota[name][i]
         if not records or (cap is not None and self._used[name][i] > cap):
             return keys
-        trust = getattr(mover.levels[i].policy, "trust", None)
-        limit = trust.protect_s if trust is not None else float("inf")
+        limit = mover.levels[i].policy.trust.protect_s   # the level's retention layer's trust in hints
         first, held = [], []
         for key in keys:
             rec = records.get(key)

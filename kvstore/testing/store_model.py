@@ -554,14 +554,18 @@ class TenantStoreMachine(RuleBasedStateMachine):
         ok1, ok2 = f1.result(), f2.result()
         self._learn(keys, [(first, ok1), (second, ok2)])
 
-    @rule(tenant=tenant_name, idx=tenant_indices, size=SIZES, fill=st.integers(0, 255))
-    def reserve(self, tenant, idx, size, fill):
+    @rule(tenant=tenant_name, idx=tenant_indices, size=SIZES, fill=st.integers(0, 255), commit=st.integers(0, 3))
+    def reserve(self, tenant, idx, size, fill, commit):
+        """Reserve room, fill it, then commit (three times in four) or abort."""
         keys = [TENANT_KEYS[tenant][i] for i in idx]
         srcs = self._srcs(keys, size, fill)
         res = self.store.reserve(keys, [size] * len(keys))
         for view, src in zip(res.views, srcs):
             if view is not None:
                 view[:] = src
+        if not commit:
+            res.abort()
+            return
         ok = res.commit()
         self._quiesce()
         self._learn(keys, [(srcs, ok)])
@@ -615,7 +619,9 @@ class TenantStoreMachine(RuleBasedStateMachine):
         assert not claims, f"sizes still claimed with nothing in flight: {claims}"
         for t, tier in enumerate(store.tiers):
             held = {k: tier.nbytes(k) for k in tier.keys()}
-            assert set(held) == {k for k, m in where.items() if m >> t & 1}, f"tier {t} and the index disagree"
+            indexed = {k for k, m in where.items() if m >> t & 1}
+            assert set(held) == indexed, (f"tier {t} and the index disagree: held only {set(held) - indexed}, "
+                                          f"indexed only {indexed - set(held)}")
             for key, n in held.items():
                 assert sizes.get(key) == n, f"tier {t} holds {key!r} at {n} bytes, the index says {sizes.get(key)}"
             assert tier.used_bytes == sum(held.values()) <= tier.capacity_bytes
