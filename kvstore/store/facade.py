@@ -128,7 +128,10 @@ class Store:
              checksums: Sequence[int | None] | None = None,
              token_ids: Sequence[Sequence[int]] | None = None, hint: Hint | None = None) -> "Future[list[bool]]":
         """Store a copy of each buffer under its key. The future resolves to whether each
-        block is stored (``False``: rejected by admission or no room). Callers must not
+        block is stored (``False``: rejected by admission or no room, or the key is held,
+        or being saved, with another size: a key's size is fixed by its first save, and a
+        re-save with another size is refused, counted in ``resave_size_mismatch``; one of
+        the same size keeps the bytes first stored). Callers must not
         modify ``srcs`` until the future is done; nothing keeps them after that.
         ``hint`` (:class:`kvstore.Hint`): applies to every key, stored now or already.
         ``checksums``: the writer's XXH3-64 (:func:`kvstore.block.checksum`) of each

@@ -98,10 +98,11 @@ class Mover:
     per-thread scratch buffers.
 
     Lock rule: ``Index.lock`` (``lock`` here; not reentrant) guards the index, each
-    level's policies, counters and ``pending_free``, the hint table and the tenant
-    ledger. :meth:`evictable`, :meth:`take_victim`, :meth:`drop`, :meth:`forget`,
-    :meth:`touched`, :meth:`refuse_size` and ``_choose_victims`` run with the caller holding it; every other method takes it
-    itself, briefly, never across tier I/O, so the caller must not hold it.
+    level's policies, counters, ``pending_free`` and ``doomed``, the hint table and the
+    tenant ledger. :meth:`evictable`, :meth:`take_victim`, :meth:`drop`, :meth:`forget`,
+    :meth:`touched`, :meth:`refuse_size` and ``_choose_victims`` run with the caller
+    holding it; every other method takes it itself, briefly, never across tier I/O, so
+    the caller must not hold it.
     """
 
     def __init__(self, index: Index, levels: list[Level], hints: "StoreHints", events: Any,
