@@ -81,8 +81,8 @@ class DataPath:
     def held(self, keys: list[BlockKey], sizes: list[int]) -> list[bool | None]:
         """Count a save of ``keys`` (of ``sizes`` bytes) and, per key, whether any level
         holds it already (``True``), not (``False``), or the save is refused (``None``):
-        the key is held, or being saved, with another size (a key's size is fixed by its
-        first save: :meth:`Index.fits`; counted in ``resave_size_mismatch``). Same key,
+        the key is held with another size (a key's size is fixed by its first save:
+        :meth:`Index.fits`; counted in ``resave_size_mismatch``). Same key,
         same content: a held key is not written again, only touched in every level that
         holds it. Every save path (``save``, a reservation) starts here; the puts that
         follow check the size again, atomically with their quota check and room."""
@@ -92,15 +92,17 @@ class DataPath:
             self.ops["saves"] += len(keys)
             where = index.where
             for key, nbytes in zip(keys, sizes):
-                if not index.fits(key, nbytes):
+                mask = where.get(key, 0)
+                # (a key no level holds: its puts check the size, with any claim in flight)
+                if mask and not index.fits(key, nbytes):
                     mover.refuse_size(key)
                     out.append(None)
                     continue
-                mask = where.get(key, 0)
                 out.append(bool(mask))
-                for i in range(len(self.levels)):
-                    if mask >> i & 1:
-                        mover.touched(key, i)
+                if mask:
+                    for i in range(len(self.levels)):
+                        if mask >> i & 1:
+                            mover.touched(key, i)
         return out
 
     def save(self, keys: list[BlockKey], srcs: list[Any], sums: list[int] | None = None) -> list[bool]:

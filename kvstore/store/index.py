@@ -54,10 +54,13 @@ class Index:
         with another size is refused, so every level holding a key holds it at one size
         (and each level's tenant ledger charges exactly that)."""
         size = self.sizes.get(key)
-        if size is None:
-            claim = self.claims.get(key)
-            size = None if claim is None else claim[0]
-        return size is None or size == nbytes
+        if size is not None:
+            return size == nbytes
+        claims = self.claims
+        if not claims:          # nothing in flight: no look-up (a key hashes in Python)
+            return True
+        claim = claims.get(key)
+        return claim is None or claim[0] == nbytes
 
     def claim(self, key: BlockKey, nbytes: int) -> None:
         """A put of ``key`` (``nbytes``, which :meth:`fits`) is under way; ends with

@@ -201,7 +201,7 @@ class Mover:
                     self.touched(key, i)
                     plan.result[j] = True
                     continue
-                if key in lvl.doomed:   # its old copy is being deleted here: as if no room
+                if lvl.doomed and key in lvl.doomed:   # its old copy is being deleted here: as if no room
                     continue
                 decision = lvl.admission.decide(key, sizes[j]) if admit else Decision.ADMIT
                 if decision is Decision.ADMIT:
@@ -292,31 +292,24 @@ class Mover:
         where, index_sizes, policy, result = self.index.where, self.index.sizes, lvl.policy, plan.result
         inserted, bit, uses_parent = plan.inserted, 1 << i, policy.uses_parent
         full = written = 0
-        strays: list[BlockKey] = []   # written, never indexed: another size is indexed (cannot happen
-        with self.lock:               # while the plan claims the size; checked all the same)
+        with self.lock:
             tenants = self.tenants
             for j, good in zip(plan.chosen, ok):
                 key = keys[j]
                 if not good:
                     full += 1
                     continue
-                mask = where.get(key, 0)
-                if index_sizes.get(key, sizes[j]) != sizes[j]:
-                    self.refuse_size(key)
-                    if not mask & bit:
-                        strays.append(key)
-                        if key in inserted:
-                            policy.on_remove(key)
-                    continue
                 result[j] = True
+                mask = where.get(key, 0)
                 if not mask & bit:
+                    # the plan claimed this size (Index.claim): no other size was indexed since
                     nbytes = sizes[j]
                     where[key] = mask | bit
                     index_sizes[key] = nbytes
                     if tenants is not None:
                         tenants.add(key, i, nbytes)
-                    # a staged key dropped from the policy meanwhile (a delete of it, or
-                    # its own put's stage) is not in the policy: insert it again
+                    # a staged key another put of it took out of the policy meanwhile (by
+                    # dropping it from that put's own stage) is not in it: insert it again
                     if key not in inserted or key not in policy:
                         policy.on_insert(key, nbytes, parent_of(key) if uses_parent else None)
                     written += nbytes
@@ -331,8 +324,6 @@ class Mover:
             if self.hints.records:
                 self.hints.entering(i, [keys[j] for j, good in zip(plan.chosen, ok) if good], persist)
             self._settle(i, plan)
-        if strays:
-            self.tier_io(lvl, lvl.tier.delete, strays)
         if persist:
             self.hints.persist(persist)
 
@@ -355,6 +346,7 @@ class Mover:
         victims = []
         if free >= need:
             return []
+        staging = lvl.policy.uses_parent   # a prefix-aware policy holds blocks staged by puts
         # Stop right after the victim that makes room: pulling one more candidate would
         # tell the policy it was skipped (S3-FIFO and SIEVE move such keys on).
         for key in lvl.policy.victims():
@@ -366,7 +358,7 @@ class Mover:
                 if free >= need:
                     break
                 continue
-            if not self.index.where.get(key, 0) >> i & 1:
+            if staging and not self.index.where.get(key, 0) >> i & 1:
                 # another put's staged block (placed in the policy ahead of its write, not
                 # indexed yet): not this walk's to take; deleting it from the tier could
                 # land after that put's write, leaving it indexed with no bytes
