@@ -29,6 +29,12 @@ STORE_FAILURES = (TierError, RemoteError, StoreClosedError, OSError)
 LEASE_S = 60.0
 STAGING_BYTES = 256 << 20   # host staging per connector object (scheduler, each worker)
 
+
+def load_staging_bytes(staging_bytes: int) -> int:
+    """A worker's share of ``staging_bytes`` for loads (half; its saves get the rest),
+    so queued saves never take the staging a promised load needs."""
+    return int(staging_bytes) - int(staging_bytes) // 2
+
 def connector_config(llm_args: Any) -> Any:
     return getattr(llm_args, "kv_connector_config", None) or getattr(llm_args, "connector_config", None)
 
@@ -186,5 +192,6 @@ def record_event(stream: Any, tensors: list) -> Any:
 
 
 __all__ = ["KvCacheConnectorScheduler", "KvCacheConnectorWorker", "LEASE_S", "STAGING_BYTES", "STORE_FAILURES",
+           "load_staging_bytes",
            "acquire_store", "check_store_reach", "connector_config", "leading", "on_stream", "record_event",
            "release_store", "request_key", "scheme_of", "server_url", "text_of", "windowed_pool"]
