@@ -78,6 +78,12 @@ def scheme_of(llm_args: Any) -> KeyScheme:
         raise ConfigError("trtllm connector: an NVFP4 KV cache is not supported: TensorRT-LLM keeps its block "
                           "scales in a second pool, and this connector moves only the primary pool (the scales "
                           "would not match the blocks)")
+    spec = getattr(llm_args, "speculative_config", None)
+    if spec is not None and str(getattr(spec, "decoding_type", "")) != "NGram":
+        raise ConfigError(f"trtllm connector: speculative decoding with a draft model (speculative_config "
+                          f"{getattr(spec, 'decoding_type', type(spec).__name__)!r}) is not supported: MTP and "
+                          "one-model EAGLE layers keep their KV in the same pool, and their KV at a block's last "
+                          "position is built from the token after the block; use NGram or no speculative decoding")
     model = str(getattr(llm_args, "model", "") or "")
     if not model:
         raise ConfigError("trtllm connector: llm_args.model is empty; keys need a model name")
