@@ -52,15 +52,19 @@ def hold(manager: Any, request: Any, blocks: Any, first: int) -> HeldBlocks | No
     return HeldBlocks(request, first, run)
 
 
-def restore(manager: Any, held: HeldBlocks, block_size: int) -> bool:
-    """Put the held blocks back in vLLM's prefix cache (the load succeeded): only while
-    the request still holds exactly them, none cached since. False where it does not."""
+def restore(manager: Any, held: HeldBlocks, block_size: int, *, count: int | None = None) -> bool:
+    """Put the first ``count`` held blocks (default: all) back in vLLM's prefix cache,
+    the ones the load wrote: only while the request still holds exactly them, none
+    cached since. False where it does not (or there is nothing to put back)."""
+    ids = held.ids if count is None else held.ids[:max(0, count)]
+    if not ids:
+        return False
     try:
         blocks = manager.get_blocks(held.request.request_id).blocks[0]
-        now = blocks[held.first:held.first + len(held.ids)]
-        if [b.block_id for b in now] != held.ids or any(b.block_hash is not None for b in now):
+        now = blocks[held.first:held.first + len(ids)]
+        if [b.block_id for b in now] != ids or any(b.block_hash is not None for b in now):
             return False     # freed, preempted or re-cached meanwhile: never cache other bytes
-        manager.block_pool.cache_full_blocks(held.request, blocks, held.first, held.first + len(held.ids),
+        manager.block_pool.cache_full_blocks(held.request, blocks, held.first, held.first + len(ids),
                                              block_size, 0)
     except Exception as exc:   # lost reuse only; the blocks stay uncached
         log.warning("could not put a loaded prefix back in vLLM's prefix cache (%s: %s)", type(exc).__name__, exc)

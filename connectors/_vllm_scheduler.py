@@ -270,12 +270,18 @@ class SchedulerSide:
         for serial, (req_id, failed) in outcomes.items():
             self._unconfirmed.pop(serial, None)
             held = self._held.pop(serial, None)
-            if held is not None and failed is None and req_id in self._reqs:
-                restore(self.kv_cache_manager, held, self.shape.block_size)
             st = self._reqs.get(req_id)
             if st is None:
                 continue
             spec = st.loading
+            if held is not None:
+                # Back into vLLM's prefix cache: the load's blocks, or where it failed, those
+                # of the chunks before the first failed one (loaded and verified on every rank).
+                good = len(held.ids)
+                if failed is not None:
+                    good = (max(0, (failed - spec.first_chunk) * per - spec.skip_blocks)
+                            if spec is not None and spec.serial == serial else 0)
+                restore(self.kv_cache_manager, held, self.shape.block_size, count=good)
             if spec is not None and spec.serial == serial:
                 if failed is not None:
                     at = (failed - spec.first_chunk) * per

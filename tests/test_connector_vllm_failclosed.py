@@ -794,3 +794,28 @@ def test_a_sync_loads_blocks_return_to_vllms_prefix_cache_once_it_reports_succes
     for name, cache in c2.items():
         for j in range(r4.num_computed_tokens // vs.BLOCK):
             assert torch.equal(cache[r4.block_ids[0][j]], f2.truth[name][j])
+
+
+def test_a_partly_failed_sync_load_puts_back_only_the_chunks_before_the_failure(engine):
+    """r2's load of chunks 0-2 fails on chunk 1: chunk 0's blocks were loaded and
+    verified and go back into vLLM's prefix cache; chunk 1's and 2's (never written) and
+    every block computed after them stay out."""
+    seed_first_chunks(engine)
+    s2, w2, c2, f2 = engine()
+    s2.add_request(vs.request("r2", PROMPT))
+    out = s2.schedule()
+    (load,) = out.kv_connector_metadata.loads
+    w2.store.delete([load.keys[0][1]])
+    for t in c2.values():
+        t.fill_(0.5)
+    _, kv_out = step(s2, w2, f2, out=out)
+    assert set(load.chunk(1)) <= kv_out.invalid_block_ids
+    hashed = [s2.kv_cache_manager.block_pool.blocks[b].block_hash is not None for b in load.block_ids]
+    assert hashed == [True, True, False, False, False, False]
+    s2.add_request(vs.request("r4", PROMPT))
+    out = s2.schedule()
+    r4 = next(n for n in out.scheduled_new_reqs if n.req_id == "r4")
+    assert r4.block_ids[0][:2] == load.block_ids[:2] and not set(r4.block_ids[0][2:]) & set(load.block_ids)
+    for name, cache in c2.items():
+        for j in range(2):
+            assert torch.equal(cache[r4.block_ids[0][j]], f2.truth[name][j])
