@@ -48,12 +48,14 @@ from pathlib import Path
 from typing import Any, Iterable, Iterator, Sequence
 
 from kvstore.config import TraceConfig
+from kvstore.config.base import shown
 from kvstore.errors import ConfigError, InvalidArgumentError
 from kvstore.keys import BlockKey
 
 log = logging.getLogger(__name__)
 
 _RECENT_IDS = 1 << 16   # ids of recent lookups remembered to leave their saves out
+MAX_BLOCK_BYTES = 1 << 40   # a trace's block_bytes (and replay's --block-bytes): no KV block is larger
 
 
 def hash_id(key: BlockKey) -> int:
@@ -273,6 +275,8 @@ def _parse(line: str, path: str | os.PathLike, number: int) -> TraceRequest:
         record = json.loads(line)
     except ValueError as exc:
         raise InvalidArgumentError(f"{where}: not JSON ({exc})") from None
+    except RecursionError:
+        raise InvalidArgumentError(f"{where}: not JSON a trace holds (nested too deeply)") from None
     if not isinstance(record, dict):
         raise InvalidArgumentError(f"{where}: expected an object, got {type(record).__name__}")
     ids = record.get("hash_ids")
@@ -280,14 +284,16 @@ def _parse(line: str, path: str | os.PathLike, number: int) -> TraceRequest:
         raise InvalidArgumentError(f"{where}: hash_ids must be a list of integers")
     op = record.get("op", "lookup")
     if op not in ("lookup", "save"):
-        raise InvalidArgumentError(f"{where}: op must be 'lookup' or 'save', got {op!r}")
+        raise InvalidArgumentError(f"{where}: op must be 'lookup' or 'save', got {shown(op)}")
     block_bytes = record.get("block_bytes")
-    if block_bytes is not None and (not isinstance(block_bytes, int) or block_bytes <= 0):
-        raise InvalidArgumentError(f"{where}: block_bytes must be a positive integer, got {block_bytes!r}")
+    if block_bytes is not None and (not isinstance(block_bytes, int) or isinstance(block_bytes, bool)
+                                    or not 0 < block_bytes <= MAX_BLOCK_BYTES):
+        raise InvalidArgumentError(f"{where}: block_bytes must be a positive integer of at most "
+                                   f"{MAX_BLOCK_BYTES} (1 TiB), got {shown(block_bytes)}")
     timestamp = record.get("timestamp", 0)
     if not isinstance(timestamp, (int, float)) or isinstance(timestamp, bool):
-        raise InvalidArgumentError(f"{where}: timestamp must be a number, got {timestamp!r}")
+        raise InvalidArgumentError(f"{where}: timestamp must be a number, got {shown(timestamp)}")
     return TraceRequest(ids, op == "save", block_bytes, timestamp)
 
 
-__all__ = ["TraceRecorder", "TraceRequest", "hash_id", "read_trace", "trace_files"]
+__all__ = ["MAX_BLOCK_BYTES", "TraceRecorder", "TraceRequest", "hash_id", "read_trace", "trace_files"]
