@@ -436,3 +436,27 @@ def test_a_connector_reaches_a_tls_server_through_open_store(mtls_server, pki):
         open_store({"server": mtls_server.address, "tls": "yes"}, owner="vllm")
     with pytest.raises(ConfigError, match="vllm: .*tls"):
         open_store({"server": mtls_server.address, "tls": {"ca": "/nonexistent/ca.pem"}}, owner="vllm")
+
+
+# -- a certificate out of its validity window (issue 34 item 9) -------------------------------
+
+@pytest.mark.parametrize("days, says", [((-30, -1), "expired on "), ((2, 30), "is not valid until ")],
+                         ids=["expired", "not-yet-valid"])
+def test_serve_and_validate_refuse_a_server_certificate_out_of_its_dates(tmp_path, capsys, days, says):
+    import datetime as dt
+
+    import yaml
+
+    from kvstore.cli import main
+
+    now = dt.datetime.now(dt.timezone.utc).replace(microsecond=0)
+    window = tuple(now + dt.timedelta(days=d) for d in days)
+    pki = make_pki(tmp_path / "pki", name="dated", server_valid=window)
+    path = tmp_path / "kvstore.yaml"
+    path.write_text(yaml.safe_dump(config_dict("1MiB", tls=pki.server_tls())))
+    shown = (window[1] if "expired" in says else window[0]).strftime("%Y-%m-%d %H:%M:%S UTC")
+    for argv in (["serve", "--config", str(path)], ["config", "validate", str(path)]):
+        assert main(argv) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("kvstore: error: "), err
+        assert f"server.tls.cert: {pki.server_cert} {says}{shown}" in err[0]
