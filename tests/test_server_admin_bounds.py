@@ -45,7 +45,15 @@ def _lookup_post(port: int, value, **headers) -> tuple[int, dict]:
 
 @pytest.fixture
 def open_server():
-    """A token-less server (the default) with small admin bounds."""
+    """A token-less server (the default), default admin bounds."""
+    s = ThreadServer(config_dict("4MiB"))
+    yield s
+    s.stop()
+
+
+@pytest.fixture
+def capped_server():
+    """A token-less server with small admin bounds."""
     s = ThreadServer(config_dict("4MiB", admin={"max_body_bytes": "64KiB", "lookup_max_tokens": 1000}))
     yield s
     s.stop()
@@ -61,9 +69,9 @@ def _save_prompt(server, n_chunks: int) -> list[int]:
 
 # -- item 5: caps, bulk hashing, the admin port's own threads ------------------------------------
 
-def test_a_lookup_past_the_token_or_byte_cap_is_a_413_naming_the_setting(open_server):
-    port = open_server.server.admin_port
-    tokens = _save_prompt(open_server, 3)
+def test_a_lookup_past_the_token_or_byte_cap_is_a_413_naming_the_setting(capped_server):
+    port = capped_server.server.admin_port
+    tokens = _save_prompt(capped_server, 3)
     status, answer = _lookup_post(port, {"namespace": NS, "token_ids": tokens})
     assert status == 200 and answer["prefix_blocks"] == 3
     status, answer = _lookup_post(port, {"namespace": NS, "token_ids": list(range(1001))})
@@ -71,7 +79,7 @@ def test_a_lookup_past_the_token_or_byte_cap_is_a_413_naming_the_setting(open_se
     status, answer = _lookup_post(port, {"keys": ["00" * 32] * 900})              # 59 KB: within the bytes
     assert status == 200 and answer["blocks"] == 900
     with pytest.raises(_lookup.LookupTooLarge, match="keys: 11 given"):
-        _lookup.answer(open_server.store, json.dumps({"keys": ["00" * 32] * 11}).encode(), max_tokens=10)
+        _lookup.answer(capped_server.store, json.dumps({"keys": ["00" * 32] * 11}).encode(), max_tokens=10)
     status, answer = _lookup_post(port, {"namespace": NS, "token_ids": [1] * 40000})   # 120 KB of JSON
     assert status == 413 and "server.admin.max_body_bytes" in answer["error"]
     status, answer = _lookup_post(port, {"namespace": NS, "token_ids": [1, True, 3, 4]})
