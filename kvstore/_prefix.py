@@ -10,24 +10,39 @@ right after); a caller that loads must still ``lookup(keys, lease_s=…)``.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Iterable, Sequence
 
 from kvstore.keys import BlockKey
 
 
-def prefix_by_tier(store: Any, keys: Sequence[BlockKey]) -> tuple[int, list[tuple[str, str, int]]]:
+def prefix_runs(store: Any, batches: Iterable[Sequence[BlockKey]]) -> tuple[int, list[tuple[str, str, int]]]:
     """``(blocks cached in any tier, [(tier name, kind, blocks cached there), ...])``:
-    the length of the leading run of ``keys`` held anywhere, and in each tier (fastest
-    first). Thread-safe."""
+    the length of the leading run of the keys held anywhere, and in each tier (fastest
+    first), for keys given batch after batch. A batch is taken only while the run is
+    unbroken (a lazily hashed prompt is hashed no further than its first block held
+    nowhere); the lock is held for one batch at a time. Thread-safe."""
     levels = store._levels
-    with store._lock:
-        masks = [store._where.get(key, 0) for key in keys]
-    anywhere = next((j for j, mask in enumerate(masks) if not mask), len(masks))
-    per_tier = []
-    for i, lvl in enumerate(levels):
-        n = next((j for j, mask in enumerate(masks) if not mask >> i & 1), len(masks))
-        per_tier.append((lvl.name, lvl.kind, n))
-    return anywhere, per_tier
+    runs = [0] * len(levels)          # each tier's leading run so far
+    broken = [False] * len(levels)
+    anywhere = 0
+    for batch in batches:
+        with store._lock:
+            masks = [store._where.get(key, 0) for key in batch]
+        for mask in masks:
+            if not mask:
+                return anywhere, _named(levels, runs)
+            anywhere += 1
+            for i in range(len(levels)):
+                if not broken[i]:
+                    if mask >> i & 1:
+                        runs[i] += 1
+                    else:
+                        broken[i] = True
+    return anywhere, _named(levels, runs)
 
 
-__all__ = ["prefix_by_tier"]
+def _named(levels: Sequence[Any], runs: list[int]) -> list[tuple[str, str, int]]:
+    return [(lvl.name, lvl.kind, n) for lvl, n in zip(levels, runs)]
+
+
+__all__ = ["prefix_runs"]

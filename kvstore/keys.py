@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 
@@ -143,18 +143,31 @@ class Namespace:
     def chunk_keys(self, token_ids: Sequence[int] | np.ndarray | Any) -> list[BlockKey]:
         """Keys of every *full* chunk of ``token_ids`` (a list, numpy array or torch int
         tensor); a trailing partial chunk gets no key. Pure and thread-safe."""
+        keys: list[BlockKey] = []
+        for batch in self.chunk_key_batches(token_ids, 1 << 62):
+            keys.extend(batch)
+        return keys
+
+    def chunk_key_batches(self, token_ids: Sequence[int] | np.ndarray | Any, batch: int) -> Iterator[list[BlockKey]]:
+        """:meth:`chunk_keys` computed ``batch`` keys at a time, each list as it is
+        hashed: a caller that stops early (the first block a Store lacks) hashes no
+        more of a long prompt than it reads. Checks ``token_ids`` before the first one."""
         tokens = _as_token_array(token_ids)
         n = len(tokens) // self.chunk_tokens
-        raw = tokens[: n * self.chunk_tokens].tobytes()
+        raw = memoryview(tokens[: n * self.chunk_tokens].tobytes())
         step = self.chunk_tokens * 4
-        ns, prev, keys = self.digest, self.digest, []
+        ns, prev = self.digest, self.digest
         parent = None
         blake = hashlib.blake2b
-        for i in range(n):
-            digest = blake(prev + raw[i * step:(i + 1) * step], digest_size=DIGEST_BYTES).digest()
-            keys.append(_trusted(digest, parent, ns))
-            parent = prev = digest
-        return keys
+        for lo in range(0, n, batch):
+            keys = []
+            for i in range(lo, min(n, lo + batch)):
+                h = blake(prev, digest_size=DIGEST_BYTES)
+                h.update(raw[i * step:(i + 1) * step])
+                digest = h.digest()
+                keys.append(_trusted(digest, parent, ns))
+                parent = prev = digest
+            yield keys
 
     def key_for(self, ident: bytes | str | int, parent: BlockKey | None = None) -> BlockKey:
         """Map an engine's own block hash into this namespace, chained after ``parent``.

@@ -79,13 +79,15 @@ def _ca(cn: str):
     return key, cert
 
 
-def _leaf(ca_key, ca_cert, cn: str, *, server: bool, hosts: tuple[str, ...] = ()):
+def _leaf(ca_key, ca_cert, cn: str, *, server: bool, hosts: tuple[str, ...] = (),
+          valid: tuple[dt.datetime, dt.datetime] | None = None):
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes
     from cryptography.x509.oid import ExtendedKeyUsageOID
 
     key = _key()
     now = dt.datetime.now(dt.timezone.utc)
+    not_before, not_after = valid or (now - dt.timedelta(minutes=5), now + dt.timedelta(days=1))
     sans = []
     for h in hosts:
         try:
@@ -94,7 +96,7 @@ def _leaf(ca_key, ca_cert, cn: str, *, server: bool, hosts: tuple[str, ...] = ()
             sans.append(x509.DNSName(h))
     builder = (x509.CertificateBuilder().subject_name(_name(cn)).issuer_name(ca_cert.subject)
                .public_key(key.public_key()).serial_number(x509.random_serial_number())
-               .not_valid_before(now - dt.timedelta(minutes=5)).not_valid_after(now + dt.timedelta(days=1))
+               .not_valid_before(not_before).not_valid_after(not_after)
                .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
                .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH if server
                                                      else ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
@@ -105,12 +107,16 @@ def _leaf(ca_key, ca_cert, cn: str, *, server: bool, hosts: tuple[str, ...] = ()
     return key, builder.sign(ca_key, hashes.SHA256())
 
 
-def make_pki(directory: str | os.PathLike, *, name: str = "kvstore-test") -> Pki:
-    """A CA and a server and a client certificate it signed, under ``directory``."""
+def make_pki(directory: str | os.PathLike, *, name: str = "kvstore-test",
+             server_valid: tuple[dt.datetime, dt.datetime] | None = None) -> Pki:
+    """A CA and a server and a client certificate it signed, under ``directory``;
+    ``server_valid``: the server certificate's (notBefore, notAfter), default from five
+    minutes ago to a day ahead."""
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
     ca_key, ca_cert = _ca(f"{name} CA")
-    skey, scert = _leaf(ca_key, ca_cert, "localhost", server=True, hosts=("localhost", "127.0.0.1", "::1"))
+    skey, scert = _leaf(ca_key, ca_cert, "localhost", server=True, hosts=("localhost", "127.0.0.1", "::1"),
+                        valid=server_valid)
     ckey, ccert = _leaf(ca_key, ca_cert, f"{name} client", server=False)
     return Pki(ca=_write_cert(d / f"{name}-ca.pem", ca_cert),
                server_cert=_write_cert(d / f"{name}-server.pem", scert),

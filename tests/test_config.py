@@ -256,3 +256,58 @@ def test_preflight_needs_the_password_env_variable(monkeypatch):
         preflight(load_config(raw, env={}))
     monkeypatch.setenv("KVSTORE_REDIS_PASSWORD", "pw")
     preflight(load_config(raw, env={}))
+
+
+# -- YAML alias bombs and long values (issue 34 item 9) ---------------------------------------
+
+def _alias_bomb(levels: int = 9) -> str:
+    """Nine anchors of nine aliases each: 9**9 values when expanded."""
+    lines = ['a0: &a0 ["lol"]']
+    for i in range(1, levels + 1):
+        lines.append(f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 9)}]")
+    return "{" + ", ".join(lines) + "}"
+
+
+def _bomb_config(tmp_path):
+    path = tmp_path / "bomb.yaml"
+    path.write_text(f"tiers:\n  - name: hot\n    kind: dram\n    capacity: {_alias_bomb()}\n")
+    return path
+
+
+def test_a_yaml_alias_bomb_in_a_file_is_refused_in_one_short_line(tmp_path):
+    import subprocess
+    import sys
+
+    path = _bomb_config(tmp_path)
+    with pytest.raises(ConfigError, match="do not expand YAML aliases") as err:
+        load_config(path, env={})
+    assert str(path) in str(err.value) and len(str(err.value)) < 600
+    # `kvstore serve` with a flag loads the file itself first: refused there too, in one line
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    done = subprocess.run([sys.executable, "-m", "kvstore", "serve", "--config", str(path), "--port", "0"],
+                          cwd=root, env={**os.environ, "PYTHONPATH": root}, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 2 and "do not expand YAML aliases" in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1 and len(done.stderr) < 600
+
+
+def test_a_yaml_alias_bomb_in_an_environment_override_is_refused_in_one_short_line():
+    with pytest.raises(ConfigError, match="KVSTORE_TIERS__0__CAPACITY: kvstore configs do not expand") as err:
+        load_config(ONE, env={"KVSTORE_TIERS__0__CAPACITY": _alias_bomb()})
+    assert len(str(err.value)) < 400
+
+
+def test_a_long_bad_value_is_cut_short_in_the_error():
+    with pytest.raises(ConfigError, match="not a size") as err:
+        load_config(ONE, env={"KVSTORE_TIERS__0__CAPACITY": "x" * 100_000})
+    assert len(str(err.value)) < 400
+    nested = [[["deep"] * 1000] * 1000] * 1000          # a billion items if walked whole
+    with pytest.raises(ValueError, match="not a size") as err:
+        parse_size(nested)
+    assert len(str(err.value)) < 200
+
+
+def test_anchors_without_aliases_still_load(tmp_path):
+    path = tmp_path / "kv.yaml"
+    path.write_text("tiers:\n  - &hot {name: hot, kind: dram, capacity: 64MiB}\n")
+    assert load_config(path, env={}).tiers[0].capacity == 64 << 20

@@ -128,3 +128,40 @@ def test_replay_of_a_trace_recorded_by_a_live_server(tmp_path, capsys):
     report = json.loads((tmp_path / "r.json").read_text())
     assert report["block_bytes"] == block and report["block_refs"] == refs
     assert report["rows"][0]["prefix_hit_rate"] == pytest.approx(hits / refs, abs=1e-12)
+
+
+# -- bad traces and bounded memory (issue 34 item 9) ------------------------------------------
+
+@pytest.mark.parametrize("line, problem", [
+    ("[" * 100_000 + "]" * 100_000, "line 2: not JSON a trace holds"),
+    ('{"hash_ids": [1], "block_bytes": true}', "line 2: block_bytes must be a positive integer"),
+    ('{"hash_ids": [1], "block_bytes": 1' + "0" * 30 + "}", "line 2: block_bytes must be a positive integer "
+                                                          "of at most 1099511627776"),
+], ids=["deep-json", "bool-size", "absurd-size"])
+def test_a_bad_line_is_one_error_naming_it(tmp_path, capsys, line, problem):
+    config = tmp_path / "c.yaml"
+    config.write_text("tiers:\n  - {name: hot, kind: dram, capacity: 1MiB}\n")
+    trace = tmp_path / "bad.jsonl"
+    trace.write_text('{"hash_ids": [1, 2], "block_bytes": 4096}\n' + line + "\n")
+    code, _, err = _run(capsys, trace, "--config", config, "--png", "")
+    assert code == 2 and problem in err and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1 and len(err) < 400
+
+
+def test_an_absurd_block_size_flag_is_refused(tmp_path, capsys):
+    config = tmp_path / "c.yaml"
+    config.write_text("tiers:\n  - {name: hot, kind: dram, capacity: 1MiB}\n")
+    code, _, err = _run(capsys, TRACE, "--config", config, "--block-bytes", "1000000TiB", "--png", "")
+    assert code == 2 and "--block-bytes must be positive and at most 1TiB" in err
+
+
+def test_distinct_blocks_past_max_blocks_are_refused_before_the_replay(tmp_path, capsys):
+    config = tmp_path / "c.yaml"
+    config.write_text("tiers:\n  - {name: hot, kind: dram, capacity: 1MiB}\n")
+    trace = tmp_path / "wide.jsonl"
+    trace.write_text("".join(json.dumps({"hash_ids": list(range(i * 50, i * 50 + 50)), "block_bytes": 4096}) + "\n"
+                             for i in range(10)))
+    code, _, err = _run(capsys, trace, "--config", config, "--max-blocks", "120", "--png", "")
+    assert code == 2 and "more than --max-blocks 120 distinct blocks (within its first 3 lines)" in err
+    code, out, _ = _run(capsys, trace, "--config", config, "--max-blocks", "500", "--policies", "lru", "--png", "")
+    assert code == 0 and "Belady" in out

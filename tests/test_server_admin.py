@@ -52,6 +52,8 @@ def _reply(sock: socket.socket) -> tuple[int, bytes]:
 
 def _get(server, path: str, method: str = "GET", token: str | None = None, data: bytes | None = None):
     req = urllib.request.Request(f"http://127.0.0.1:{server.server.admin_port}{path}", method=method, data=data)
+    if method == "POST":
+        req.add_header("Content-Type", "application/json")
     if token:
         req.add_header("Authorization", f"Bearer {token}")
     try:
@@ -116,7 +118,7 @@ def test_a_body_that_stalls_is_closed_with_408(quick):
 def test_an_oversized_body_is_refused_unread(quick):
     sock = _connect(quick)
     sock.sendall(b"POST /v1/lookup HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + TOKEN.encode() +
-                 f"\r\nContent-Length: {_lookup.MAX_BODY_BYTES + 1}\r\n\r\n".encode())
+                 f"\r\nContent-Length: {quick.config.server.admin.max_body_bytes + 1}\r\n\r\n".encode())
     status, data = _reply(sock)
     assert status == 413 and b"body over" in data
     sock = _connect(quick)                                                  # chunked: no length to check

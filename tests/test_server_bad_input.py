@@ -189,6 +189,8 @@ def test_right_token_works(secured):
 
 def _http(port: int, path: str, method: str = "GET", token: str | None = None) -> tuple[int, bytes]:
     req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", method=method)
+    if method == "POST":
+        req.add_header("Content-Type", "application/json")
     if token:
         req.add_header("Authorization", f"Bearer {token}")
     try:

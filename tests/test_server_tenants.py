@@ -237,7 +237,7 @@ def _http(port: int, path: str, token: str | None, method: str = "GET",
     req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=data, method=method)
     if token is not None:
         req.add_header("Authorization", f"Bearer {token}")
-    if data is not None:
+    if data is not None or method == "POST":
         req.add_header("Content-Type", "application/json")
     try:
         with urllib.request.urlopen(req, timeout=10) as resp:

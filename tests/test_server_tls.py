@@ -476,3 +476,36 @@ def test_a_connector_reaches_a_tls_server_through_open_store(mtls_server, pki):
         open_store({"server": mtls_server.address, "tls": "yes"}, owner="vllm")
     with pytest.raises(ConfigError, match="vllm: .*tls"):
         open_store({"server": mtls_server.address, "tls": {"ca": "/nonexistent/ca.pem"}}, owner="vllm")
+
+
+# -- a certificate out of its validity window (issue 34 item 9) -------------------------------
+
+@pytest.mark.parametrize("days, says", [((-30, -1), "expired on "), ((2, 30), "is not valid until ")],
+                         ids=["expired", "not-yet-valid"])
+def test_serve_and_validate_refuse_a_server_certificate_out_of_its_dates(tmp_path, capsys, days, says):
+    import datetime as dt
+    import os
+    import subprocess
+    import sys
+
+    import yaml
+
+    from kvstore.cli import main
+
+    now = dt.datetime.now(dt.timezone.utc).replace(microsecond=0)
+    window = tuple(now + dt.timedelta(days=d) for d in days)
+    pki = make_pki(tmp_path / "pki", name="dated", server_valid=window)
+    path = tmp_path / "kvstore.yaml"
+    path.write_text(yaml.safe_dump(config_dict("1MiB", tls=pki.server_tls())))
+    shown = (window[1] if "expired" in says else window[0]).strftime("%Y-%m-%d %H:%M:%S UTC")
+    expected = f"server.tls.cert: {pki.server_cert} {says}{shown}"
+    assert main(["config", "validate", str(path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("kvstore: error: ") and expected in err[0], err
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    done = subprocess.run([sys.executable, "-m", "kvstore", "--log-level", "WARNING", "serve", "--config", str(path)],
+                          cwd=root, env={**os.environ, "PYTHONPATH": root}, capture_output=True, text=True,
+                          timeout=60)                     # a server that starts anyway never returns: a failure
+    err = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and len(err) == 1 and err[0].startswith("kvstore: error: "), err
+    assert expected in err[0]

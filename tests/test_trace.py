@@ -2,6 +2,8 @@
 and reading traces back with errors that name the bad line."""
 
 import json
+import os
+import stat
 
 import numpy as np
 import pytest
@@ -97,3 +99,59 @@ def test_a_bad_trace_line_is_named(tmp_path, line, problem):
         list(read_trace([path]))
     with pytest.raises(InvalidArgumentError, match="cannot read trace"):
         list(read_trace([tmp_path / "missing.jsonl"]))
+
+
+# -- the trace file is the server's own (issue 34 item 7) -------------------------------------
+
+def test_a_planted_symlink_is_refused_and_its_target_untouched(tmp_path):
+    victim = tmp_path / "victim"
+    victim.write_text("root only\n")
+    victim.chmod(0o600)
+    (tmp_path / "logs").mkdir()
+    (tmp_path / "logs" / "trace.jsonl").symlink_to(victim)
+    with pytest.raises(ConfigError, match="trace.path: .*is a symbolic link"):
+        TraceRecorder(TraceConfig(path=str(tmp_path / "logs" / "trace.jsonl")))
+    assert victim.read_text() == "root only\n"
+
+
+def test_trace_files_are_private(tmp_path):
+    old = os.umask(0o022)
+    try:
+        recorder = TraceRecorder(TraceConfig(path=str(tmp_path / "t.jsonl"), max_bytes=4096, max_files=3))
+        for _ in range(200):
+            recorder.lookup(NS.chunk_keys(list(range(40))))
+        recorder.close()
+    finally:
+        os.umask(old)
+    files = trace_files(tmp_path / "t.jsonl")
+    assert len(files) == 3 and all(stat.S_IMODE(f.stat().st_mode) == 0o600 for f in files)
+    (tmp_path / "open.jsonl").write_text("")
+    (tmp_path / "open.jsonl").chmod(0o644)
+    TraceRecorder(TraceConfig(path=str(tmp_path / "open.jsonl"))).close()     # made private when opened
+    assert stat.S_IMODE((tmp_path / "open.jsonl").stat().st_mode) == 0o600
+
+
+def test_a_directory_others_can_write_is_refused(tmp_path):
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    with pytest.raises(ConfigError, match=r"trace.path: the directory .*writable by other users \(mode 777\)"):
+        TraceRecorder(TraceConfig(path=str(shared / "t.jsonl")))
+    assert not (shared / "t.jsonl").exists()
+    shared.chmod(0o1777)                                                  # sticky, as /tmp: allowed
+    TraceRecorder(TraceConfig(path=str(shared / "t.jsonl"))).close()
+
+
+def test_one_long_line_never_passes_max_bytes(tmp_path):
+    recorder = TraceRecorder(TraceConfig(path=str(tmp_path / "t.jsonl"), max_bytes=4096, max_files=2))
+    keys = NS.chunk_keys(list(range(4 * 1000)))      # 1,000 ids: about 20 KB as one line
+    recorder.lookup(keys, block_bytes=64)
+    recorder.lookup(keys[:3])
+    recorder.close()
+    files = trace_files(tmp_path / "t.jsonl")
+    assert all(f.stat().st_size <= 4096 for f in files)
+    first, second = (r for f in files for r in _lines(f))
+    assert first["truncated_from"] == 1000 and 0 < len(first["hash_ids"]) < 1000
+    assert first["hash_ids"] == [hash_id(k) for k in keys[:len(first["hash_ids"])]]    # a prefix of the request
+    assert first["input_length"] == 256 * len(first["hash_ids"]) and "truncated_from" not in second
+    assert [len(r.hash_ids) for r in read_trace(files)] == [len(first["hash_ids"]), 3]

@@ -23,6 +23,8 @@ from tqdm import tqdm
 from kvstore._extras import install_hint
 from kvstore.errors import InvalidArgumentError
 
+MAX_BLOCKS = 250_000   # distinct blocks a replay takes by default: about 1 GiB per replayed tier
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     parser = sub.add_parser("replay", help="replay an access trace against policy, admission and capacity changes",
@@ -33,6 +35,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--block-bytes", help="bytes per block (default: the block_bytes the trace recorded)")
     parser.add_argument("--limit", type=int, default=3000,
                         help="replay the first N trace lines (default 3000; 0: all)")
+    parser.add_argument("--max-blocks", type=int, default=MAX_BLOCKS,
+                        help=f"refuse a trace of more distinct blocks than this (default {MAX_BLOCKS:,}; a "
+                             "replay holds about 4 KiB per distinct block in each tier)")
     parser.add_argument("--policies", help="comma-separated eviction policies to try (default: all)")
     parser.add_argument("--png", default="kvstore-replay.png", help="where to write the chart ('' for none)")
     parser.add_argument("--json", dest="json_path", help="also write the figures as JSON here")
@@ -54,14 +59,18 @@ def run(args: argparse.Namespace) -> int:
     unknown = [p for p in policies if p not in EVICTION_NAMES]
     if unknown:
         raise InvalidArgumentError(f"--policies: unknown {', '.join(unknown)}; known: {', '.join(EVICTION_NAMES)}")
+    if args.max_blocks < 1:
+        raise InvalidArgumentError(f"--max-blocks must be >= 1, got {args.max_blocks}")
     paths = [f for trace in args.traces for f in trace_files(trace)]
-    requests = list(read_trace(paths, args.limit or None))
+    requests = _read(paths, args.limit or None, args.max_blocks, read_trace)
     if not any(not r.is_save and r.hash_ids for r in requests):
         raise InvalidArgumentError(f"trace {', '.join(args.traces)} holds no lookups to replay")
     block_bytes = _block_bytes(args.block_bytes, requests, parse_size)
     trace = to_keys([r.hash_ids for r in requests])
     saves = [r.is_save for r in requests]
     distinct = len({key for keys in trace for key in keys})
+    if distinct > args.max_blocks:          # an id under two parents is two blocks
+        raise _too_many(args.max_blocks, len(requests))
 
     tried = variants(config, block_bytes, policies)
     bar = tqdm(total=len(tried) * len(trace), unit="req", desc="replay", disable=args.no_progress,
@@ -91,14 +100,34 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _read(paths, limit, max_blocks, read_trace) -> list:
+    """The trace's lines, refused as soon as they name more than ``max_blocks`` distinct
+    ids (before a replay would hold them all)."""
+    requests, seen = [], set()
+    for request in read_trace(paths, limit):
+        seen.update(request.hash_ids)
+        if len(seen) > max_blocks:
+            raise _too_many(max_blocks, len(requests) + 1)
+        requests.append(request)
+    return requests
+
+
+def _too_many(max_blocks: int, lines: int) -> InvalidArgumentError:
+    return InvalidArgumentError(f"the trace names more than --max-blocks {max_blocks:,} distinct blocks (within its "
+                                f"first {lines:,} lines); a replay holds about 4 KiB per distinct block in each "
+                                "tier: replay fewer lines (--limit) or raise --max-blocks")
+
+
 def _block_bytes(given: str | None, requests, parse_size) -> int:
+    from kvstore.trace import MAX_BLOCK_BYTES
+
     if given is not None:
         try:
             size = parse_size(given)
         except ValueError as exc:
             raise InvalidArgumentError(f"--block-bytes: {exc}") from None
-        if size <= 0:
-            raise InvalidArgumentError(f"--block-bytes must be positive, got {given!r}")
+        if not 0 < size <= MAX_BLOCK_BYTES:
+            raise InvalidArgumentError(f"--block-bytes must be positive and at most 1TiB, got {given!r}")
         return size
     recorded = [r.block_bytes for r in requests if r.block_bytes]
     if not recorded:

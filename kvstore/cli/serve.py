@@ -14,6 +14,7 @@ from typing import Any, Mapping
 import yaml
 
 from kvstore.config import DEFAULT_CONFIG, load_config
+from kvstore.config.base import load_yaml
 from kvstore.errors import ConfigError, KVStoreError
 
 
@@ -86,7 +87,7 @@ def _with_server_overrides(source: Any, overrides: dict[str, Any]) -> Any:
         raw = copy.deepcopy(dict(source))
     else:
         try:
-            raw = yaml.safe_load(Path(source).read_text()) or {}
+            raw = load_yaml(Path(source).read_text()) or {}
         except OSError:
             return source      # load_config reports it
         except yaml.YAMLError:

@@ -12,7 +12,7 @@ is a top-level field (``tiers``, ``placement``, ``server``, ``trace``, ``events`
 named ``kvstore``) is ignored, with one warning naming them. Errors name the field and
 the bad value; ``dump_config`` (``kvstore config show``) masks every secret.
 
-The models live in submodules (``base``: sizes; ``tls``; ``tiers``: one model per tier
+The models live in submodules (``base``: sizes; ``tls``; ``admin``: the admin port's bounds; ``tiers``: one model per tier
 kind; ``server``; ``store``: the whole config, loading and dump; ``checks``: the
 pre-start checks ``kvstore serve`` and ``kvstore config validate`` share); every public
 name is re-exported here.
@@ -20,6 +20,7 @@ name is re-exported here.
 
 from __future__ import annotations
 
+from kvstore.config.admin import AdminConfig
 from kvstore.config.base import Size, _Frozen, _no_empty_token, parse_size
 from kvstore.config.checks import AIOHTTP_MISSING, is_loopback, preflight
 from kvstore.config.server import MIN_SALT_CHARS, ServerConfig, TenantConfig
@@ -30,7 +31,7 @@ from kvstore.config.tiers import (AdmissionConfig, DramTierConfig, EvictionName,
                                   TierConfig)
 from kvstore.config.tls import ClientTlsConfig, ServerTlsConfig, TlsVersion
 
-__all__ = ["AIOHTTP_MISSING", "AdmissionConfig", "ClientTlsConfig", "DEFAULT_CONFIG", "DramTierConfig",
+__all__ = ["AIOHTTP_MISSING", "AdminConfig", "AdmissionConfig", "ClientTlsConfig", "DEFAULT_CONFIG", "DramTierConfig",
            "EventsConfig", "GpuTierConfig", "MASK", "NvmeTierConfig", "PlacementConfig", "RedisTierConfig",
            "RedisTlsConfig", "RemoteTierConfig", "S3TierConfig", "ServerConfig", "ServerTlsConfig", "StoreConfig",
            "TenantConfig", "TierConfig", "TraceConfig", "describe_errors", "dump_config", "is_loopback",

@@ -1,13 +1,58 @@
-"""Shared pieces of the config models: the frozen base, sizes (``"64GiB"``) and the
-empty-token check."""
+"""Shared pieces of the config models: the frozen base, sizes (``"64GiB"``), the
+empty-token check, YAML without aliases (:func:`load_yaml`) and values cut short for
+messages (:func:`shown`)."""
 
 from __future__ import annotations
 
 import re
+import reprlib
 from types import SimpleNamespace
 from typing import Annotated, Any, Mapping
 
+import yaml
 from pydantic import BaseModel, BeforeValidator, ConfigDict, model_validator
+
+
+class AliasRefused(yaml.composer.ComposerError):
+    """A config's YAML holds an alias (see :class:`_NoAliases`)."""
+
+
+class _NoAliases(yaml.SafeLoader):
+    """``yaml.SafeLoader`` that refuses an alias (``*name``, a ``<<: *name`` merge too):
+    nine anchors of nine aliases each stand for 9⁹ values, and whatever walks them (a
+    copy, a validator, an error message) never ends. A config writes its values out."""
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        if self.check_event(yaml.AliasEvent):
+            event = self.peek_event()
+            raise AliasRefused(None, None, f"found the alias *{shown(event.anchor, 40)[1:-1]}: "
+                                              "kvstore configs do not expand YAML aliases; write the value out",
+                                              event.start_mark)
+        return super().compose_node(parent, index)
+
+
+def load_yaml(text: str) -> Any:
+    """``yaml.safe_load`` without aliases (:class:`_NoAliases`); raises ``yaml.YAMLError``
+    (:class:`AliasRefused` for an alias)."""
+    return yaml.load(text, Loader=_NoAliases)
+
+
+_SHOWN = reprlib.Repr()
+_SHOWN.maxstring = _SHOWN.maxother = 60
+_SHOWN.maxlist = _SHOWN.maxtuple = _SHOWN.maxdict = _SHOWN.maxset = 4
+_SHOWN.maxlevel = 2
+
+
+def shown(value: Any, limit: int = 60) -> str:
+    """``repr(value)`` for an error message: at most about ``limit`` characters, nested
+    containers cut after a few items and two levels (never walked whole)."""
+    if limit == 60:
+        return _SHOWN.repr(value)
+    short = reprlib.Repr()
+    short.maxstring = short.maxother = limit
+    short.maxlist = short.maxtuple = short.maxdict = short.maxset = 4
+    short.maxlevel = 2
+    return short.repr(value)
 
 _UNITS = {
     "": 1, "b": 1,
@@ -34,13 +79,14 @@ def parse_size(value: Any) -> int:
         m = _SIZE_RE.match(value)
         if not m:
             if value.strip().startswith("-"):
-                raise ValueError(f"size must not be negative, got {value!r}")
-            raise ValueError(f"not a size: {value!r} (use e.g. 4096, '512MiB', '64GiB')")
+                raise ValueError(f"size must not be negative, got {shown(value)}")
+            raise ValueError(f"not a size: {shown(value)} (use e.g. 4096, '512MiB', '64GiB')")
         number, unit = m.groups()
         if unit.lower() not in _UNITS:
-            raise ValueError(f"unknown size unit {unit!r} in {value!r}; use B, KiB, MiB, GiB, TiB, KB, MB, GB or TB")
+            raise ValueError(f"unknown size unit {shown(unit)} in {shown(value)}; use B, KiB, MiB, GiB, TiB, KB, MB, "
+                             "GB or TB")
         return int(float(number) * _UNITS[unit.lower()])
-    raise ValueError(f"not a size: {value!r}")
+    raise ValueError(f"not a size: {shown(value)}")
 
 
 _BINARY_UNITS = ("KiB", "MiB", "GiB", "TiB", "PiB")
@@ -109,4 +155,4 @@ def field_defaults(model: type[BaseModel]) -> SimpleNamespace:
     return SimpleNamespace(**{n: f.default for n, f in model.model_fields.items() if not f.is_required()})
 
 
-__all__ = ["MASK", "SECRET", "Size", "is_secret", "field_defaults", "parse_size"]
+__all__ = ["AliasRefused", "MASK", "SECRET", "Size", "is_secret", "field_defaults", "load_yaml", "parse_size", "shown"]

@@ -30,7 +30,8 @@ def preflight(config: StoreConfig) -> None:
     """Refuse, naming the field, a config ``kvstore serve`` would fail to start with:
     a non-loopback host without a token, transports tenants cannot have, tier directories
     that cannot be created or written, a Redis ``password_env`` that is not set, a
-    missing aiohttp for the admin port. Creates nothing."""
+    missing aiohttp for the admin port, a server certificate expired or not yet valid.
+    Creates nothing."""
     _server(config)
     for tier in config.tiers:
         if isinstance(tier, NvmeTierConfig):
@@ -56,6 +57,12 @@ def _server(config: StoreConfig) -> None:
         raise ConfigError("server.transport: 'shm' needs a first tier of kind dram")
     if cfg.admin_port is not None and importlib.util.find_spec("aiohttp") is None:
         raise ConfigError(AIOHTTP_MISSING)
+    if cfg.tls is not None:
+        from kvstore.net.tls import validity
+
+        problem = validity(cfg.tls.cert)
+        if problem is not None:
+            raise ConfigError(f"server.tls.cert: {cfg.tls.cert} {problem}")
 
 
 def _creatable_dir(field: str, path: str) -> None:

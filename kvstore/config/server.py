@@ -6,6 +6,7 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
+from kvstore.config.admin import AdminConfig
 from kvstore.config.base import SECRET, Size, _Frozen, _no_empty_token
 from kvstore.config.tls import ServerTlsConfig
 
@@ -47,6 +48,7 @@ class ServerConfig(_Frozen):
     host: str = "127.0.0.1"
     port: int = Field(7480, ge=0, le=65535)
     admin_port: int | None = Field(7481, ge=0, le=65535)
+    admin: AdminConfig = AdminConfig()       # the admin port's bounds (per request, per address, its threads)
     socket_path: str | None = None
     token: str | None = Field(None, json_schema_extra=SECRET)
     allow_unauthenticated: bool = False      # serve beyond loopback without a token (refused otherwise)

@@ -11,7 +11,7 @@ from typing import Any, Iterator, Literal, Mapping, get_args
 import yaml
 from pydantic import BaseModel, Field, SecretStr, ValidationError, field_validator, model_validator
 
-from kvstore.config.base import MASK, Size, _Frozen, is_secret
+from kvstore.config.base import MASK, AliasRefused, Size, _Frozen, is_secret, load_yaml, shown
 from kvstore.config.server import ServerConfig
 from kvstore.config.tiers import TierConfig
 from kvstore.errors import ConfigError
@@ -115,7 +115,7 @@ def load_config(source: str | os.PathLike | Mapping[str, Any] | StoreConfig | No
     else:
         path = Path(source)
         try:
-            raw = yaml.safe_load(path.read_text()) or {}
+            raw = load_yaml(path.read_text()) or {}
         except OSError as exc:
             raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from exc
         except yaml.YAMLError as exc:
@@ -152,7 +152,7 @@ def _describe(exc: ValidationError, prefix: str = "") -> str:
         got = err.get("input")
         secret = bool(parts) and parts[-1] in ("token", "salt", "password")   # never echoed into logs
         got_text = "" if err["type"] in ("missing",) or isinstance(got, (dict, list)) or secret \
-            else f" (got {got!r})"
+            else f" (got {shown(got)})"
         lines.append(f"  {loc or '<root>'}: {msg}{got_text}")
     return "\n".join(lines)
 
@@ -199,7 +199,10 @@ def _apply_env(raw: dict[str, Any], env: Mapping[str, str]) -> None:
         if not all(parts):
             raise ConfigError(f"environment override {var}: empty part in the path (parts are joined by __)")
         try:
-            value = yaml.safe_load(text)
+            value = load_yaml(text)
+        except AliasRefused:
+            raise ConfigError(f"environment override {var}: kvstore configs do not expand YAML aliases "
+                              f"(*name); write the value out (got {shown(text)})") from None
         except yaml.YAMLError:
             value = text
         node: Any = raw

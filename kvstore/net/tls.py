@@ -73,6 +73,36 @@ def check_cert(path: str) -> None:
         raise ValueError(f"not a PEM certificate ({_reason(exc)})") from None
 
 
+def validity(path: str, now: float | None = None) -> str | None:
+    """Why the first certificate of PEM file ``path`` (the leaf of a chain) cannot serve
+    now: expired, or not yet valid (with the date), else ``None``. Read with the ssl
+    module's own certificate decoder; ``None`` too where it cannot read the file (the
+    other checks report that)."""
+    import time
+
+    decode = getattr(getattr(ssl, "_ssl", None), "_test_decode_cert", None)
+    if decode is None:
+        return None
+    try:
+        info = decode(path)
+        not_before = ssl.cert_time_to_seconds(info["notBefore"])
+        not_after = ssl.cert_time_to_seconds(info["notAfter"])
+    except (ssl.SSLError, OSError, ValueError, KeyError):
+        return None
+    now = time.time() if now is None else now
+    if now >= not_after:
+        return f"expired on {_utc(not_after)} (notAfter); renew it (clients refuse an expired certificate)"
+    if now < not_before:
+        return f"is not valid until {_utc(not_before)} (notBefore); check this machine's clock, or the certificate"
+    return None
+
+
+def _utc(seconds: float) -> str:
+    import time
+
+    return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(seconds))
+
+
 def check_pair(cert: str, key: str) -> None:
     """``key`` is an unencrypted PEM private key that matches the certificate ``cert``."""
     _readable(key)
@@ -219,4 +249,4 @@ def describe(exc: BaseException, *, after_handshake: bool = False) -> str:
 
 
 __all__ = ["ClientTls", "MIN_VERSIONS", "check_ca", "check_cert", "check_pair", "client_context", "client_tls",
-           "describe", "server_context"]
+           "describe", "server_context", "validity"]

@@ -13,20 +13,27 @@ Request (JSON), one of:
 Answer: ``{"blocks": N, "prefix_blocks": n, "prefix_tokens": n·chunk | null,
 "tiers": [{"name", "kind", "prefix_blocks", "prefix_tokens"}, …]}`` (tiers fastest
 first). Read-only and unleased (see :mod:`kvstore._prefix`). Bad input: HTTP 400 naming
-the field.
+the field (:class:`BadLookup`); more than ``server.admin.lookup_max_tokens`` token ids
+(or keys): 413 (:class:`LookupTooLarge`).
+
+Cost: the keys are hashed (and mapped into a tenant's space) :data:`BATCH` at a time and
+looked up in the index a batch per lock hold, stopping at the first block no tier
+holds, so a request costs what the server holds of it, not what it names, and the
+Store's lock is never held for a whole prompt.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
-from kvstore._prefix import prefix_by_tier
+from kvstore._prefix import prefix_runs
 from kvstore.errors import InvalidArgumentError
 from kvstore.keys import BlockKey, Namespace
 
-MAX_BODY_BYTES = 16 << 20       # a 128K-token prompt as JSON is about 1 MiB
+BATCH = 1024                    # keys hashed, mapped and looked up at a time
 _HEX64 = re.compile(r"^[0-9a-fA-F]{64}$")
 _NAMESPACE_FIELDS = {"model", "dtype", "chunk_tokens", "layout", "rank", "world_size", "salt"}
 
@@ -35,27 +42,39 @@ class BadLookup(ValueError):
     """The request body is not a valid lookup; the message names the field."""
 
 
-def answer(store: Any, body: bytes, scope: Callable[[list[BlockKey]], list[BlockKey]] | None = None) -> dict[str, Any]:
-    """The JSON-able answer for ``body``; raises :class:`BadLookup`. ``scope``: the
-    bearer tenant's key mapping (:meth:`kvstore.net.server._tenants.Tenant.keys`)."""
-    keys, chunk_tokens = parse(body)
+class LookupTooLarge(BadLookup):
+    """More token ids (or keys) than ``server.admin.lookup_max_tokens``: HTTP 413."""
+
+
+def answer(store: Any, body: bytes, scope: Callable[[list[BlockKey]], list[BlockKey]] | None = None, *,
+           max_tokens: int) -> dict[str, Any]:
+    """The JSON-able answer for ``body``; raises :class:`BadLookup` (or
+    :class:`LookupTooLarge` past ``max_tokens``). ``scope``: the bearer tenant's key
+    mapping (:meth:`kvstore.net.server._tenants.Tenant.keys`)."""
+    blocks, batches, chunk_tokens = parse(body, max_tokens)
     if scope is not None:
-        keys = scope(keys)
-    anywhere, per_tier = prefix_by_tier(store, keys)
+        batches = (scope(batch) for batch in batches)
+    anywhere, per_tier = prefix_runs(store, batches)
 
     def tokens(n: int) -> int | None:
         return n * chunk_tokens if chunk_tokens is not None else None
 
-    return {"blocks": len(keys), "prefix_blocks": anywhere, "prefix_tokens": tokens(anywhere),
+    return {"blocks": blocks, "prefix_blocks": anywhere, "prefix_tokens": tokens(anywhere),
             "tiers": [{"name": name, "kind": kind, "prefix_blocks": n, "prefix_tokens": tokens(n)}
                       for name, kind, n in per_tier]}
 
 
-def parse(body: bytes) -> tuple[list[BlockKey], int | None]:
+def parse(body: bytes, max_tokens: int) -> tuple[int, Iterator[list[BlockKey]], int | None]:
+    """``(number of blocks, their keys in batches of BATCH, chunk_tokens or None)``;
+    the keys are hashed as the batches are taken."""
     try:
         request = json.loads(body)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise BadLookup(f"body is not JSON: {exc}") from None
+    except ValueError as exc:        # an integer of more digits than Python converts
+        raise BadLookup(f"body is not JSON kvstore reads: {exc}") from None
+    except RecursionError:
+        raise BadLookup("body is not JSON kvstore reads: nested too deeply") from None
     if not isinstance(request, dict):
         raise BadLookup("body must be a JSON object")
     unknown = sorted(set(request) - {"namespace", "token_ids", "keys", "chunk_tokens"})
@@ -66,23 +85,38 @@ def parse(body: bytes) -> tuple[list[BlockKey], int | None]:
     if "token_ids" in request:
         namespace = _namespace(request.get("namespace"))
         tokens = request["token_ids"]
-        if not isinstance(tokens, list) or not all(type(t) is int for t in tokens):
+        if not isinstance(tokens, list):
+            raise BadLookup("token_ids: must be a list of integers")
+        _at_most(len(tokens), max_tokens, "token_ids")
+        if not set(map(type, tokens)) <= {int}:     # one pass in C; bools and floats are not token ids
             raise BadLookup("token_ids: must be a list of integers")
         try:
-            return namespace.chunk_keys(tokens), namespace.chunk_tokens
+            batches = namespace.chunk_key_batches(tokens, BATCH)
+            first = next(batches, [])                # checks the ids (range) before anything is answered
         except (InvalidArgumentError, OverflowError) as exc:
             raise BadLookup(f"token_ids: {exc}") from None
+        return len(tokens) // namespace.chunk_tokens, itertools.chain([first], batches), namespace.chunk_tokens
     if "namespace" in request:
         given = request["namespace"]
         if not (isinstance(given, str) and _HEX64.match(given)):
             _namespace(given)
     keys = request["keys"]
-    if not isinstance(keys, list) or not all(isinstance(k, str) and _HEX64.match(k) for k in keys):
+    if not isinstance(keys, list):
+        raise BadLookup("keys: must be a list of 64-hex-digit key digests")
+    _at_most(len(keys), max_tokens, "keys")
+    if not all(isinstance(k, str) and _HEX64.match(k) for k in keys):
         raise BadLookup("keys: must be a list of 64-hex-digit key digests")
     chunk_tokens = request.get("chunk_tokens")
     if chunk_tokens is not None and (type(chunk_tokens) is not int or chunk_tokens <= 0):
         raise BadLookup("chunk_tokens: must be a positive integer")
-    return [BlockKey(bytes.fromhex(k)) for k in keys], chunk_tokens
+    batches = ([BlockKey(bytes.fromhex(k)) for k in keys[lo:lo + BATCH]] for lo in range(0, len(keys), BATCH))
+    return len(keys), batches, chunk_tokens
+
+
+def _at_most(count: int, max_tokens: int, field: str) -> None:
+    if count > max_tokens:
+        raise LookupTooLarge(f"{field}: {count} given, more than server.admin.lookup_max_tokens ({max_tokens}) "
+                             "per request")
 
 
 def _namespace(fields: Any) -> Namespace:
@@ -107,4 +141,4 @@ def _namespace(fields: Any) -> Namespace:
         raise BadLookup(f"namespace: {exc}") from None
 
 
-__all__ = ["BadLookup", "MAX_BODY_BYTES", "answer"]
+__all__ = ["BATCH", "BadLookup", "LookupTooLarge", "answer"]

@@ -139,8 +139,10 @@ class Server:
     def admin_context(self) -> AdminContext:
         """What an admin port (:class:`AdminServer`) serves of this server. ``stats`` is
         looked up on this server at each request."""
+        cfg = self.config.server
         return AdminContext(store=self.store, metrics=self.metrics, tenants=self.tenants,
-                            stats=lambda tenant: self.stats(tenant), closing=lambda: self.closing)
+                            stats=lambda tenant: self.stats(tenant), closing=lambda: self.closing,
+                            limits=cfg.admin, host=cfg.host)
 
     def _attach_tenants(self) -> None:
         """Bytes per tenant and tier, and the quotas, kept by the Store's eviction."""
