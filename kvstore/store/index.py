@@ -13,6 +13,7 @@ into one atomic step.
 from __future__ import annotations
 
 import threading
+import time
 from typing import Iterable, Sequence
 
 from kvstore.keys import BlockKey
@@ -25,10 +26,15 @@ class Index:
     ``where``: key -> bitmask of the levels holding it (bit ``i``: level ``i``); a key
     no level holds is absent. ``sizes``: key -> block bytes, while any level holds it.
     ``leases``: key -> ``[holders, expiry on the Store's clock]``. ``pins``: key ->
-    pin count. ``hit_counts``: key -> hits (selective write-through only)."""
+    pin count. ``hit_counts``: key -> hits (selective write-through only).
+    ``landed``: a condition on ``lock``, notified whenever a block enters the index
+    (:meth:`note_landed`); ``listeners``: callables told the same (they run under the
+    lock, so they must only schedule work, e.g. ``loop.call_soon_threadsafe``)."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
+        self.landed = threading.Condition(self.lock)
+        self.listeners: list = []
         self.where: dict[BlockKey, int] = {}
         self.sizes: dict[BlockKey, int] = {}
         self.leases: dict[BlockKey, list] = {}
@@ -64,6 +70,26 @@ class Index:
             if not where.get(key):
                 break
             n += 1
+        return n
+
+    def note_landed(self) -> None:
+        """Blocks entered the index: wake every waiter (:meth:`wait_for_prefix`) and
+        listener, which look again."""
+        self.landed.notify_all()
+        for listener in list(self.listeners):
+            listener()
+
+    def wait_for_prefix(self, keys: Sequence[BlockKey], timeout_s: float) -> int:
+        """Wait (at most ``timeout_s``, real time) until some level holds every key,
+        woken by each save that lands blocks (never polling); the held prefix length."""
+        deadline = time.monotonic() + timeout_s
+        n = self.held_prefix(keys)
+        while n < len(keys):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            self.landed.wait(left)
+            n = self.held_prefix(keys)
         return n
 
     def lease(self, keys: Iterable[BlockKey], expiry: float) -> None:
