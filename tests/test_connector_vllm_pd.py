@@ -193,3 +193,16 @@ def test_kv_both_hands_off_only_requests_that_ask(engines):
     assert plain.params is None
     asked = Run(s, w, vs.request("asked", PROMPT[:70], kv_transfer_params={"do_remote_decode": True})).finish()
     assert asked.params["kvstore"]["handoff"]["chunks"] == 2
+
+
+def test_handoff_params_sit_beside_a_retention_hint(caplog):
+    from kvstore.connectors._vllm_scheduler import vllm_hint
+    from kvstore.hint import Hint
+
+    handoff = {"v": 1, "source": "server:h:1", "first_key": "0" * 64, "last_key": "0" * 64, "chunks": 1,
+               "chunk_tokens": CHUNK, "tokens": CHUNK, "deadline": 0.0, "lease_expires": 0.0}
+    req = vs.request("h", PROMPT, kv_transfer_params={"kvstore": {"retain_s": 600, "handoff": handoff}})
+    assert vllm_hint(req) == Hint(600.0)
+    with caplog.at_level("WARNING"):
+        assert vllm_hint(vs.request("h2", PROMPT, kv_transfer_params={"kvstore": {"handoff": handoff}})) is None
+    assert "hint" not in caplog.text      # a handoff alone is no malformed hint
