@@ -251,7 +251,9 @@ def _waiters() -> ThreadPoolExecutor:
     global _pool
     with _pool_lock:
         if _pool is None:
-            _pool = ThreadPoolExecutor(4, thread_name_prefix="kvstore-handoff")
+            # Each waiting load holds a thread (and, in server mode, a connection) until
+            # its keys land or its deadline; loads whose keys are there return at once.
+            _pool = ThreadPoolExecutor(16, thread_name_prefix="kvstore-handoff")
         return _pool
 
 

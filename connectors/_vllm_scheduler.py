@@ -180,13 +180,14 @@ class SchedulerSide:
             raise KVStoreError(f"request {request.request_id}: {len(blocks.blocks[0])} blocks allocated for "
                                f"{end} loaded tokens; vLLM's allocation contract changed")
         keys = [k[first:last] for k in st.keys]
-        got = [self._lookup(request, k, lease_s=self.config.lease_s) for k in keys]
-        if min(got) < len(keys[0]):
-            # Evicted since the lookup; the worker will fail closed on the missing chunks.
-            log.info("request %s: %d of %d chunks still cached at allocation", request.request_id,
-                     min(got), len(keys[0]))
-        st.leased = keys
         wait_until = self.handoff.planned(request)    # a handoff: the worker waits for its saves
+        if not wait_until:      # (a handoff's waiting lookup leases them as they land)
+            got = [self._lookup(request, k, lease_s=self.config.lease_s) for k in keys]
+            if min(got) < len(keys[0]):
+                # Evicted since the lookup; the worker will fail closed on the missing chunks.
+                log.info("request %s: %d of %d chunks still cached at allocation", request.request_id,
+                         min(got), len(keys[0]))
+            st.leased = keys
         # Block ids are filled in by build_connector_meta, from the ids vLLM lists for
         # the step anyway (converting vLLM's block objects here costs more than the rest).
         st.load = ChunkTransfer(request.request_id, keys, [], skip_blocks=(start - first * c) // bs,
