@@ -62,8 +62,8 @@ def engines(tmp_path, server):
 class Run:
     """One request driven through a scheduler and its worker until vLLM let it go."""
 
-    def __init__(self, sched, worker, req):
-        self.sched, self.worker, self.req = sched, worker, req
+    def __init__(self, sched, worker, req, layers=None):
+        self.sched, self.worker, self.req, self.layers = sched, worker, req, layers
         self.params = None
         self.saves, self.loads, self.computed = [], [], 0
         self.status = None
@@ -75,7 +75,7 @@ class Run:
         self.saves += [s for s in meta.saves if s.req_id == self.req.request_id]
         self.loads += [s for s in meta.loads if s.req_id == self.req.request_id]
         self.computed += out.num_scheduled_tokens.get(self.req.request_id, 0)
-        kv_out = vs.run_worker_step(self.worker, meta, out.finished_req_ids)
+        kv_out = vs.run_worker_step(self.worker, meta, out.finished_req_ids, layerwise_layers=self.layers)
         engine_outs = self.sched.update_from_output(out, vs.model_output(out, kv_out))
         for outs in engine_outs.values():
             for o in outs.outputs:
@@ -104,9 +104,10 @@ def blocks(transfers):
     return [b for t in transfers for b in t.block_ids]
 
 
-def test_handoff_is_byte_exact_and_counted_on_both_sides(engines):
-    ps, pw, pc = engines("kv_producer", seed=31)
-    prod = Run(ps, pw, vs.request("p1", PROMPT)).finish()
+@pytest.mark.parametrize("layerwise", [False, True])
+def test_handoff_is_byte_exact_and_counted_on_both_sides(engines, layerwise):
+    ps, pw, pc = engines("kv_producer", seed=31, layerwise=layerwise)
+    prod = Run(ps, pw, vs.request("p1", PROMPT), layers=vs.layer_names() if layerwise else None).finish()
     h = prod.params["kvstore"]["handoff"]
     assert (h["chunks"], h["tokens"], h["chunk_tokens"]) == (3, 96, CHUNK)
     assert h["source"].startswith("server:") and h["deadline"] > time.time() - 60

@@ -139,3 +139,30 @@ def test_tenant_scoped_lookup_wait(tmp_path):
         a.close()
         b.close()
         srv.stop()
+
+
+def test_server_shutdown_answers_a_waiting_lookup():
+    """A server that stops does not leave a waiting lookup hanging until its wait_s."""
+    from kvstore.client import Client
+
+    srv = servers.ThreadServer(servers.config_dict())
+    c = Client(srv.address, timeout_s=5)
+    got = {}
+
+    def wait():
+        try:
+            got["n"] = c.lookup(KEYS, wait_s=600)
+        except Exception as exc:    # the connection closing under it is an answer too
+            got["exc"] = exc
+
+    t = threading.Thread(target=wait, daemon=True)
+    t.start()
+    try:
+        time.sleep(0.3)
+        assert t.is_alive()
+        srv.stop()
+        t.join(60)
+        assert not t.is_alive()
+        assert got == {"n": 0}      # answered (nothing held), not cut off
+    finally:
+        c.close()
