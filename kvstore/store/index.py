@@ -26,20 +26,21 @@ class Index:
     ``where``: key -> bitmask of the levels holding it (bit ``i``: level ``i``); a key
     no level holds is absent. ``sizes``: key -> block bytes, while any level holds it.
     ``leases``: key -> ``[holders, expiry on the Store's clock]``. ``pins``: key ->
-    pin count. ``hit_counts``: key -> hits (selective write-through only).
-    ``landed``: a condition on ``lock``, notified whenever a block enters the index
-    (:meth:`note_landed`); ``listeners``: callables told the same (they run under the
-    lock, so they must only schedule work, e.g. ``loop.call_soon_threadsafe``)."""
+    pin count. ``hit_counts``: key -> hits (selective write-through only)."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
-        self.landed = threading.Condition(self.lock)
-        self.listeners: list = []
         self.where: dict[BlockKey, int] = {}
         self.sizes: dict[BlockKey, int] = {}
         self.leases: dict[BlockKey, list] = {}
         self.pins: dict[BlockKey, int] = {}
         self.hit_counts: dict[BlockKey, int] = {}
+
+        # Notified whenever blocks enter the index (note_landed): lookups that wait for
+        # keys (wait_for_prefix). ``listeners`` are told the same, under the lock, so they
+        # must only schedule work (the cache server's loop.call_soon_threadsafe).
+        self.landed = threading.Condition(self.lock)
+        self.listeners: list = []
 
     def mask(self, key: BlockKey) -> int:
         """The levels holding ``key`` (0: none)."""
