@@ -29,6 +29,12 @@ STORE_FAILURES = (TierError, RemoteError, StoreClosedError, OSError)
 LEASE_S = 60.0
 STAGING_BYTES = 256 << 20   # host staging per connector object (scheduler, each worker)
 
+
+def load_staging_bytes(staging_bytes: int) -> int:
+    """A worker's share of ``staging_bytes`` for loads (half; its saves get the rest),
+    so queued saves never take the staging a promised load needs."""
+    return int(staging_bytes) - int(staging_bytes) // 2
+
 def connector_config(llm_args: Any) -> Any:
     return getattr(llm_args, "kv_connector_config", None) or getattr(llm_args, "connector_config", None)
 
@@ -72,6 +78,12 @@ def scheme_of(llm_args: Any) -> KeyScheme:
         raise ConfigError("trtllm connector: an NVFP4 KV cache is not supported: TensorRT-LLM keeps its block "
                           "scales in a second pool, and this connector moves only the primary pool (the scales "
                           "would not match the blocks)")
+    spec = getattr(llm_args, "speculative_config", None)
+    if spec is not None and str(getattr(spec, "decoding_type", "")) != "NGram":
+        raise ConfigError(f"trtllm connector: speculative decoding with a draft model (speculative_config "
+                          f"{getattr(spec, 'decoding_type', type(spec).__name__)!r}) is not supported: MTP and "
+                          "one-model EAGLE layers keep their KV in the same pool, and their KV at a block's last "
+                          "position is built from the token after the block; use NGram or no speculative decoding")
     model = str(getattr(llm_args, "model", "") or "")
     if not model:
         raise ConfigError("trtllm connector: llm_args.model is empty; keys need a model name")
@@ -186,5 +198,6 @@ def record_event(stream: Any, tensors: list) -> Any:
 
 
 __all__ = ["KvCacheConnectorScheduler", "KvCacheConnectorWorker", "LEASE_S", "STAGING_BYTES", "STORE_FAILURES",
+           "load_staging_bytes",
            "acquire_store", "check_store_reach", "connector_config", "leading", "on_stream", "record_event",
            "release_store", "request_key", "scheme_of", "server_url", "text_of", "windowed_pool"]

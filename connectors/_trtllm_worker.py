@@ -10,8 +10,9 @@ from typing import Any, List, Sequence, Tuple
 
 from kvstore.connectors._metrics import ConnectorMetrics
 from kvstore.connectors._trtllm_base import (STAGING_BYTES, STORE_FAILURES, KvCacheConnectorWorker, acquire_store,
-                                     check_store_reach, on_stream, record_event, release_store, scheme_of)
-from kvstore.connectors._trtllm_plan import LOCAL, HostStaging, LoadGroup, PoolLayout, Transfer
+                                     check_store_reach, load_staging_bytes, on_stream, record_event, release_store,
+                                     scheme_of)
+from kvstore.connectors._trtllm_plan import LOCAL, HostStaging, PoolLayout, Transfer
 from kvstore.errors import BufferSizeError, ConfigError, KVStoreError
 
 log = logging.getLogger("kvstore.connectors.trtllm")
@@ -21,7 +22,9 @@ class KVStoreConnectorWorker(KvCacheConnectorWorker):
     """Every rank: moves whole blocks between the engine's KV pool and kvstore.
 
     ``staging_bytes`` bounds this worker's host staging (pinned where CUDA is
-    available); a save that does not fit is dropped and counted, never allocated."""
+    available), split in a load half and a save half so queued saves never take what
+    a promised load needs. A load larger than the load half moves in staging-sized
+    groups; a save that does not fit is dropped and counted, never allocated."""
 
     def __init__(self, llm_args: Any, *, rank: int | None = None, staging_bytes: int = STAGING_BYTES) -> None:
         super().__init__(llm_args)
@@ -34,7 +37,11 @@ class KVStoreConnectorWorker(KvCacheConnectorWorker):
         self.rank = int(rank) % self.scheme.world_size
         self.store = acquire_store(self._url)
         self.metrics = ConnectorMetrics(self.store, "trtllm")
-        self.staging = HostStaging(staging_bytes, on_change=lambda n: self.metrics.set("staging_bytes", n))
+        def held(_n: int) -> None:
+            self.metrics.set("staging_bytes", self.load_staging.held_bytes + self.staging.held_bytes)
+
+        self.load_staging = HostStaging(load_staging_bytes(staging_bytes), on_change=held)
+        self.staging = HostStaging(int(staging_bytes) // 2, on_change=held)   # saves
         self.kv_cache: Any = None
         self.layout: PoolLayout | None = None
         self._saves: dict[int, list[Future]] = {}
@@ -73,43 +80,56 @@ class KVStoreConnectorWorker(KvCacheConnectorWorker):
     def start_load_kv(self, stream: Any) -> None:
         """Copy this pass's loads into their blocks, ordered on ``stream`` (the forward
         pass's), before the forward pass is enqueued. Blocks the scheduler staged
-        (TP=1) are already verified; otherwise this rank loads its shard here and,
-        if a promised block cannot be loaded and verified, raises before the forward
-        pass: TensorRT-LLM has no channel to report it (docs/trtllm.md)."""
+        (TP=1) are already verified; otherwise this rank loads its shard here, in
+        groups its load staging holds (never failing for room), and, if a promised
+        block cannot be loaded and verified, raises before the forward pass:
+        TensorRT-LLM has no channel to report it (docs/trtllm.md)."""
         meta = self.get_connector_meta()
         if meta is None or not meta.loads:
             return
         self._reap()
         for group in meta.loads:
-            dsts = [self.kv_cache[t.block_id] for t in group.transfers]
             if group.ticket is not None:
                 claimed = LOCAL.claim(group.ticket)
                 if claimed is None:
                     raise KVStoreError("trtllm connector: staged blocks for request "
                                        f"{group.request_id} are gone; refusing to run on unloaded KV")
                 staging, bufs = claimed
+                self._copy_in(stream, staging, bufs, [self.kv_cache[t.block_id] for t in group.transfers])
             else:
-                staging, bufs = self.staging, self._load_shard(group)
-            self._copy_in(stream, staging, bufs, dsts)
+                per = max(1, self.load_staging.capacity_bytes // self.layout.block_nbytes)
+                for lo in range(0, len(group.transfers), per):
+                    part = group.transfers[lo:lo + per]
+                    bufs = self._load_shard(group.request_id, part)
+                    self._copy_in(stream, self.load_staging, bufs, [self.kv_cache[t.block_id] for t in part])
             self.metrics.add("loaded_tokens", group.tokens)
 
-    def _load_shard(self, group: LoadGroup) -> list:
-        n = len(group.transfers)
-        bufs = self.staging.take(self.layout.block_nbytes, n)
+    def _take_load_staging(self, n: int) -> list:
+        """``n`` load buffers; where copies still in flight hold them, waits for those."""
+        bufs = self.load_staging.take(self.layout.block_nbytes, n)
         if bufs is None:
-            self.metrics.add("failed_loads", n)
-            raise KVStoreError(f"trtllm connector: no staging room for {n} promised blocks; raise staging_bytes")
+            self._reap(wait=True)
+            bufs = self.load_staging.take(self.layout.block_nbytes, n)
+        if bufs is None:   # only when not one block fits in the load half: a setting, not a request's load
+            raise KVStoreError(f"trtllm connector: the load half of staging_bytes "
+                               f"({self.load_staging.capacity_bytes}) holds no block of {self.layout.block_nbytes} "
+                               "bytes; raise staging_bytes")
+        return bufs
+
+    def _load_shard(self, request_id: int, transfers: Sequence[Transfer]) -> list:
+        n = len(transfers)
+        bufs = self._take_load_staging(n)
         try:
-            ok = list(self.store.load(self._keys(group.transfers), bufs).result())
+            ok = list(self.store.load(self._keys(transfers), bufs).result())
         except (BufferSizeError, *STORE_FAILURES) as exc:
             ok, cause = [False] * n, exc
         else:
             cause = None
         if not all(ok):
-            self.staging.give(bufs)
+            self.load_staging.give(bufs)
             self.metrics.add("failed_loads", ok.count(False))
             raise KVStoreError(f"trtllm connector: rank {self.rank} could not load and verify "
-                               f"{ok.count(False)} promised blocks of request {group.request_id}; refusing to "
+                               f"{ok.count(False)} promised blocks of request {request_id}; refusing to "
                                "run the forward pass on unloaded KV") from cause
         return bufs
 
@@ -122,10 +142,13 @@ class KVStoreConnectorWorker(KvCacheConnectorWorker):
             event = record_event(stream, dsts)
         self._in_flight.append((event, staging, bufs))
 
-    def _reap(self) -> None:
-        """Hand back staging buffers whose copies have completed."""
+    def _reap(self, *, wait: bool = False) -> None:
+        """Hand back staging buffers whose copies have completed (``wait``: wait for
+        every copy in flight first)."""
         keep = []
         for event, staging, bufs in self._in_flight:
+            if wait and event is not None:
+                event.synchronize()
             if event is None or event.query():
                 staging.give(bufs)
             else:
@@ -237,6 +260,7 @@ class KVStoreConnectorWorker(KvCacheConnectorWorker):
         self._in_flight = []
         LOCAL.set_layout(self._url or "", self.rank, None)
         self.staging.clear()
+        self.load_staging.clear()
         self.metrics.close()
         store, self.store = self.store, None
         release_store(store)

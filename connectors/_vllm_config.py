@@ -73,6 +73,29 @@ def save_staging_bytes(config: "VllmConnectorConfig") -> int:
     return int(config.staging_bytes) // 2
 
 
+def check_speculative(spec_config: Any) -> None:
+    """Refuse speculative decoding whose draft model keeps KV in vLLM's cache (EAGLE,
+    EAGLE3, MTP, DFlash, a draft model...): its layers would be stored in every chunk.
+    An EAGLE-style draft builds a position's KV from that position's hidden state and
+    the *next* token (vLLM shifts the draft's input ids by one; its own prefix cache
+    drops the trailing block for it: ``needs_eagle_block_drop``), so a chunk's draft KV
+    at its last position belongs to one continuation only; and no draft model's
+    identity is in the namespace. Drafting without a model (``ngram``, ``suffix``)
+    keeps no KV and is fine."""
+    if spec_config is None:
+        return
+    try:
+        draft_kv = bool(spec_config.uses_draft_kv_cache())
+    except Exception:   # a vLLM whose SpeculativeConfig cannot say: assume it keeps draft KV
+        draft_kv = True
+    if draft_kv:
+        raise ConfigError(f"the kvstore connector does not support speculative decoding with a draft model "
+                          f"(speculative_config.method={getattr(spec_config, 'method', None)!r}): the draft's "
+                          "layers share vLLM's KV cache, and an EAGLE/MTP draft's KV at a chunk's last position "
+                          "depends on the token after the chunk; use a model-free method (ngram, suffix) or no "
+                          "speculative decoding with this connector")
+
+
 class KVShape:
     """What one block means, read from vLLM's ``KVCacheConfig`` and ``VllmConfig`` the
     same way in the scheduler and in the workers."""
@@ -84,6 +107,7 @@ class KVShape:
             specs = ", ".join(type(g.kv_cache_spec).__name__ for g in groups)
             raise ConfigError(f"the kvstore connector supports one KV cache group, got {len(groups)} ({specs}; "
                               "hybrid models with the hybrid KV cache manager are not supported)")
+        check_speculative(getattr(vllm_config, "speculative_config", None))
         spec = groups[0].kv_cache_spec
         check_spec(spec, groups[0])
         self.block_size = int(spec.block_size)
@@ -261,5 +285,5 @@ def token_array(tokens: Any) -> np.ndarray:
         raise InvalidArgumentError(f"token ids must be integers in [0, 2**32): {exc}") from exc
 
 
-__all__ = ["SUPPORTED_SPECS", "KVShape", "VllmConnectorConfig", "check_spec", "load_staging_bytes", "model_identity",
-           "request_salt", "save_staging_bytes", "token_array"]
+__all__ = ["SUPPORTED_SPECS", "KVShape", "VllmConnectorConfig", "check_spec", "check_speculative", "load_staging_bytes",
+           "model_identity", "request_salt", "save_staging_bytes", "token_array"]

@@ -27,6 +27,7 @@ from kvstore.connectors._metrics import ConnectorMetrics
 from kvstore.connectors._store_handle import clear_namespaces
 from kvstore.connectors._vllm_config import KVShape, VllmConnectorConfig, load_staging_bytes, request_salt, token_array
 from kvstore.connectors._vllm_meta import ChunkTransfer, KVStoreConnectorMetadata, KVStoreWorkerMetadata
+from kvstore.connectors._vllm_prefix import HeldBlocks, hold, restore
 from kvstore.api import StoreAPI
 from kvstore.errors import KVStoreError
 from kvstore.hint import Hint
@@ -60,6 +61,7 @@ class _Req:
     no_save_from: int | None = None   # first chunk computed over a failed load's block: never saved
     hint: Hint | None = None          # retention hint from the request (vllm_hint)
     uncached: str | None = None       # why the request is neither offered nor saved (uncacheable)
+    held: HeldBlocks | None = None    # the planned sync load's blocks, out of vLLM's prefix cache
 
 
 def uncacheable(request: Any) -> str | None:
@@ -108,6 +110,8 @@ class SchedulerSide:
         self._serials = itertools.count(1)
         # vLLM's KVCacheManager (bound by vLLM's scheduler), to evict failed loads' blocks.
         self.kv_cache_manager: Any = None
+        # Sync loads' blocks held out of vLLM's prefix cache until the load reports, by serial.
+        self._held: dict[int, HeldBlocks] = {}
         # Every namespace digest this side made keys in since the last reset_cache, and the
         # generation mixed into every salt after one (a fresh random one per reset).
         self._namespaces: set[bytes] = set()
@@ -194,6 +198,11 @@ class SchedulerSide:
                                 is_async=self.config.load_async or bool(wait_until), first_chunk=first, per=per,
                                 wait_until=wait_until)
         st.alloc = (blocks, end_block)
+        if not self.config.load_async:
+            # vLLM cached these blocks at allocation: no request may be given them before
+            # the load reports (later in this schedule(), or a step ahead under async
+            # scheduling); see connectors._vllm_prefix.
+            st.held = hold(self.kv_cache_manager, request, blocks, start // bs)
         self.metrics.add("hit_tokens", num_external_tokens)
         self._planned.append(st.load)
 
@@ -238,6 +247,8 @@ class SchedulerSide:
             spec.serial = next(self._serials)
             st.load, st.leased, st.alloc = None, None, None   # the worker's load now releases them
             st.loading = spec
+            if st.held is not None:
+                self._held[spec.serial], st.held = st.held, None
             if not spec.is_async:
                 # Async loads finish before the request computes anything; sync ones are
                 # confirmed by the workers' report.
@@ -276,10 +287,19 @@ class SchedulerSide:
         failed_at: dict[int, tuple[str, int, int]] = {}    # serial -> owner, position, block
         for serial, (req_id, failed) in outcomes.items():
             self._unconfirmed.pop(serial, None)
+            held = self._held.pop(serial, None)
             st = self._reqs.get(req_id)
             if st is None:
                 continue
             spec = st.loading
+            if held is not None:
+                # Back into vLLM's prefix cache: the load's blocks, or where it failed, those
+                # of the chunks before the first failed one (loaded and verified on every rank).
+                good = len(held.ids)
+                if failed is not None:
+                    good = (max(0, (failed - spec.first_chunk) * per - spec.skip_blocks)
+                            if spec is not None and spec.serial == serial else 0)
+                restore(self.kv_cache_manager, held, self.shape.block_size, count=good)
             if spec is not None and spec.serial == serial:
                 if failed is not None:
                     at = (failed - spec.first_chunk) * per
@@ -314,6 +334,8 @@ class SchedulerSide:
             return False, None
         if st.load is not None:
             self._planned = [s for s in self._planned if s is not st.load]
+        if st.loading is not None:
+            self._held.pop(st.loading.serial, None)    # its blocks are freed: nothing to put back
         if st.leased:
             self._release(request.request_id, st.leased)
         final = False

@@ -81,6 +81,22 @@ def _server_args() -> Any:
         return None
 
 
+def _check_speculative(server_args: Any) -> None:
+    """Refuse speculative decoding with a draft model (EAGLE, EAGLE3, MTP/NEXTN,
+    STANDALONE, DFlash...). HiCache carries the draft's KV in the target's host pages
+    (fused or packed draft lanes, "the target's page envelopes already carry every
+    draft layer") or as a side pool, and an EAGLE-style draft's KV at a position is
+    computed from the *next* token: a stored page's draft KV at its last position would
+    belong to one continuation only. Model-free drafting (NGRAM) keeps no draft KV."""
+    algo = getattr(server_args, "speculative_algorithm", None)
+    if algo is None or str(algo).upper() in ("NGRAM", "NONE"):
+        return
+    raise ConfigError(f"sglang: the kvstore HiCache backend does not support speculative decoding with a draft model "
+                      f"(speculative_algorithm={algo!r}): the draft's KV travels in the stored pages and an EAGLE/MTP "
+                      "draft's KV at a page's last position depends on the token after the page; use NGRAM or no "
+                      "speculative decoding with this backend")
+
+
 class KVStoreHiCacheStorage(HiCacheStorage):
     """A ``HiCacheStorage`` over a kvstore Store or cache server.
 
@@ -102,6 +118,7 @@ class KVStoreHiCacheStorage(HiCacheStorage):
         self._salt = str(extra.get("namespace", ""))
         # What SGLang does not pass a storage backend (ServerArgs, published in this process).
         self._server_args = _server_args()
+        _check_speculative(self._server_args)
         self._kv_cache_dtype = extra.get("kv_cache_dtype") or getattr(self._server_args, "kv_cache_dtype", None)
         self._identity = engine_identity(self._server_args, self.model, extra.get("weights_version"))
         try:

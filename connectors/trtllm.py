@@ -40,8 +40,8 @@ from typing import Any, List, Tuple
 
 from kvstore.connectors._metrics import ConnectorMetrics
 from kvstore.connectors._trtllm_base import (LEASE_S, STAGING_BYTES, STORE_FAILURES, KvCacheConnectorScheduler, acquire_store,
-                                     check_store_reach, leading, release_store, request_key, scheme_of,
-                                     windowed_pool)
+                                     check_store_reach, leading, load_staging_bytes, release_store, request_key,
+                                     scheme_of, windowed_pool)
 from kvstore.connectors._trtllm_plan import (LOCAL, ConnectorMeta, HostStaging, LoadGroup, PendingMatch, PoolLayout,
                                      RequestKey, RequestState, Transfer)
 from kvstore.connectors._trtllm_worker import KVStoreConnectorWorker
@@ -55,7 +55,9 @@ class KVStoreConnectorScheduler(KvCacheConnectorScheduler):
     """Rank-0 side: finds stored prefixes and plans loads and saves per forward pass.
 
     ``staging_bytes`` bounds the host memory holding blocks loaded and verified before
-    they are offered (TP=1); an offer is cut to what fits."""
+    they are offered (TP=1); an offer is cut to what fits. With TP>1 an offer spans no
+    more blocks than one worker's load staging (the load half of the same
+    ``staging_bytes``) holds, so every rank loads it in one take."""
 
     def __init__(self, llm_args: Any, *, staging_bytes: int = STAGING_BYTES) -> None:
         super().__init__(llm_args)
@@ -64,6 +66,7 @@ class KVStoreConnectorScheduler(KvCacheConnectorScheduler):
         self.store = acquire_store(self._url)
         self.metrics = ConnectorMetrics(self.store, "trtllm")
         self.staging = HostStaging(staging_bytes, on_change=lambda n: self.metrics.set("staging_bytes", n))
+        self.worker_load_bytes = load_staging_bytes(staging_bytes)
         self._pending: dict[int, PendingMatch] = {}
         self._requests: dict[int, RequestState] = {}
         self._allocated: dict[int, list[int]] = {}
@@ -103,6 +106,9 @@ class KVStoreConnectorScheduler(KvCacheConnectorScheduler):
         first = num_computed_tokens // bs
         content = [k.digest for k in self.scheme.content_keys(tokens[:limit * bs], ident)]
         stored, leased = limit, []
+        if not self._stages_here():
+            # Each rank stages its shard of the load from its load half of staging_bytes.
+            stored = min(stored, first + self.worker_load_bytes // max(1, layout.block_nbytes))
         try:
             for rank in self.scheme.storing_ranks(layout):
                 keys = self.scheme.rank_keys(content[:stored], rank, layout)

@@ -12,7 +12,9 @@ and data records with the signatures documented for TensorRT-LLM's KV cache conn
   ``SchedulerOutput``;
 - ``tensorrt_llm.bindings.internal.batch_manager.LlmRequest``;
 - ``tensorrt_llm.llmapi.llm_args``: ``TorchLlmArgs``, ``KvCacheConfig``,
-  ``KvCacheConnectorConfig``, and ``QuantConfig`` (in TensorRT-LLM it lives in
+  ``KvCacheConnectorConfig``, the speculative-decoding configs (``MTPDecodingConfig``,
+  ``EagleDecodingConfig``, ``NGramDecodingConfig``, ``DraftTargetDecodingConfig``:
+  each names its ``decoding_type``), and ``QuantConfig`` (in TensorRT-LLM it lives in
   ``tensorrt_llm.models.modeling_utils``);
 - ``tensorrt_llm._utils.mpi_rank``.
 
@@ -25,7 +27,7 @@ import sys
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from types import ModuleType
-from typing import Callable, List, Optional, Tuple
+from typing import Callable, ClassVar, List, Optional, Tuple
 
 CURRENT = "tensorrt_llm._torch.pyexecutor.connectors.kv_cache_connector"
 LEGACY = "tensorrt_llm._torch.pyexecutor.kv_cache_connector"
@@ -72,6 +74,30 @@ class QuantConfig:
 
 
 @dataclass
+class MTPDecodingConfig:
+    decoding_type: ClassVar[str] = "MTP"
+    num_nextn_predict_layers: int = 1
+
+
+@dataclass
+class EagleDecodingConfig:
+    decoding_type: ClassVar[str] = "Eagle"
+    max_draft_len: int = 3
+
+
+@dataclass
+class NGramDecodingConfig:
+    decoding_type: ClassVar[str] = "NGram"
+    max_draft_len: int = 3
+
+
+@dataclass
+class DraftTargetDecodingConfig:
+    decoding_type: ClassVar[str] = "DraftTarget"
+    max_draft_len: int = 3
+
+
+@dataclass
 class TorchLlmArgs:
     model: str
     tensor_parallel_size: int = 1
@@ -80,6 +106,7 @@ class TorchLlmArgs:
     revision: Optional[str] = None
     max_seq_len: Optional[int] = None
     quant_config: QuantConfig = field(default_factory=QuantConfig)
+    speculative_config: Optional[object] = None
     kv_cache_config: KvCacheConfig = field(default_factory=KvCacheConfig)
     kv_connector_config: Optional[KvCacheConnectorConfig] = None
 
@@ -243,7 +270,11 @@ def install(path: str = CURRENT) -> None:
         "tensorrt_llm.bindings.internal.batch_manager": dict(LlmRequest=LlmRequest),
         "tensorrt_llm.llmapi": {},
         "tensorrt_llm.llmapi.llm_args": dict(TorchLlmArgs=TorchLlmArgs, KvCacheConfig=KvCacheConfig,
-                                             KvCacheConnectorConfig=KvCacheConnectorConfig, QuantConfig=QuantConfig),
+                                             KvCacheConnectorConfig=KvCacheConnectorConfig, QuantConfig=QuantConfig,
+                                             MTPDecodingConfig=MTPDecodingConfig,
+                                             EagleDecodingConfig=EagleDecodingConfig,
+                                             NGramDecodingConfig=NGramDecodingConfig,
+                                             DraftTargetDecodingConfig=DraftTargetDecodingConfig),
         "tensorrt_llm._torch": {},
         "tensorrt_llm._torch.pyexecutor": {},
     }

@@ -115,3 +115,19 @@ def test_a_base_model_served_under_its_variants_name_does_not_share_its_identity
     base_as_instruct = engine_identity(SimpleNamespace(model_path="org/Llama-3-8B"), "org/Llama-3-8B-Instruct", None)
     instruct = engine_identity(SimpleNamespace(model_path="org/Llama-3-8B-Instruct"), "org/Llama-3-8B-Instruct", None)
     assert base_as_instruct != instruct
+
+
+@pytest.mark.parametrize("algo", ["EAGLE", "EAGLE3", "NEXTN", "STANDALONE"])
+def test_speculative_decoding_with_a_draft_model_is_refused_by_name(backend_for, algo):
+    """Issue 33 item 12: the draft's KV travels in HiCache's pages, and an EAGLE/MTP
+    draft's KV at a page's last position depends on the next token."""
+    args = sa()
+    args.speculative_algorithm = algo          # as SGLang holds it after parsing --speculative-algorithm
+    with pytest.raises(ConfigError, match=rf"speculative decoding with a draft model.*{algo}"):
+        backend_for(server_args=args)
+
+
+def test_model_free_drafting_is_accepted(backend_for):
+    args = sa()
+    args.speculative_algorithm = "NGRAM"
+    backend_for(server_args=args)

@@ -214,3 +214,25 @@ def test_a_layout_with_a_second_pool_is_refused(trt):
         assert worker.layout.block_shape == (base.LAYERS, 2, base.WIDTH)
     finally:
         worker.close()
+
+
+@pytest.mark.parametrize("config", ["MTPDecodingConfig", "EagleDecodingConfig", "DraftTargetDecodingConfig"])
+@pytest.mark.parametrize("side", ["scheduler", "worker"])
+def test_speculative_decoding_with_a_draft_model_is_refused_at_start_up(trt, config, side):
+    """Issue 33 item 12: an MTP / EAGLE draft's KV at a block's last position depends on
+    the next token, and one-model drafts keep it in the pool the connector moves."""
+    args = base.llm_args()
+    args.speculative_config = getattr(standin, config)()
+    cls = trt.KVStoreConnectorScheduler if side == "scheduler" else trt.KVStoreConnectorWorker
+    kw = {} if side == "scheduler" else {"rank": 0}
+    with pytest.raises(ConfigError, match="speculative decoding with a draft model"):
+        cls(args, **kw)
+
+
+def test_ngram_speculative_decoding_is_accepted(engine):
+    args = base.llm_args()
+    args.speculative_config = standin.NGramDecodingConfig()
+    eng = engine(args)
+    a = standin.LlmRequest(1, PROMPT)
+    eng.prefill(a)
+    eng.finish(a)

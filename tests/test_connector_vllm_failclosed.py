@@ -70,11 +70,12 @@ def engine(tmp_path):
     truth = {}
     made = []
 
-    def make(policy="recompute", prefix_caching=True, **options):
+    def make(policy="recompute", prefix_caching=True, async_scheduling=False, **options):
         extra = {"store": vs.store_config(name=tier), "chunk_tokens": CHUNK, **options}
         vc = vs.vllm_config(model, extra, policy=policy, prefix_caching=prefix_caching)
         kcc = vs.kv_cache_config(vc)
-        sched, worker = vs.scheduler(vc, kcc), vs.worker_connector(vc, kcc)
+        sched = vs.scheduler(vc, kcc, async_scheduling=async_scheduling)
+        worker = vs.worker_connector(vc, kcc)
         caches = vs.kv_caches(kcc, "LBHNC")
         for name, t in caches.items():
             if name not in truth:
@@ -215,19 +216,28 @@ def test_load_failure_never_leaves_chunks_computed_over_garbage_in_the_store(eng
     assert stats["failed_loads"] >= 3 - lost
 
 
-def test_saves_of_a_request_sharing_a_failed_loads_blocks_are_never_wrong(engine):
-    """r3 arrives while r2's load is planned and reuses r2's blocks through vLLM's own
-    prefix cache; r2's chunk 1 then fails. r3 computes over it in the same step: its
-    saves must not store what it computed there."""
+@pytest.mark.parametrize("bound", [True, False])
+def test_saves_of_a_request_sharing_a_failed_loads_blocks_are_never_wrong(engine, bound):
+    """r3 arrives while r2's load is planned; r2's chunk 1 then fails. With vLLM's KV
+    cache manager bound, the connector holds r2's blocks out of vLLM's prefix cache
+    until the load reports, so r3 loads its own; without it (an engine that binds
+    none), r3 reuses r2's blocks through vLLM's prefix cache and computes over chunk 1
+    in the same step: its saves must not store what it computed there."""
     seed_first_chunks(engine)
     s2, w2, c2, f2 = engine()
+    if not bound:
+        s2.connector._scheduler.kv_cache_manager = None
     s2.add_request(vs.request("r2", PROMPT[:3 * CHUNK + 10]))
     s2.add_request(vs.request("r3", PROMPT))
     out = s2.schedule()
     loads = out.kv_connector_metadata.loads
-    assert [t.req_id for t in loads] == ["r2"]
     r3 = next(n for n in out.scheduled_new_reqs if n.req_id == "r3")
-    assert r3.block_ids[0][:6] == loads[0].block_ids and r3.num_computed_tokens >= 3 * CHUNK   # shares them
+    if bound:
+        assert [t.req_id for t in loads] == ["r2", "r3"]
+        assert not set(r3.block_ids[0]) & set(loads[0].block_ids)
+    else:
+        assert [t.req_id for t in loads] == ["r2"]
+        assert r3.block_ids[0][:6] == loads[0].block_ids and r3.num_computed_tokens >= 3 * CHUNK   # shares them
     w2.store.delete([loads[0].keys[0][1]])
     for t in c2.values():
         t.fill_(0.5)
@@ -673,3 +683,139 @@ def test_a_failed_sync_load_leaves_no_unwritten_block_in_vllms_prefix_cache(engi
     assert seen
     settle(w2.store)
     assert False not in stored_chunks(w2, c2, f2)
+
+
+def execute(sched, worker, fwd, out):
+    """The worker side of one scheduled step (what the model runner does with it)."""
+    from vllm.v1.outputs import KVConnectorOutput
+
+    fwd.track(out)
+    meta = out.kv_connector_metadata
+    worker.handle_preemptions(meta)
+    worker.bind_connector_metadata(meta)
+    worker.start_load_kv(None)
+    fwd.compute(out)
+    worker.wait_for_save()
+    sending, recving = worker.get_finished(set(out.finished_req_ids))
+    kv_out = KVConnectorOutput(finished_sending=sending, finished_recving=recving,
+                               invalid_block_ids=worker.get_block_ids_with_load_errors(),
+                               kv_connector_worker_meta=worker.build_connector_worker_meta())
+    worker.clear_connector_metadata()
+    return kv_out
+
+
+@pytest.mark.parametrize("arrival", ["same_step", "next_step"])
+def test_no_request_computes_over_a_sync_loads_blocks_before_the_load_reports(engine, monkeypatch, arrival):
+    """Issue 33 item 4, the window before the report. r2's sync load of chunks 0-2
+    fails on chunk 0; r2 recomputes 32 tokens a step (chunked prefill). r3, with the
+    same prompt, is scheduled before the failure is reported: in the same step
+    (``same_step``, any scheduler), or in the next one under vLLM's async scheduling,
+    which schedules step N+1 before it processes step N's output (``next_step``). vLLM
+    cached r2's blocks at allocation, so r3 would be given them as computed and compute
+    over blocks that were never written. Every block r3 counts as computed must hold the
+    true KV once the step that scheduled it has run."""
+    from collections import deque
+
+    seed_first_chunks(engine)
+    s2, w2, c2, f2 = engine(async_scheduling=arrival == "next_step")
+    s2.scheduler_config.long_prefill_token_threshold = 32
+    s2.adaptive_long_prefill_threshold = False
+    sample = vs.model_output
+
+    def model_output(out, kv_out=None):   # a partial prefill samples nothing (as vLLM's model runner)
+        mo = sample(out, kv_out)
+        for i, req_id in enumerate(mo.req_ids):
+            req = s2.requests.get(req_id)
+            if req is not None and req.num_computed_tokens < req.num_prompt_tokens:
+                mo.sampled_token_ids[i] = []
+        return mo
+
+    s2.add_request(vs.request("r2", PROMPT))
+    if arrival == "same_step":
+        s2.add_request(vs.request("r3", PROMPT))
+    depth = 2 if arrival == "next_step" else 1     # vLLM's batch queue under async scheduling
+    in_flight: deque = deque()
+    seen = False
+    first = True
+    deadline = time.monotonic() + 30
+    while s2.has_unfinished_requests() or in_flight:
+        if len(in_flight) < depth and s2.has_requests():
+            out = s2.schedule()
+            if first:
+                (load,) = [t for t in out.kv_connector_metadata.loads if t.req_id == "r2"]
+                assert load.first_chunk == 0 and load.num_chunks == 3 and not load.is_async
+                w2.store.delete([load.keys[0][0]])                   # evicted after the plan
+                for t in c2.values():
+                    t.fill_(0.5)                                     # never-written blocks hold garbage
+                first = False
+                if arrival == "next_step":
+                    s2.add_request(vs.request("r3", PROMPT))         # before step 1's output is processed
+            cached = out.scheduled_cached_reqs
+            starts = {n.req_id: n.num_computed_tokens for n in out.scheduled_new_reqs}
+            starts.update(zip(cached.req_ids, cached.num_computed_tokens))
+            in_flight.append((out, execute(s2, w2, f2, out)))        # the worker runs steps in order
+            if "r3" in starts:
+                # r3's own load, if it fails, is reported and recomputed like r2's.
+                own = {b for t in out.kv_connector_metadata.loads if t.req_id == "r3" for b in t.block_ids}
+                seen = True
+                blocks = f2.blocks["r3"]
+                for name, cache in c2.items():
+                    for j in range(starts["r3"] // vs.BLOCK):
+                        assert blocks[j] in own or torch.equal(cache[blocks[j]], f2.truth[name][j]), \
+                            f"r3 was given block {j} as computed; it holds no true KV ({name})"
+            if len(in_flight) < depth and s2.has_requests():
+                continue
+        out, kv_out = in_flight.popleft()
+        s2.update_from_output(out, model_output(out, kv_out))
+        assert time.monotonic() < deadline
+    assert seen
+    settle(w2.store)
+    assert False not in stored_chunks(w2, c2, f2)
+
+
+def test_a_sync_loads_blocks_return_to_vllms_prefix_cache_once_it_reports_success(engine):
+    """The hold above costs no reuse: once r2's sync load reports success, its blocks
+    (and those computed after them) are in vLLM's prefix cache again, and r4 with the
+    same prompt is given them by vLLM itself, true KV, with no load of its own."""
+    seed_first_chunks(engine)
+    s2, w2, c2, f2 = engine()
+    s2.add_request(vs.request("r2", PROMPT, max_tokens=4))
+    out = s2.schedule()
+    (load,) = out.kv_connector_metadata.loads
+    manager = s2.kv_cache_manager
+    assert all(manager.block_pool.blocks[b].block_hash is None for b in load.block_ids)   # held out
+    step(s2, w2, f2, out=out)
+    assert all(manager.block_pool.blocks[b].block_hash is not None for b in load.block_ids)  # back
+    s2.add_request(vs.request("r4", PROMPT))
+    out, _ = step(s2, w2, f2)
+    r4 = next(n for n in out.scheduled_new_reqs if n.req_id == "r4")
+    assert not [t for t in out.kv_connector_metadata.loads if t.req_id == "r4"]
+    assert r4.num_computed_tokens >= 3 * CHUNK and r4.block_ids[0][:6] == load.block_ids
+    for name, cache in c2.items():
+        for j in range(r4.num_computed_tokens // vs.BLOCK):
+            assert torch.equal(cache[r4.block_ids[0][j]], f2.truth[name][j])
+
+
+def test_a_partly_failed_sync_load_puts_back_only_the_chunks_before_the_failure(engine):
+    """r2's load of chunks 0-2 fails on chunk 1: chunk 0's blocks were loaded and
+    verified and go back into vLLM's prefix cache; chunk 1's and 2's (never written) and
+    every block computed after them stay out."""
+    seed_first_chunks(engine)
+    s2, w2, c2, f2 = engine()
+    s2.add_request(vs.request("r2", PROMPT))
+    out = s2.schedule()
+    (load,) = out.kv_connector_metadata.loads
+    w2.store.delete([load.keys[0][1]])
+    for t in c2.values():
+        t.fill_(0.5)
+    _, kv_out = step(s2, w2, f2, out=out)
+    assert set(load.chunk(1)) <= kv_out.invalid_block_ids
+    hashed = [s2.kv_cache_manager.block_pool.blocks[b].block_hash is not None for b in load.block_ids]
+    assert hashed == [True, True, False, False, False, False]
+    s2.add_request(vs.request("r4", PROMPT))
+    out = s2.schedule()
+    r4 = next(n for n in out.scheduled_new_reqs if n.req_id == "r4")
+    assert r4.block_ids[0][:2] == load.block_ids[:2] and not set(r4.block_ids[0][2:]) & set(load.block_ids)
+    for name, cache in c2.items():
+        for j in range(2):
+            assert torch.equal(cache[r4.block_ids[0][j]], f2.truth[name][j])

@@ -547,3 +547,26 @@ def test_a_store_without_tenants_reports_none():
     with Store.from_config({"tiers": [{"name": "hot", "kind": "dram", "capacity": "1MiB", "pin": False}]}) as store:
         assert store.save(make_keys(1), [payload(0, 4096)]).result() == [True]
         assert "tenants" not in store.stats() and store._tenants is None
+
+
+def test_the_ledger_uncharges_what_it_charged_and_never_goes_negative():
+    """Issue 34 item 1: a tier's ledger is charged a block's bytes as it enters that tier
+    and uncharged exactly those as it leaves (whatever size a caller believes), once; an
+    unbalanced change fails loudly."""
+    from kvstore.store.tenants import TenantLedger
+
+    a = Tenant("a", A, SALT1)
+    ledger = TenantLedger({a.tag: "a"}, {"a": {0: 1 << 20}}, ["hot", "warm"])
+    key, other = a.keys(make_keys(2, salt="ledger"), cached=False)
+    ledger.add(key, 0, 4096)
+    ledger.add(key, 1, 4096)
+    with pytest.raises(AssertionError, match="charged twice"):
+        ledger.add(key, 0, 1 << 20)
+    ledger.remove(key, 0)
+    ledger.remove(key, 0)                      # no longer charged there: nothing to uncharge
+    ledger.remove(other, 0)                    # never charged
+    hot, warm = (ledger.stats()["a"]["tiers"][t] for t in ("hot", "warm"))
+    assert hot["used_bytes"] == 0 and hot["blocks"] == 0
+    assert warm["used_bytes"] == 4096 and warm["blocks"] == 1 and dict(ledger.charged("a", 1)) == {key: 4096}
+    with pytest.raises(AssertionError, match="in flight went negative"):
+        ledger.settle(0, {key: ("a", 4096)})   # settled without being planned

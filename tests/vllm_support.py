@@ -89,12 +89,17 @@ def kv_caches(kcc, layout: str, *, seed: int | None = None):
     return caches
 
 
-def scheduler(vc, kcc):
+def scheduler(vc, kcc, *, async_scheduling: bool = False):
+    """vLLM's Scheduler, or with ``async_scheduling`` its AsyncScheduler (the engine then
+    schedules step N+1 before it processes step N's output: see :func:`pipelined`)."""
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.structured_output import StructuredOutputManager
 
     vc.cache_config.num_gpu_blocks = kcc.num_blocks
-    return Scheduler(vllm_config=vc, kv_cache_config=kcc, structured_output_manager=StructuredOutputManager(vc),
+    vc.scheduler_config.async_scheduling = async_scheduling
+    cls = AsyncScheduler if async_scheduling else Scheduler
+    return cls(vllm_config=vc, kv_cache_config=kcc, structured_output_manager=StructuredOutputManager(vc),
                      block_size=BLOCK, log_stats=False)
 
 

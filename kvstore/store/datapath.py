@@ -78,20 +78,39 @@ class DataPath:
 
     # -- saves ----------------------------------------------------------------------------
 
-    def held(self, keys: list[BlockKey]) -> list[bool]:
-        """Count a save of ``keys`` and, per key, whether any level holds it already.
-        Same key, same content: a held key is not written again, only touched in every
-        level that holds it. Every save path (``save``, a reservation) starts here."""
+    def held(self, keys: list[BlockKey], sizes: list[int]) -> list[bool | None]:
+        """Count a save of ``keys`` (of ``sizes`` bytes) and, per key, whether any level
+        holds it already (``True``), not (``False``), or the save is refused (``None``):
+        the key is held with another size (a key's size is fixed by its first save:
+        :meth:`Index.fits`; counted in ``resave_size_mismatch``). Same key,
+        same content: a held key is not written again, only touched in every level that
+        holds it. Every save path (``save``, a reservation) starts here; the puts that
+        follow check the size again, atomically with their quota check and room."""
+        index, mover = self.index, self.mover
+        out: list[bool | None] = []
         with self.lock:
             self.ops["saves"] += len(keys)
-            return self.index.touch_held(keys, [lvl.policy for lvl in self.levels])
+            where = index.where
+            for key, nbytes in zip(keys, sizes):
+                mask = where.get(key, 0)
+                # (a key no level holds: its puts check the size, with any claim in flight)
+                if mask and not index.fits(key, nbytes):
+                    mover.refuse_size(key)
+                    out.append(None)
+                    continue
+                out.append(bool(mask))
+                if mask:
+                    for i in range(len(self.levels)):
+                        if mask >> i & 1:
+                            mover.touched(key, i)
+        return out
 
     def save(self, keys: list[BlockKey], srcs: list[Any], sums: list[int] | None = None) -> list[bool]:
         """Store what no level holds yet (see :meth:`held`); per key, whether it is stored."""
-        held = self.held(keys)
-        fresh = [j for j, h in enumerate(held) if not h]
+        held = self.held(keys, [nbytes_of(src) for src in srcs])
+        fresh = [j for j, h in enumerate(held) if h is False]
         if len(fresh) < len(keys):
-            stored = [True] * len(keys)
+            stored = [bool(h) for h in held]
             if fresh:
                 for j, ok in zip(fresh, self._save_new([keys[j] for j in fresh], [srcs[j] for j in fresh],
                                                        None if sums is None else [sums[j] for j in fresh])):
@@ -120,11 +139,16 @@ class DataPath:
         return out
 
     def _save_new(self, keys: list[BlockKey], srcs: list[Any], sums: list[int] | None = None) -> list[bool]:
-        put = self.mover.put
+        refused: set[BlockKey] = set()   # a racing save of the key with another size came first
+
+        def put(i: int, keys: list[BlockKey], srcs: list[Any], sums: list[int] | None) -> list[bool]:
+            return self.mover.put(i, keys, srcs, sums, refused=refused)
+
         stored = put(0, keys, srcs, sums)
         if self.placement.write is WriteMode.THROUGH:
             # a discard block is not kept past the tier that took it
-            through = [j for j, k in enumerate(keys) if not (stored[j] and self.hints.is_discard(k))]
+            through = [j for j, k in enumerate(keys) if not (stored[j] and self.hints.is_discard(k))
+                       and k not in refused]
             for i in range(1, len(self.levels)):
                 below = put(i, [keys[j] for j in through], [srcs[j] for j in through],
                             None if sums is None else [sums[j] for j in through])
@@ -132,7 +156,7 @@ class DataPath:
                     stored[j] = stored[j] or ok
         elif len(self.levels) > 1:
             # A block the first tier refused still goes to the next one that admits it.
-            missed = [j for j, ok in enumerate(stored) if not ok]
+            missed = [j for j, ok in enumerate(stored) if not ok and keys[j] not in refused]
             for i in range(1, len(self.levels)):
                 if not missed:
                     break
@@ -140,7 +164,7 @@ class DataPath:
                           None if sums is None else [sums[j] for j in missed])
                 for j, ok in zip(missed, got):
                     stored[j] = ok
-                missed = [j for j, ok in zip(missed, got) if not ok]
+                missed = [j for j, ok in zip(missed, got) if not ok and keys[j] not in refused]
         if self.hints.records and not all(stored):
             with self.lock:    # hints of blocks no tier took go with them
                 where = self.index.where
@@ -193,7 +217,7 @@ class DataPath:
                 # The tier failed (endpoint down, I/O error): misses now, but its blocks
                 # stay indexed so they load again once the tier is back.
                 continue
-            bit, policy = 1 << i, lvl.policy
+            bit = 1 << i
             hits = nbytes = 0
             with lock:
                 for j, hit in zip(todo, ok):
@@ -203,7 +227,7 @@ class DataPath:
                         hits += 1
                         nbytes += sizes.get(key, 0)
                         if where.get(key, 0) & bit:
-                            policy.on_access(key)
+                            mover.touched(key, i)
                     else:
                         if where.get(key, 0) & bit:
                             # Indexed but unreadable (corrupt, lost): drop it here.
@@ -251,7 +275,7 @@ class DataPath:
         """Remove ``keys`` from the index and every level; returns how many were held.
         KV events: one ``cleared`` (``cleared``: the Store empties) or the removals."""
         mover, levels = self.mover, self.levels
-        where, sizes = self.index.where, self.index.sizes
+        where = self.index.where
         events = mover.events
         with self.lock:
             tenants = mover.tenants
@@ -263,8 +287,9 @@ class DataPath:
                     for i, lvl in enumerate(levels):
                         if mask >> i & 1:
                             lvl.policy.on_remove(key)
+                            lvl.doomed.add(key)   # no put writes it here until it is deleted
                             if tenants is not None:
-                                tenants.remove(key, i, sizes.get(key, 0))
+                                tenants.remove(key, i)
                 mover.forget(key)
             if events is not None and cleared:
                 events.cleared()
@@ -273,7 +298,11 @@ class DataPath:
         for i, lvl in enumerate(levels):
             doomed = [k for k, m in plan if m >> i & 1]
             if doomed:
-                mover.tier_io(lvl, lvl.tier.delete, doomed)
+                try:
+                    mover.tier_io(lvl, lvl.tier.delete, doomed)
+                finally:
+                    with self.lock:
+                        lvl.doomed.difference_update(doomed)
         return len(plan)
 
     # -- copies between levels ------------------------------------------------------------

@@ -100,14 +100,14 @@ class Store:
         self._store_hints = StoreHints(hint_table, index, self._levels)
         self._stat_sources: list[tuple[str, Any]] = []  # (name, callable) from attach_stats
         self._ops = dict.fromkeys(("saves", "loads", "lookups", "lookup_hits", "prefetches", "background_errors",
-                                   "refused_checksum", "shared_found"), 0)
+                                   "refused_checksum", "shared_found", "resave_size_mismatch"), 0)
         try:    # KV events for routers: None (and no cost) unless configured
             self._events = _open_events(config.events, [c.name for c in config.tiers])
         except BaseException:
             for t in built:
                 t.close()
             raise
-        self._mover = Mover(index, self._levels, self._store_hints, self._events, clock)
+        self._mover = Mover(index, self._levels, self._store_hints, self._events, clock, self._ops)
         # levels other nodes write into too: keys missing from the index are asked of them
         self._discovery = Discovery(index, self._levels, self._mover, self._ops, self._events)
         self._data = DataPath(index, self._levels, self._mover, self._store_hints, self.placement,
@@ -129,7 +129,10 @@ class Store:
              checksums: Sequence[int | None] | None = None,
              token_ids: Sequence[Sequence[int]] | None = None, hint: Hint | None = None) -> "Future[list[bool]]":
         """Store a copy of each buffer under its key. The future resolves to whether each
-        block is stored (``False``: rejected by admission or no room). Callers must not
+        block is stored (``False``: rejected by admission or no room, or the key is held,
+        or being saved, with another size: a key's size is fixed by its first save, and a
+        re-save with another size is refused, counted in ``resave_size_mismatch``; one of
+        the same size keeps the bytes first stored). Callers must not
         modify ``srcs`` until the future is done; nothing keeps them after that.
         ``hint`` (:class:`kvstore.Hint`): applies to every key, stored now or already.
         ``checksums``: the writer's XXH3-64 (:func:`kvstore.block.checksum`) of each
@@ -177,8 +180,8 @@ class Store:
         for n in sizes:
             if n <= 0:
                 raise InvalidArgumentError(f"block size must be positive, got {n}")
-        present = self._data.held(keys)
-        return reserve(self._mover, keys, sizes, present, evict, self._reserved_published)
+        held = self._data.held(keys, sizes)
+        return reserve(self._mover, keys, sizes, held, evict, self._reserved_published)
 
     def _reserved_published(self, written: list[BlockKey]) -> None:
         """A reservation's commit stored ``written`` in the first tier: write-through
@@ -307,7 +310,7 @@ class Store:
                 self._ops["loads"] += len(keys)
                 for key in gone:
                     self._mover.drop(key, 0)
-                counters, policy = lvl.counters, lvl.policy
+                counters = lvl.counters
                 for key, view in zip(keys, views):
                     if view is None:
                         continue
@@ -317,7 +320,7 @@ class Store:
                     if self._hints:
                         self._store_hints.hits((key,))
                     if where.get(key, 0) & 1:
-                        policy.on_access(key)
+                        self._mover.touched(key, 0)
             yield views
 
     def flush(self) -> int:

@@ -24,14 +24,19 @@ class Index:
     docstring: every method runs with ``lock`` held by the caller).
 
     ``where``: key -> bitmask of the levels holding it (bit ``i``: level ``i``); a key
-    no level holds is absent. ``sizes``: key -> block bytes, while any level holds it.
-    ``leases``: key -> ``[holders, expiry on the Store's clock]``. ``pins``: key ->
-    pin count. ``hit_counts``: key -> hits (selective write-through only)."""
+    no level holds is absent. ``sizes``: key -> block bytes, while any level holds it:
+    the same in every level, fixed by the save that first indexed it. ``claims``: key ->
+    ``[block bytes, puts]`` of the puts under way that no level indexed yet: the size the
+    first of them claimed (:meth:`claim`), so a racing save of the key with another size
+    is refused before it writes (see :meth:`fits`). ``leases``: key -> ``[holders, expiry
+    on the Store's clock]``. ``pins``: key -> pin count. ``hit_counts``: key -> hits
+    (selective write-through only)."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.where: dict[BlockKey, int] = {}
         self.sizes: dict[BlockKey, int] = {}
+        self.claims: dict[BlockKey, list[int]] = {}
         self.leases: dict[BlockKey, list] = {}
         self.pins: dict[BlockKey, int] = {}
         self.hit_counts: dict[BlockKey, int] = {}
@@ -50,19 +55,36 @@ class Index:
         """Whether level ``i`` holds ``key``."""
         return bool(self.where.get(key, 0) >> i & 1)
 
-    def touch_held(self, keys: Iterable[BlockKey], policies: Sequence) -> list[bool]:
-        """Same key, same content: per key, whether any level holds it already; each
-        held key is touched (``on_access``) in the eviction policy of every level that
-        holds it (``policies[i]``: level ``i``'s)."""
-        held = []
-        for key in keys:
-            mask = self.where.get(key, 0)
-            held.append(bool(mask))
-            if mask:
-                for i, policy in enumerate(policies):
-                    if mask >> i & 1:
-                        policy.on_access(key)
-        return held
+    def fits(self, key: BlockKey, nbytes: int) -> bool:
+        """Whether a block of ``nbytes`` may be stored under ``key``: a key's size is
+        fixed by its first save (indexed, or claimed by a put under way); a save of it
+        with another size is refused, so every level holding a key holds it at one size
+        (and each level's tenant ledger charges exactly that)."""
+        size = self.sizes.get(key)
+        if size is not None:
+            return size == nbytes
+        claims = self.claims
+        if not claims:          # nothing in flight: no look-up (a key hashes in Python)
+            return True
+        claim = claims.get(key)
+        return claim is None or claim[0] == nbytes
+
+    def claim(self, key: BlockKey, nbytes: int) -> None:
+        """A put of ``key`` (``nbytes``, which :meth:`fits`) is under way; ends with
+        :meth:`unclaim`."""
+        claim = self.claims.get(key)
+        if claim is None:
+            self.claims[key] = [nbytes, 1]
+        else:
+            claim[1] += 1
+
+    def unclaim(self, key: BlockKey) -> None:
+        """One put of ``key`` ended (indexed or not)."""
+        claim = self.claims.get(key)
+        if claim is not None:
+            claim[1] -= 1
+            if claim[1] <= 0:
+                del self.claims[key]
 
     def held_prefix(self, keys: Sequence[BlockKey]) -> int:
         """Length of the prefix of ``keys`` that some level holds."""

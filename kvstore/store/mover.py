@@ -36,8 +36,9 @@ _COUNTERS = ("hits", "misses", "writes", "bytes_written", "bytes_read", "evictio
 
 @dataclass
 class Level:
-    """One tier with its policies and counters. The policies, ``counters`` and
-    ``pending_free`` change under ``Index.lock`` (with the index they describe)."""
+    """One tier with its policies and counters. The policies, ``counters``,
+    ``pending_free`` and ``doomed`` change under ``Index.lock`` (with the index they
+    describe)."""
 
     tier: Tier
     policy: EvictionPolicy
@@ -45,6 +46,9 @@ class Level:
     kind: str
     counters: dict[str, int] = field(default_factory=lambda: dict.fromkeys(_COUNTERS, 0))
     pending_free: int = 0   # bytes of chosen victims not yet deleted from the tier
+    # keys out of this level's index whose delete from the tier is under way (victims, a
+    # delete): no put writes them here meanwhile, or the delete would take its bytes
+    doomed: set[BlockKey] = field(default_factory=set)
     recovered: int | None = None   # persistent tiers: blocks indexed from it at start-up
 
     @property
@@ -79,6 +83,7 @@ class PutPlan:
     victims: list[tuple[BlockKey, int]] = field(default_factory=list)
     parents: set[bytes | None] | None = None
     charged: dict = field(default_factory=dict)  # per-tenant bytes in flight (kvstore.store.tenants)
+    claimed: list[BlockKey] = field(default_factory=list)  # sizes claimed in the index (Index.claim)
 
 
 class Mover:
@@ -89,18 +94,22 @@ class Mover:
     ``hints`` (:class:`kvstore.store.hints.StoreHints`), ``events`` (the KV event
     publisher, or ``None``), ``clock`` (the Store's, for lease expiry), ``tenants`` (the
     cache server's :class:`kvstore.store.tenants.TenantLedger`, or ``None``; set through
-    the Store) and per-thread scratch buffers.
+    the Store), ``ops`` (the Store's op counters: ``resave_size_mismatch``) and
+    per-thread scratch buffers.
 
     Lock rule: ``Index.lock`` (``lock`` here; not reentrant) guards the index, each
-    level's policies, counters and ``pending_free``, the hint table and the tenant
-    ledger. :meth:`evictable`, :meth:`take_victim`, :meth:`drop`, :meth:`forget` and
-    ``_choose_victims`` run with the caller holding it; every other method takes it
-    itself, briefly, never across tier I/O, so the caller must not hold it.
+    level's policies, counters, ``pending_free`` and ``doomed``, the hint table and the
+    tenant ledger. :meth:`evictable`, :meth:`take_victim`, :meth:`drop`, :meth:`forget`,
+    :meth:`touched`, :meth:`refuse_size` and ``_choose_victims`` run with the caller
+    holding it; every other method takes it itself, briefly, never across tier I/O, so
+    the caller must not hold it.
     """
 
     def __init__(self, index: Index, levels: list[Level], hints: "StoreHints", events: Any,
-                 clock: Callable[[], float]) -> None:
+                 clock: Callable[[], float], ops: dict[str, int] | None = None) -> None:
         self.index = index
+        self.ops = ops if ops is not None else {}
+        self.ops.setdefault("resave_size_mismatch", 0)
         self.lock = index.lock
         self.levels = levels
         self.hints = hints
@@ -111,20 +120,21 @@ class Mover:
 
     def put(self, i: int, keys: list[BlockKey], srcs: list[Any],
              checksums: list[int | None] | None = None, *, admit: bool = True,
-             failed: set[BlockKey] | None = None) -> list[bool]:
+             failed: set[BlockKey] | None = None, refused: set[BlockKey] | None = None) -> list[bool]:
         """Store blocks into level ``i``, evicting (and spilling) to make room.
         ``checksums``: the XXH3-64 each source was stored with in the tier it comes
         from, kept by a tier that takes them (``write_checksums``) instead of a re-hash.
         ``admit=False``: not an offer (a flush), the level's admission is not asked.
         ``failed``: collects the keys whose write failed in the tier (an error, not a
-        lack of room)."""
+        lack of room); ``refused``: those refused because the Store holds (or is
+        saving) the key with another size (:meth:`Index.fits`; no level will take them)."""
         lvl = self.levels[i]
         sizes = [nbytes_of(src) for src in srcs]
-        plan = self.plan_put(i, keys, sizes, admit=admit)
+        plan = self.plan_put(i, keys, sizes, admit=admit, refused=refused)
         try:
             return self._put_planned(i, lvl, keys, srcs, sizes, plan, checksums, failed)
         finally:
-            if plan.charged:   # a tenant's bytes in flight end with the put, stored or not
+            if plan.charged or plan.claimed:   # in flight until the put ends, stored or not
                 self.settle(i, plan)
 
     def _put_planned(self, i: int, lvl: Level, keys: list[BlockKey], srcs: list[Any], sizes: list[int],
@@ -169,19 +179,29 @@ class Mover:
         return self.tier_io(lvl, lvl.tier.write, *args)
 
     def plan_put(self, i: int, keys: list[BlockKey], sizes: list[int], *, evict: bool = True,
-                 admit: bool = True) -> "PutPlan":
+                 admit: bool = True, refused: set[BlockKey] | None = None) -> "PutPlan":
         """Admission and room for new blocks in level ``i``: which to write, and the
         victims to evict first (already out of the index). ``evict=False`` takes free
         room only: blocks that do not fit are left out. ``admit=False``: every block is
-        admitted without asking the level's admission (which would count an offer)."""
+        admitted without asking the level's admission (which would count an offer).
+        Atomic under the lock: a key held (or being saved) with another size is refused
+        (:meth:`refuse_size`; into ``refused``), each owner's quota is checked and its
+        bytes charged in flight, and the size of each block chosen is claimed in the
+        index (``plan.claimed``) until :meth:`index_put` or :meth:`settle`."""
         lvl = self.levels[i]
         plan = PutPlan([False] * len(keys))
         chosen = plan.chosen
+        index = self.index
         with self.lock:
             for j, key in enumerate(keys):
-                if self.index.where.get(key, 0) >> i & 1:
-                    lvl.policy.on_access(key)
+                if not index.fits(key, sizes[j]):
+                    self.refuse_size(key, refused)
+                    continue
+                if index.where.get(key, 0) >> i & 1:
+                    self.touched(key, i)
                     plan.result[j] = True
+                    continue
+                if lvl.doomed and key in lvl.doomed:   # its old copy is being deleted here: as if no room
                     continue
                 decision = lvl.admission.decide(key, sizes[j]) if admit else Decision.ADMIT
                 if decision is Decision.ADMIT:
@@ -217,15 +237,39 @@ class Mover:
                 plan.inserted = set(staged.sizes)
             else:
                 plan.victims += self._choose_victims(i, sum(sizes[j] for j in chosen), protect=plan.parents)
+            for j in plan.chosen:
+                index.claim(keys[j], sizes[j])
+            plan.claimed = [keys[j] for j in plan.chosen]
         return plan
+
+    def refuse_size(self, key: BlockKey, refused: set[BlockKey] | None = None) -> None:
+        """A save of ``key`` with another size than the one it is held (or being saved)
+        with: refused, counted (``resave_size_mismatch``), never indexed."""
+        self.ops["resave_size_mismatch"] += 1
+        if refused is not None:
+            refused.add(key)
+
+    def touched(self, key: BlockKey, i: int) -> None:
+        """Level ``i`` holds ``key`` and it was read or saved again: its policy (and its
+        owner's victim order there) hear of it."""
+        self.levels[i].policy.on_access(key)
+        if self.tenants is not None:
+            self.tenants.touch(key, i)
 
     def settle(self, i: int, plan: "PutPlan") -> None:
         """The blocks ``plan`` charged to their tenants in level ``i`` are no longer in
-        flight (indexed, or not stored). Idempotent."""
-        if plan.charged:
+        flight (indexed, or not stored), and their sizes no longer claimed. Idempotent."""
+        if plan.charged or plan.claimed:
             with self.lock:
-                self.tenants.settle(i, plan.charged)
+                self._settle(i, plan)
+
+    def _settle(self, i: int, plan: "PutPlan") -> None:
+        if plan.charged:
+            self.tenants.settle(i, plan.charged)
             plan.charged = {}
+        for key in plan.claimed:
+            self.index.unclaim(key)
+        plan.claimed = []
 
     def unstage(self, i: int, keys: list[BlockKey], plan: "PutPlan", ok: list[bool] | None) -> None:
         """Take blocks placed in the policy ahead of the write but not stored out again."""
@@ -258,13 +302,14 @@ class Mover:
                 result[j] = True
                 mask = where.get(key, 0)
                 if not mask & bit:
+                    # the plan claimed this size (Index.claim): no other size was indexed since
                     nbytes = sizes[j]
                     where[key] = mask | bit
                     index_sizes[key] = nbytes
                     if tenants is not None:
                         tenants.add(key, i, nbytes)
-                    # a staged key another put chose as a victim meanwhile (it freed
-                    # nothing: never written) is no longer in the policy: insert it again
+                    # a staged key another put of it took out of the policy meanwhile (by
+                    # dropping it from that put's own stage) is not in it: insert it again
                     if key not in inserted or key not in policy:
                         policy.on_insert(key, nbytes, parent_of(key) if uses_parent else None)
                     written += nbytes
@@ -280,9 +325,7 @@ class Mover:
                 self.index.note_landed()    # lookups waiting for these keys look again
             if self.hints.records:
                 self.hints.entering(i, [keys[j] for j, good in zip(plan.chosen, ok) if good], persist)
-            if plan.charged:
-                tenants.settle(i, plan.charged)
-                plan.charged = {}
+            self._settle(i, plan)
         if persist:
             self.hints.persist(persist)
 
@@ -305,6 +348,7 @@ class Mover:
         victims = []
         if free >= need:
             return []
+        staging = lvl.policy.uses_parent   # a prefix-aware policy holds blocks staged by puts
         # Stop right after the victim that makes room: pulling one more candidate would
         # tell the policy it was skipped (S3-FIFO and SIEVE move such keys on).
         for key in lvl.policy.victims():
@@ -315,6 +359,11 @@ class Mover:
                 free += staged.drop(key)
                 if free >= need:
                     break
+                continue
+            if staging and not self.index.where.get(key, 0) >> i & 1:
+                # another put's staged block (placed in the policy ahead of its write, not
+                # indexed yet): not this walk's to take; deleting it from the tier could
+                # land after that put's write, leaving it indexed with no bytes
                 continue
             free += self.take_victim(i, key, victims)
             if free >= need:
@@ -334,10 +383,11 @@ class Mover:
         size = self.index.sizes.get(key, 0)
         lvl.policy.on_remove(key)
         victims.append((key, self.index.remove_level(key, i)))
+        lvl.doomed.add(key)
         lvl.pending_free += size
         lvl.counters["evictions"] += 1
         if self.tenants is not None:
-            self.tenants.remove(key, i, size, evicted=True)
+            self.tenants.remove(key, i, evicted=True)
         return size
 
     def evict(self, i: int, victims: list[tuple[BlockKey, int]]) -> None:
@@ -366,6 +416,7 @@ class Mover:
             with self.lock:
                 for (key, _), size in zip(victims, sizes):
                     lvl.pending_free -= size
+                    lvl.doomed.discard(key)
                     if not self.index.where.get(key):
                         self.forget(key)
 
@@ -391,7 +442,7 @@ class Mover:
             return
         self.levels[i].policy.on_remove(key)
         if self.tenants is not None:
-            self.tenants.remove(key, i, index.sizes.get(key, 0))
+            self.tenants.remove(key, i)
         if self.events is not None:
             self.events.removed(i, (key,))
         if not index.remove_level(key, i):

@@ -34,7 +34,13 @@ def recover(index: Index, levels: list[Level], hints: "StoreHints", events: Any)
         if not lvl.tier.capabilities.persistent:
             continue
         started, count, nbytes = time.monotonic(), 0, 0
+        strays = []
         for block in lvl.tier.recover():
+            if not index.fits(block.key, block.nbytes):
+                # a faster persistent tier holds the key with another size (kept before
+                # sizes were fixed): one size per key, so this copy goes
+                strays.append(block.key)
+                continue
             if block.hint is not None:
                 hints.restore(block.key, block.hint)
             where[block.key] = where.get(block.key, 0) | 1 << i
@@ -43,6 +49,10 @@ def recover(index: Index, levels: list[Level], hints: "StoreHints", events: Any)
                                  parent_of(block.key) if lvl.policy.uses_parent else None)
             count += 1
             nbytes += block.nbytes
+        if strays:
+            log.warning("tier %s (%s): %d blocks held with another size than a faster tier's copy; deleted",
+                        lvl.name, lvl.kind, len(strays))
+            lvl.tier.delete(strays)
         lvl.recovered = count
         log.info("tier %s (%s): %d blocks (%s) recovered in %.2f s", lvl.name, lvl.kind, count, format_size(nbytes),
                  time.monotonic() - started)
@@ -93,7 +103,7 @@ class Discovery:
                     if n is None:
                         continue
                     mask = where.get(key, 0)
-                    if mask >> i & 1 or sizes.get(key, n) != n:
+                    if mask >> i & 1 or not index.fits(key, n) or key in lvl.doomed:
                         continue   # indexed meanwhile, or another size than this node's copy
                     where[key] = mask | 1 << i
                     sizes[key] = n

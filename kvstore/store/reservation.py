@@ -131,13 +131,15 @@ class Reservation:
         self.abort() if exc_type is not None else self.commit()
 
 
-def reserve(mover: "Mover", keys: list[BlockKey], sizes: list[int], present: list[bool], evict: bool,
+def reserve(mover: "Mover", keys: list[BlockKey], sizes: list[int], held: list[bool | None], evict: bool,
             published: Callable[[list[BlockKey]], None] | None = None) -> Reservation:
-    """See :meth:`Store.reserve`: room in the first level for the keys not ``present``
-    (held already: the facade checked the arguments and touched those); ``published``
-    gets the keys a commit stored."""
+    """See :meth:`Store.reserve`: room in the first level for the keys not ``held``
+    (``True``: held already, the facade checked the arguments and touched those;
+    ``None``: refused, held or being saved with another size: no room, in ``missing``);
+    ``published`` gets the keys a commit stored."""
     lvl = mover.levels[0]
-    fresh = [j for j, p in enumerate(present) if not p]
+    present = [h is True for h in held]
+    fresh = [j for j, h in enumerate(held) if h is False]
     if not fresh or not lvl.tier.capabilities.reserve:
         return Reservation(mover, keys, present, fresh, [], None, None, published)
     fkeys, fsizes = [keys[j] for j in fresh], [sizes[j] for j in fresh]

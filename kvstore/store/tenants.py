@@ -6,7 +6,7 @@ server attaches one with :meth:`Store.set_tenants` (it is held by the Store's
 :class:`kvstore.store.mover.Mover`, which calls it); a Store without one (every embedded
 Store) runs none of this. Not thread-safe: every method runs with the caller holding the
 index's lock (``Index.lock``); :meth:`TenantLedger.plan` calls the mover's
-lock-held methods (``evictable``, ``take_victim``).
+lock-held methods (``evictable``, ``take_victim``, ``clock``, ``hints``).
 
 Ownership is read off the key. The server maps each tenant's keys into the tenant's own
 space, whose digests begin with the tenant's :data:`TAG_BYTES`-byte tag
@@ -14,18 +14,32 @@ space, whose digests begin with the tenant's :data:`TAG_BYTES`-byte tag
 tier, and survives a restart from a persistent tier. A key without a tenant's tag (one
 stored before tenants were configured) is nobody's: counted against no quota.
 
+Ledgers: a tenant's bytes in level ``i`` are exactly what level ``i`` holds of its blocks.
+Each block is charged in a level when it enters that level's index (:meth:`TenantLedger.add`)
+and uncharged, by what was charged, when it leaves it (:meth:`TenantLedger.remove`), so no
+ledger can go negative (asserted where it changes, as are the bytes in flight); the Store
+keeps one size per key, fixed by its first save (:meth:`kvstore.store.index.Index.fits`: a
+re-save with another size is refused), so every level holding a key charges the same.
+
 Quotas: before blocks enter level ``i`` (a save, a spill from the level above, a
 promotion, a reservation), a tenant whose bytes there plus the incoming ones pass its
-quota for that level first evicts its *own* blocks there, in the level's eviction
-order (victims spill down as any eviction does); blocks that still do not fit are
-refused in that level as by a full tier (counted in ``quota_full``; a save then tries
-the next level). A quota is a cap, not a reservation: a full tier still evicts in its
-policy's order across tenants. The walk for a tenant's own victims steps over other
-tenants' blocks ahead of its first one, a skip as far as the policy can tell (as for a
-leased block: S3-FIFO and SIEVE move such keys on). So it is bounded: a tenant that
-holds no bytes in the level has nothing to evict and is refused at once (no walk), and
-a walk stops after :data:`WALK_STEPS` keys (what is still over the quota is refused;
-counted in ``walk_capped``), so no save walks the whole shared policy under the lock.
+quota for that level first evicts its *own* blocks there (victims spill down as any
+eviction does); blocks that still do not fit are refused in that level as by a full
+tier (counted in ``quota_full``; a save then tries the next level). The check, the
+charge of the blocks in flight and the victims are one step under the lock
+(:meth:`kvstore.store.mover.Mover.plan_put`), so concurrent saves never pass a quota
+together. A quota is a cap, not a reservation: a full tier still evicts in its policy's
+order across tenants. A tenant's own victims come from its own order in the level (one
+per tenant and level, the keys :meth:`TenantLedger.add` charged): least recently saved or
+read first (:meth:`TenantLedger.touch`), those a live retention hint holds after all its
+others (as the level's retention layer ranks them, while the tenant is within its quota).
+So the walk never steps over another tenant's block, however many lie ahead in the
+level's policy, and pulls nothing from that policy (a pull has side effects: S3-FIFO and
+SIEVE move skipped keys on). It is bounded: a tenant that holds no bytes in the level
+has nothing to evict and is refused at once (no walk), and a walk looks at no more than
+:data:`WALK_STEPS` of the tenant's own keys (all of them leased, say: what is still over
+the quota is refused; counted in ``walk_capped``). Cost: one ordered-dict entry per
+tenant-owned block per level.
 
 Retention within the quota: every block a tenant holds in a level counts in its bytes
 there, leased, pinned or hinted alike, so leases and pins never let it hold more than
@@ -44,6 +58,8 @@ passed, once per parked key when the ledger is attached, not on every walk).
 
 from __future__ import annotations
 
+from collections import OrderedDict
+from itertools import islice
 from typing import TYPE_CHECKING, Any, Callable, Container, Mapping, Sequence
 
 from kvstore.keys import BlockKey
@@ -53,7 +69,7 @@ if TYPE_CHECKING:
     from kvstore.store.mover import Mover
 
 TAG_BYTES = 8   # a tenant's keys all begin with its tag (see kvstore.net.server._tenants)
-WALK_STEPS = 1024   # keys one quota eviction walk may pull from a level's policy
+WALK_STEPS = 1024   # of a tenant's own keys, one quota eviction walk looks at most
 
 
 class TenantLedger:
@@ -72,7 +88,10 @@ class TenantLedger:
             for i, nbytes in per_level.items():
                 self._quota[name][i] = int(nbytes)
         self._used = {name: [0] * n for name in names}       # indexed bytes per level
-        self._blocks = {name: [0] * n for name in names}
+        # per tenant and level, its keys held there -> the bytes charged for each (what
+        # remove uncharges), least recently saved or read first: its own victim order
+        self._held: dict[str, list[OrderedDict[BlockKey, int]]] = {
+            name: [OrderedDict() for _ in range(n)] for name in names}
         self._pending = {name: [0] * n for name in names}    # admitted, not yet indexed
         self._evictions = {name: [0] * n for name in names}
         self._quota_full = {name: [0] * n for name in names}
@@ -90,7 +109,7 @@ class TenantLedger:
         """Usage from the whole index (blocks recovered before the ledger was attached)."""
         for name in self._used:
             self._used[name] = [0] * len(self.levels)
-            self._blocks[name] = [0] * len(self.levels)
+            self._held[name] = [OrderedDict() for _ in self.levels]
         for unbound in self._unbound:
             unbound.clear()
         for key, mask in where.items():
@@ -104,24 +123,46 @@ class TenantLedger:
         return name is None or self._quota[name][i] is None
 
     def add(self, key: BlockKey, i: int, nbytes: int) -> None:
-        """``key`` entered level ``i``'s index."""
+        """``key`` entered level ``i``'s index: its owner is charged ``nbytes`` there
+        (once: a key is indexed in a level at most once)."""
         name = self.owner(key)
         if self._unbounded(name, i):
             self._unbound[i].add(key)
         if name is not None:
+            held = self._held[name][i]
+            assert key not in held, f"tenant {name}: {key!r} charged twice in level {i}"
+            held[key] = nbytes
             self._used[name][i] += nbytes
-            self._blocks[name][i] += 1
 
-    def remove(self, key: BlockKey, i: int, nbytes: int, *, evicted: bool = False) -> None:
-        """``key`` left level ``i``'s index (``evicted``: as a victim)."""
+    def remove(self, key: BlockKey, i: int, *, evicted: bool = False) -> None:
+        """``key`` left level ``i``'s index (``evicted``: as a victim): its owner is
+        uncharged what :meth:`add` charged there (nothing for a key it did not)."""
         name = self.owner(key)
         if self._unbounded(name, i):
             self._unbound[i].discard(key)
         if name is not None:
-            self._used[name][i] -= nbytes
-            self._blocks[name][i] -= 1
+            nbytes = self._held[name][i].pop(key, None)
+            if nbytes is None:
+                return
+            used = self._used[name][i] - nbytes
+            assert used >= 0, f"tenant {name}: level {i} ledger went negative ({used} bytes)"
+            self._used[name][i] = used
             if evicted:
                 self._evictions[name][i] += 1
+
+    def touch(self, key: BlockKey, i: int) -> None:
+        """``key`` was read or saved again in level ``i``: last in its owner's victim
+        order there."""
+        name = self.owner(key)
+        if name is not None:
+            held = self._held[name][i]
+            if key in held:
+                held.move_to_end(key)
+
+    def charged(self, name: str, i: int) -> Mapping[BlockKey, int]:
+        """``name``'s keys in level ``i``'s index and the bytes charged for each (its
+        ledger there is their sum)."""
+        return self._held[name][i]
 
     # -- admission under quota ---------------------------------------------------------------
 
@@ -161,29 +202,51 @@ class TenantLedger:
         """Blocks admitted by :meth:`plan` were indexed (then :meth:`add` counted them)
         or dropped: no longer in flight."""
         for name, nbytes in charged.values():
-            self._pending[name][i] -= nbytes
+            pending = self._pending[name][i] - nbytes
+            assert pending >= 0, f"tenant {name}: level {i} bytes in flight went negative ({pending})"
+            self._pending[name][i] = pending
 
     def _over(self, name: str, i: int, incoming: int) -> int:
         return self._used[name][i] + self._pending[name][i] + incoming - self._quota[name][i]
 
     def _evict_own(self, mover: "Mover", i: int, name: str, incoming: int, protect: set[bytes | None] | None,
                    victims: list[tuple[BlockKey, int]]) -> None:
-        """Take ``name``'s own blocks out of level ``i`` in its policy's order until its
-        bytes there plus ``incoming`` fit its quota, none is left to take, or
-        :data:`WALK_STEPS` keys were looked at (counted in ``walk_capped``)."""
+        """Take ``name``'s own blocks out of level ``i`` until its bytes there plus
+        ``incoming`` fit its quota or none is left to take: least recently saved or read
+        first, those a live hint holds last (see :meth:`_own_victims`). Walks the
+        tenant's own blocks only, never another tenant's, and at most
+        :data:`WALK_STEPS` of them (a walk that stopped there: ``walk_capped``)."""
         now = mover.clock()
-        owner, taken = self.owner, len(victims)
-        for step, key in enumerate(mover.levels[i].policy.victims()):
-            if step >= WALK_STEPS:
-                self._walk_capped[name][i] += 1
-                break
-            if owner(key) != name or not mover.evictable(key, now, protect):
+        taken = len(victims)
+        for key in self._own_victims(mover, i, name, now):
+            if not mover.evictable(key, now, protect):
                 continue
             mover.take_victim(i, key, victims)
             if self._over(name, i, incoming) <= 0 or self._used[name][i] <= 0:
-                break   # stop at the victim that makes room (see Mover._choose_victims)
+                break   # stop at the victim that makes room
+        else:
+            if len(self._held[name][i]) + len(victims) - taken > WALK_STEPS:
+                self._walk_capped[name][i] += 1
         if mover.events is not None and len(victims) > taken:
             mover.events.removed(i, [key for key, _ in victims[taken:]])
+
+    def _own_victims(self, mover: "Mover", i: int, name: str, now: float) -> list[BlockKey]:
+        """The first :data:`WALK_STEPS` of ``name``'s keys in level ``i`` (a snapshot: the
+        walk takes keys out as it goes), least recently saved or read first, those a live
+        hint holds there after the others (as the level's retention layer ranks them;
+        while the tenant holds more than its quota there, hints hold none of them)."""
+        keys = list(islice(self._held[name][i], WALK_STEPS))
+        records = mover.hints.records
+        cap = self._quota[name][i]
+        if not records or (cap is not None and self._used[name][i] > cap):
+            return keys
+        limit = mover.levels[i].policy.trust.protect_s   # the level's retention layer's trust in hints
+        first, held = [], []
+        for key in keys:
+            rec = records.get(key)
+            live = rec is not None and not rec.discard and rec.expires > now and now - rec.given < limit
+            (held if live else first).append(key)
+        return first + held
 
     # -- retention -----------------------------------------------------------------------------
 
@@ -215,7 +278,7 @@ class TenantLedger:
         blocks refused for the quota."""
         out = {}
         for name in self._used:
-            tiers = {tier: {"used_bytes": self._used[name][i], "blocks": self._blocks[name][i],
+            tiers = {tier: {"used_bytes": self._used[name][i], "blocks": len(self._held[name][i]),
                             "quota_bytes": self._quota[name][i], "evictions": self._evictions[name][i],
                             "quota_full": self._quota_full[name][i],
                             "walk_capped": self._walk_capped[name][i]}

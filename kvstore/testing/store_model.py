@@ -4,19 +4,27 @@ model of ``kvstore.testing``; ``tests/test_store_stateful.py`` runs them):
 - :class:`StoreMachine`: a two-tier Store (small and larger DRAM) against a plain dict
   model, with retention hints (any policy, a fake clock that rules advance);
 - :class:`TieredStoreMachine`: DRAM over a lineage-evicting DRAM over NVMe on real
-  files, with leases, pins, prefetch and reservations.
+  files, with leases, pins, prefetch and reservations;
+- :class:`TenantStoreMachine`: two DRAM tiers with the cache server's tenant ledger
+  (quotas per tier) and racing saves of the same keys at different sizes: every tier
+  holds a key at one size, and each tenant's ledger per tier is what that tier holds of
+  its blocks, never negative.
 
 Needs hypothesis (the ``testing`` extra); not imported by ``kvstore.testing`` itself."""
 
+import hashlib
 import shutil
 import tempfile
+import threading
 
 import numpy as np
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from kvstore import Hint, Namespace, Store
+from kvstore.keys import BlockKey
 from kvstore.policies import EVICTION_NAMES
+from kvstore.store.tenants import TAG_BYTES, TenantLedger
 
 BLOCK = 4096
 KEYS = Namespace(model="model", dtype="u8", chunk_tokens=1).chunk_keys(np.arange(24))
@@ -434,4 +442,218 @@ class TieredStoreMachine(RuleBasedStateMachine):
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
-__all__ = ["StoreMachine", "TieredStoreMachine"]
+# -- tenants: quotas, and racing re-saves of one key at different sizes ---------------------
+
+TENANTS = {b"tenant-a": "a", b"tenant-b": "b"}     # tag -> name (tags of TAG_BYTES bytes)
+
+
+def _tenant_keys(tag: bytes, n: int) -> list[BlockKey]:
+    """A chain of ``n`` keys in a tenant's space: digests begin with its tag (as the
+    cache server maps a tenant's keys; ``kvstore.store.tenants``)."""
+    assert len(tag) == TAG_BYTES
+    keys, parent = [], None
+    for i in range(n):
+        digest = tag + hashlib.sha256(tag + i.to_bytes(4, "little")).digest()[:32 - TAG_BYTES]
+        keys.append(BlockKey(digest, parent))
+        parent = digest
+    return keys
+
+
+TENANT_KEYS = {name: _tenant_keys(tag, 8) for tag, name in TENANTS.items()}
+tenant_name = st.sampled_from(sorted(TENANT_KEYS))
+tenant_indices = st.lists(st.integers(0, 7), min_size=1, max_size=4, unique=True)
+SIZES = st.sampled_from([BLOCK // 2, BLOCK, 2 * BLOCK])
+
+
+class TenantStoreMachine(RuleBasedStateMachine):
+    """Two DRAM tiers (any eviction policy, every write mode) with a tenant ledger
+    attached (:meth:`Store.set_tenants`, as the cache server does): tenants a and b, each
+    with or without a quota per tier, save, save the same keys twice at once at two
+    sizes (two saves on the Store's worker pool), load, lease, hint, reserve and delete.
+
+    The model: ``model`` is the version (size, fill) each held key was published with,
+    learnt from what the tiers hold after each save (one of the saves that reported it
+    stored, or what was held before): a key's size is fixed by its first save, so a racing
+    or later save at another size is refused, never indexed. Checked after every step:
+    each tier holds each key at one size, the index's; each tenant's ledger in each tier
+    is the sum of the sizes that tier holds of its keys, its block count theirs, and it
+    never passes the tenant's quota; nothing is left in flight; every block reads exact."""
+
+    def __init__(self):
+        super().__init__()
+        self.store = None
+        self.quotas: dict[str, dict[int, int]] = {}
+        self.model: dict[BlockKey, tuple[int, int]] = {}
+        self.leased: set[BlockKey] = set()
+        self.clock = Clock()
+
+    @initialize(mode=st.sampled_from(WRITE_MODES), eviction=st.sampled_from(EVICTION_NAMES),
+                top=st.integers(3, 8), bottom=st.integers(4, 12),
+                quota_a=st.sampled_from([None, 0, BLOCK, 3 * BLOCK]), quota_b=st.sampled_from([None, 4 * BLOCK]),
+                warm_a=st.sampled_from([None, 2 * BLOCK]))
+    def open(self, mode, eviction, top, bottom, quota_a, quota_b, warm_a):
+        self.store = Store.from_config({
+            "tiers": [{"name": "top", "kind": "dram", "capacity": top * BLOCK, "eviction": eviction, "pin": False},
+                      {"name": "warm", "kind": "dram", "capacity": bottom * BLOCK, "pin": False}],
+            "placement": {"write": mode}, "io_threads": 2}, clock=self.clock)
+        self.quotas = {"a": {i: q for i, q in ((0, quota_a), (1, warm_a)) if q is not None},
+                       "b": {0: quota_b} if quota_b is not None else {}}
+        self.store.set_tenants(TenantLedger(TENANTS, self.quotas, ["top", "warm"]))
+
+    # -- helpers
+
+    def _quiesce(self):
+        """Every task queued on the Store's two workers so far has finished: two tasks
+        that wait for each other run only once both workers are free."""
+        both = threading.Barrier(2)
+        done = [self.store._pool.submit(both.wait, 10) for _ in range(2)]
+        for f in done:
+            f.result()
+
+    def _srcs(self, keys, size, fill):
+        return [np.full(size, (fill + n) % 256, np.uint8) for n, _ in enumerate(keys)]
+
+    def _learn(self, keys, tries):
+        """After saves of ``keys``: each held key holds one of the versions it may have
+        (what it held before, or a save that reported it stored), at one size in every
+        tier; the model learns which. ``tries``: per save, (sources, results)."""
+        store = self.store
+        for n, key in enumerate(keys):
+            candidates = [(src.nbytes, int(src[0])) for srcs, ok in tries for src, good in [(srcs[n], ok[n])] if good]
+            if key in self.model:
+                candidates.append(self.model[key])
+            held = [t for t in store.tiers if t.contains([key])[0]]
+            if not held:
+                continue
+            sizes = {t.nbytes(key) for t in held}
+            assert len(sizes) == 1, f"{key!r} is held at sizes {sizes}"
+            size = sizes.pop()
+            dst = np.zeros(size, np.uint8)
+            assert held[0].read_into([key], [dst]) == [True]
+            got = (size, int(dst[0]))
+            assert (dst == dst[0]).all(), "a block of mixed bytes"
+            assert got in candidates, f"{key!r} holds {got}, none of {candidates}"
+            self.model[key] = got
+
+    # -- rules
+
+    @rule(tenant=tenant_name, idx=tenant_indices, size=SIZES, fill=st.integers(0, 255))
+    def save(self, tenant, idx, size, fill):
+        keys = [TENANT_KEYS[tenant][i] for i in idx]
+        srcs = self._srcs(keys, size, fill)
+        ok = self.store.save(keys, srcs).result()
+        self._learn(keys, [(srcs, ok)])
+
+    @rule(tenant=tenant_name, idx=tenant_indices, sizes=st.lists(SIZES, min_size=2, max_size=2, unique=True),
+          fill=st.integers(0, 255))
+    def race(self, tenant, idx, sizes, fill):
+        """The same keys saved twice at once (on the Store's two workers) at two sizes."""
+        keys = [TENANT_KEYS[tenant][i] for i in idx]
+        first, second = self._srcs(keys, sizes[0], fill), self._srcs(keys, sizes[1], fill + 100)
+        f1, f2 = self.store.save(keys, first), self.store.save(keys, second)
+        ok1, ok2 = f1.result(), f2.result()
+        self._learn(keys, [(first, ok1), (second, ok2)])
+
+    @rule(tenant=tenant_name, idx=tenant_indices, size=SIZES, fill=st.integers(0, 255), commit=st.integers(0, 3))
+    def reserve(self, tenant, idx, size, fill, commit):
+        """Reserve room, fill it, then commit (three times in four) or abort."""
+        keys = [TENANT_KEYS[tenant][i] for i in idx]
+        srcs = self._srcs(keys, size, fill)
+        res = self.store.reserve(keys, [size] * len(keys))
+        for view, src in zip(res.views, srcs):
+            if view is not None:
+                view[:] = src
+        if not commit:
+            res.abort()
+            return
+        ok = res.commit()
+        self._quiesce()
+        self._learn(keys, [(srcs, ok)])
+
+    @rule(tenant=tenant_name, idx=tenant_indices)
+    def load(self, tenant, idx):
+        keys = [TENANT_KEYS[tenant][i] for i in idx if TENANT_KEYS[tenant][i] in self.model]
+        if not keys:
+            return
+        dsts = [np.zeros(self.model[k][0], np.uint8) for k in keys]
+        ok = self.store.load(keys, dsts).result()
+        for key, hit, dst in zip(keys, ok, dsts):
+            self.leased.discard(key)
+            if hit:
+                assert (dst == self.model[key][1]).all(), "wrong bytes"
+
+    @rule(tenant=tenant_name, idx=tenant_indices, lease=st.booleans(), hint=HINTS)
+    def lookup(self, tenant, idx, lease, hint):
+        keys = [TENANT_KEYS[tenant][i] for i in idx]
+        n = self.store.lookup(keys, lease_s=10**6 if lease else None, hint=hint)
+        if lease:
+            self.leased.update(keys[:n])
+
+    @rule(tenant=tenant_name, idx=tenant_indices)
+    def delete(self, tenant, idx):
+        keys = [TENANT_KEYS[tenant][i] for i in idx]
+        self.store.delete(keys)
+        for key in keys:
+            self.model.pop(key, None)
+            self.leased.discard(key)
+
+    @rule(seconds=st.sampled_from([1.0, 100.0]))
+    def tick(self, seconds):
+        self.clock.now += seconds
+
+    # -- invariants
+
+    @invariant()
+    def ledgers_are_what_the_tiers_hold(self):
+        if not self.store:
+            return
+        self._quiesce()
+        store = self.store
+        ledger = store._tenants
+        stats = store.stats()
+        with store._lock:
+            where = dict(store._where)
+            sizes = dict(store._index.sizes)
+            claims = dict(store._index.claims)
+            pending = {name: list(per) for name, per in ledger._pending.items()}
+        assert not claims, f"sizes still claimed with nothing in flight: {claims}"
+        for t, tier in enumerate(store.tiers):
+            held = {k: tier.nbytes(k) for k in tier.keys()}
+            indexed = {k for k, m in where.items() if m >> t & 1}
+            assert set(held) == indexed, (f"tier {t} and the index disagree: held only {set(held) - indexed}, "
+                                          f"indexed only {indexed - set(held)}")
+            for key, n in held.items():
+                assert sizes.get(key) == n, f"tier {t} holds {key!r} at {n} bytes, the index says {sizes.get(key)}"
+            assert tier.used_bytes == sum(held.values()) <= tier.capacity_bytes
+            for name in ("a", "b"):
+                got = stats["tenants"][name]["tiers"][tier.name]
+                mine = [n for k, n in held.items() if ledger.owner(k) == name]
+                assert got["used_bytes"] >= 0 and pending[name][t] == 0, (name, t, got)
+                assert got["used_bytes"] == sum(mine) and got["blocks"] == len(mine), (name, t, got, mine)
+                quota = self.quotas[name].get(t)
+                assert quota is None or got["used_bytes"] <= quota, (name, t, got)
+                assert sum(ledger.charged(name, t).values()) == got["used_bytes"]
+
+    @invariant()
+    def every_held_block_reads_exact(self):
+        if not self.store:
+            return
+        for tier in self.store.tiers:
+            for key in list(tier.keys()):
+                assert key in self.model, f"{key!r} held but never published"
+                size, fill = self.model[key]
+                dst = np.zeros(size, np.uint8)
+                assert tier.read_into([key], [dst]) == [True], f"{key!r} does not read at {size} bytes"
+                assert (dst == fill).all()
+
+    @invariant()
+    def leased_blocks_stay(self):
+        if self.store and self.leased:
+            assert all(self.store.contains(sorted(self.leased)))
+
+    def teardown(self):
+        if self.store:
+            self.store.close()
+
+
+__all__ = ["StoreMachine", "TenantStoreMachine", "TieredStoreMachine"]

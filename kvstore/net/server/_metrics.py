@@ -109,6 +109,9 @@ class _StoreCollector:
             yield fam
         for name in ("blocks", "leases", "pins"):
             yield GaugeMetricFamily(f"kvstore_store_{name}", f"{name} held by the store", value=stats[name])
+        yield CounterMetricFamily("kvstore_store_resave_size_mismatch",
+                                  "saves refused: the key is held (or being saved) with another size",
+                                  value=stats.get("resave_size_mismatch", 0))
         events = stats.get("events")
         if events is not None:
             for name, doc in _EVENT_COUNTERS.items():
