@@ -198,7 +198,7 @@ class SchedulerSide:
                                 is_async=self.config.load_async or bool(wait_until), first_chunk=first, per=per,
                                 wait_until=wait_until)
         st.alloc = (blocks, end_block)
-        if not self.config.load_async:
+        if not st.load.is_async:      # (a handoff's load is async even without load_async)
             # vLLM cached these blocks at allocation: no request may be given them before
             # the load reports (later in this schedule(), or a step ahead under async
             # scheduling); see connectors._vllm_prefix.
