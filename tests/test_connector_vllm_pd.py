@@ -67,6 +67,7 @@ class Run:
         self.params = None
         self.saves, self.loads, self.computed = [], [], 0
         self.status = None
+        self.held_at_finish = None      # whether vLLM still kept its blocks when it finished
         sched.add_request(req)
 
     def step(self):
@@ -81,6 +82,7 @@ class Run:
             for o in outs.outputs:
                 if o.request_id == self.req.request_id and o.finish_reason is not None:
                     self.params, self.status = o.kv_transfer_params, self.req.status
+                    self.held_at_finish = self.held
         if not out.num_scheduled_tokens:
             time.sleep(0.005)     # transfers only: let the store's threads run
 
@@ -112,6 +114,7 @@ def test_handoff_is_byte_exact_and_counted_on_both_sides(engines, layerwise):
     assert (h["chunks"], h["tokens"], h["chunk_tokens"]) == (3, 96, CHUNK)
     assert h["source"].startswith("server:") and h["deadline"] > time.time() - 60
     assert stats(ps)["handoffs_sent"] == 1
+    assert prod.held_at_finish         # blocks kept until the saves settled (finished_sending)
 
     cs, cw, cc = engines("kv_consumer", seed=32)
     cons = Run(cs, cw, vs.request("c1", PROMPT, kv_transfer_params=prod.params))
@@ -127,10 +130,11 @@ def test_handoff_is_byte_exact_and_counted_on_both_sides(engines, layerwise):
 
 def test_consumer_loads_only_what_its_own_prefix_cache_lacks(engines):
     ps, pw, pc = engines("kv_producer", seed=33)
-    prod = Run(ps, pw, vs.request("p1", PROMPT)).finish()
     cs, cw, cc = engines("kv_consumer", seed=34)
     # The consumer computed the first chunk itself before (kept in its prefix cache).
-    Run(cs, cw, vs.request("own", PROMPT[:CHUNK + 5])).finish()
+    own = Run(cs, cw, vs.request("own", PROMPT[:CHUNK + 5])).finish()
+    assert own.loads == [] and own.computed == CHUNK + 5
+    prod = Run(ps, pw, vs.request("p1", PROMPT)).finish()
     cons = Run(cs, cw, vs.request("c1", PROMPT, kv_transfer_params=prod.params)).finish()
     (load,) = cons.loads
     assert load.first_chunk == 1 and len(load.block_ids) == 2 * (CHUNK // vs.BLOCK)
@@ -191,9 +195,9 @@ def test_params_for_another_prompt_are_ignored(engines):
 def test_kv_both_hands_off_only_requests_that_ask(engines):
     s, w, _ = engines("kv_both", seed=40)
     plain = Run(s, w, vs.request("plain", PROMPT)).finish()
-    assert plain.params is None
+    assert plain.params is None and not plain.held_at_finish
     asked = Run(s, w, vs.request("asked", PROMPT[:70], kv_transfer_params={"do_remote_decode": True})).finish()
-    assert asked.params["kvstore"]["handoff"]["chunks"] == 2
+    assert asked.params["kvstore"]["handoff"]["chunks"] == 2 and asked.held_at_finish
 
 
 def test_handoff_params_sit_beside_a_retention_hint(caplog):
