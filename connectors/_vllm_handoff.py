@@ -234,11 +234,15 @@ class Handoffs:
         return float(self._given[request.request_id]["deadline"])
 
     def outcomes(self, outcomes: Mapping[int, tuple[str, int | None]]) -> None:
-        """Count the handoff loads the workers reported (verified, or failed)."""
+        """Count the handoff loads the workers reported (verified, or failed). A request
+        whose handoff failed is not offered it again (one wait per request): recomputed,
+        it asks the store as any request does."""
         for req_id, failed in outcomes.values():
             if req_id in self._loading:
                 self._loading.discard(req_id)
                 self.metrics.add("handoffs_received" if failed is None else "failed_handoffs")
+                if failed is not None and req_id in self._given:
+                    self._given[req_id] = None
 
 
 # -- worker side ------------------------------------------------------------------------------
