@@ -152,11 +152,16 @@ class ServerStore:
 
     # -- queries: a miss while unreachable ------------------------------------------------
 
-    def lookup(self, keys: Sequence[BlockKey], lease_s: float | None = None, *, hint: Hint | None = None) -> int:
+    def lookup(self, keys: Sequence[BlockKey], lease_s: float | None = None, *, hint: Hint | None = None,
+               wait_s: float | None = None) -> int:
+        """As :meth:`kvstore.client.Client.lookup`; while the server is unreachable a
+        miss at once (``wait_s`` or not)."""
         client = self._live()
         if client is None:
             return self._unreachable_lookup()
         try:
+            if wait_s:
+                return client.lookup(keys, lease_s, hint=hint, wait_s=wait_s)
             return client.lookup(keys, lease_s, hint=hint)
         except _UNREACHABLE as exc:
             self._went_down(exc)

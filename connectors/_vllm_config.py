@@ -42,6 +42,8 @@ class VllmConnectorConfig(BaseModel):
     load: bool | None = None                    # default: kv_role is kv_consumer or kv_both
     timeout_s: float = Field(60.0, gt=0)        # longest wait for one store operation
     staging_bytes: Size = Field(1 << 30, gt=0)  # per worker: host staging, and as much on the device
+    handoff_wait_s: float = Field(10.0, gt=0, le=3600)  # P/D: how long a consumer may wait for the saves
+    handoff_lease_s: float = Field(60.0, gt=0, le=86400)  # P/D: how long the producer keeps them leased
 
     @model_validator(mode="after")
     def _one_backend(self) -> "VllmConnectorConfig":

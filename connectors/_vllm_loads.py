@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvstore.connectors._staging import groups, spans
+from kvstore.connectors._vllm_handoff import waiting_load
 from kvstore.connectors._vllm_meta import ChunkTransfer, KVStoreConnectorMetadata, KVStoreWorkerMetadata
 from kvstore.errors import KVStoreError
 
@@ -124,7 +125,10 @@ class LoadPath:
         parts = []
         for lo, hi in groups(n, self.w.load_parts):
             try:
-                future = self.w.store.load(keys[lo:hi], [buf[i * cb:(i + 1) * cb] for i in range(lo, hi)])
+                dsts = [buf[i * cb:(i + 1) * cb] for i in range(lo, hi)]
+                future = (waiting_load(self.w.store, keys[lo:hi], dsts, spec.wait_until, self.w.config.timeout_s,
+                                       self.w.config.lease_s) if spec.wait_until
+                          else self.w.store.load(keys[lo:hi], dsts))
             except KVStoreError as exc:
                 log.warning("request %s: load of %d chunks refused: %s", spec.req_id, hi - lo, exc)
                 future = None

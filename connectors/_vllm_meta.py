@@ -33,6 +33,9 @@ class ChunkTransfer:
     per: int = 0                  # blocks per chunk (0: taken from nested block_ids)
     serial: int = 0               # loads: names this load in the workers' report
     hint: Hint | None = None      # saves: the request's retention hint (connectors/_hints.py)
+    # Loads only: a P/D handoff (connectors/_vllm_handoff.py): wait for the chunks to be
+    # stored until this wall-clock time before loading (0: no wait).
+    wait_until: float = 0.0
 
     def __post_init__(self) -> None:
         if self.block_ids and isinstance(self.block_ids[0], list):
@@ -55,6 +58,9 @@ class ChunkTransfer:
 class KVStoreConnectorMetadata(KVConnectorMetadata):
     loads: list[ChunkTransfer] = field(default_factory=list)
     saves: list[ChunkTransfer] = field(default_factory=list)
+    # Handed-off requests whose blocks vLLM keeps until every rank's saves of them
+    # settled (reported in finished_sending).
+    handoffs: list[str] = field(default_factory=list)
 
 
 @dataclass

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from kvstore.connectors._staging import give_when_done, groups, spans, wait_quietly
+from kvstore.connectors._vllm_handoff import settled
 from kvstore.connectors._vllm_meta import ChunkTransfer, KVStoreConnectorMetadata
 from kvstore.errors import KVStoreError
 
@@ -52,6 +53,7 @@ class SavePath:
         self._saves: list[_Save] = []            # saves gathered during this step
         self.futures: dict[str, list[Future]] = {}   # request -> store saves still running
         self.hold: set[str] = set()                 # requests whose blocks the scheduler keeps
+        self.handoffs: set[str] = set()             # of those, handed off: reported once their saves settled
         self._copy_out = (ThreadPoolExecutor(1, thread_name_prefix="kvstore-vllm-d2h")
                           if worker.side is not None else None)
 
@@ -109,7 +111,7 @@ class SavePath:
         if not self.w.config.save_async:
             wait_quietly(futures, self.w.config.timeout_s, save.spec.req_id)
 
-    def _after_copy(self, save: _Save, done: Any) -> None:
+    def _after_copy(self, save: _Save, done: Any) -> list[Future]:
         done.synchronize()
         self.w.save_dev_pool.give(save.target)
         save.target = save.buf
@@ -117,6 +119,7 @@ class SavePath:
         if not self.w.config.save_async:
             for future in futures:
                 wait_quietly(future, self.w.config.timeout_s, save.spec.req_id)
+        return futures     # a handoff waits for these too (_vllm_handoff.settled)
 
     def _submit_save(self, save: _Save, *, wait: bool = True) -> list[Future]:
         cb = self.w.paged().chunk_bytes
@@ -181,14 +184,20 @@ class SavePath:
         """Finished requests whose blocks the scheduler kept (``hold`` saves): their
         chunks are gathered in this step, on the engine's stream, before vLLM reuses the
         blocks, so they are reported at once. Every other finished request is forgotten."""
-        done = self.hold & finished_req_ids
+        done = (self.hold - self.handoffs) & finished_req_ids
         self.hold -= done
         for req_id in finished_req_ids:
             self.w.poisoned.pop(req_id, None)
         for req_id, futures in list(self.futures.items()):
-            futures[:] = [f for f in futures if not f.done()]
+            futures[:] = [f for f in futures if not settled([f])]
             if not futures and req_id in finished_req_ids:
                 del self.futures[req_id]
+        for req_id in list(self.handoffs):
+            if not self.futures.get(req_id):      # every save of it settled (stored or not)
+                self.handoffs.discard(req_id)
+                self.hold.discard(req_id)
+                self.futures.pop(req_id, None)
+                done.add(req_id)
         return done
 
     def note_holds(self, meta: KVStoreConnectorMetadata) -> None:
@@ -198,6 +207,7 @@ class SavePath:
         for spec in meta.saves:
             if spec.hold:
                 self.hold.add(spec.req_id)
+        self.handoffs.update(meta.handoffs)
 
     def close(self, timeout_s: float) -> None:
         for futures in list(self.futures.values()):

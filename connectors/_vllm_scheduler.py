@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvstore.connectors._hints import request_hint, with_hint_actions
+from kvstore.connectors._vllm_handoff import Handoffs, without_handoff
 from kvstore.connectors._metrics import ConnectorMetrics
 from kvstore.connectors._store_handle import clear_namespaces
 from kvstore.connectors._vllm_config import KVShape, VllmConnectorConfig, load_staging_bytes, request_salt, token_array
@@ -83,13 +84,14 @@ def vllm_hint(request: Any) -> Hint | None:
     vLLM's ``priority``, where a lower value is served first (default 0): a request
     ranked above the default (negative) keeps its blocks at kvstore priority
     ``-priority``."""
-    params = with_hint_actions(getattr(request, "kv_transfer_params", None), getattr(request, "kv_hints", None))
+    params = with_hint_actions(without_handoff(getattr(request, "kv_transfer_params", None)),
+                               getattr(request, "kv_hints", None))
     return request_hint(params, max(0, -int(getattr(request, "priority", 0) or 0)), request_id=request.request_id)
 
 
 class SchedulerSide:
     def __init__(self, config: VllmConnectorConfig, shape: KVShape, store: StoreAPI, metrics: ConnectorMetrics, *,
-                 do_load: bool, do_save: bool) -> None:
+                 do_load: bool, do_save: bool, producer: bool = False) -> None:
         self.config = config
         self.shape = shape
         self.store = store
@@ -114,6 +116,8 @@ class SchedulerSide:
         # generation mixed into every salt after one (a fresh random one per reset).
         self._namespaces: set[bytes] = set()
         self._epoch = ""
+        # P/D through the store (connectors/_vllm_handoff.py): params out, handed-off loads in.
+        self.handoff = Handoffs(config, shape, store, metrics, producer=producer, do_save=do_save, do_load=do_load)
         # The most chunks one load may span: a worker stages a load in one take from the
         # load half of staging_bytes, so a longer offer would fail on every attempt.
         self.max_load_chunks = load_staging_bytes(config) // max(1, shape.chunk_bytes)
@@ -141,6 +145,14 @@ class SchedulerSide:
         usable = (len(st.tokens) - 1) // self.shape.chunk_tokens
         if usable <= 0:
             return 0, False
+        handoff = self.handoff.offer(request, st.keys)
+        if handoff is not None:
+            # Handed off by a producer: offered before it is stored; the async load waits
+            # for it (until the params' deadline) and fails closed on what never lands.
+            hit = min(handoff["chunks"], usable, num_computed_tokens // self.shape.chunk_tokens + self.max_load_chunks)
+            st.hit_chunks, st.offer_from = hit, num_computed_tokens
+            external = hit * self.shape.chunk_tokens - num_computed_tokens
+            return (external, True) if external > 0 else (0, False)
         hit = min(self._lookup(request, keys[:usable], hint=st.hint) for keys in st.keys)
         hit = min(hit, num_computed_tokens // self.shape.chunk_tokens + self.max_load_chunks)
         st.hit_chunks, st.offer_from = hit, num_computed_tokens
@@ -172,18 +184,21 @@ class SchedulerSide:
             raise KVStoreError(f"request {request.request_id}: {len(blocks.blocks[0])} blocks allocated for "
                                f"{end} loaded tokens; vLLM's allocation contract changed")
         keys = [k[first:last] for k in st.keys]
-        got = [self._lookup(request, k, lease_s=self.config.lease_s) for k in keys]
-        if min(got) < len(keys[0]):
-            # Evicted since the lookup; the worker will fail closed on the missing chunks.
-            log.info("request %s: %d of %d chunks still cached at allocation", request.request_id,
-                     min(got), len(keys[0]))
-        st.leased = keys
+        wait_until = self.handoff.planned(request)    # a handoff: the worker waits for its saves
+        if not wait_until:      # (a handoff's waiting lookup leases them as they land)
+            got = [self._lookup(request, k, lease_s=self.config.lease_s) for k in keys]
+            if min(got) < len(keys[0]):
+                # Evicted since the lookup; the worker will fail closed on the missing chunks.
+                log.info("request %s: %d of %d chunks still cached at allocation", request.request_id,
+                         min(got), len(keys[0]))
+            st.leased = keys
         # Block ids are filled in by build_connector_meta, from the ids vLLM lists for
         # the step anyway (converting vLLM's block objects here costs more than the rest).
         st.load = ChunkTransfer(request.request_id, keys, [], skip_blocks=(start - first * c) // bs,
-                                is_async=self.config.load_async, first_chunk=first, per=per)
+                                is_async=self.config.load_async or bool(wait_until), first_chunk=first, per=per,
+                                wait_until=wait_until)
         st.alloc = (blocks, end_block)
-        if not self.config.load_async:
+        if not st.load.is_async:      # (a handoff's load is async even without load_async)
             # vLLM cached these blocks at allocation: no request may be given them before
             # the load reports (later in this schedule(), or a step ahead under async
             # scheduling); see connectors._vllm_prefix.
@@ -195,7 +210,8 @@ class SchedulerSide:
         """Hand this step's planned loads to the workers, and ask them to save every
         prompt chunk that this step completes and the store does not hold yet, unless
         the request waits for a load's outcome."""
-        meta = KVStoreConnectorMetadata(loads=self._planned, saves=self._final_saves)
+        meta = KVStoreConnectorMetadata(loads=self._planned, saves=self._final_saves,
+                                        handoffs=self.handoff.take_announced())
         self._planned, self._final_saves = [], []
         for req_id in getattr(scheduler_output, "preempted_req_ids", None) or ():
             st = self._reqs.get(req_id)
@@ -263,8 +279,10 @@ class SchedulerSide:
         bad = connector_output.invalid_block_ids or set()
         if bad:
             self._evict_from_prefix_cache(bad)
+        self.handoff.settled(connector_output.finished_sending)
         worker_meta = connector_output.kv_connector_worker_meta
         outcomes = worker_meta.loads if isinstance(worker_meta, KVStoreWorkerMetadata) else {}
+        self.handoff.outcomes(outcomes)
         per = self.shape.blocks_per_chunk
         failed_at: dict[int, tuple[str, int, int]] = {}    # serial -> owner, position, block
         for serial, (req_id, failed) in outcomes.items():
@@ -333,8 +351,10 @@ class SchedulerSide:
                 held = min(request.num_computed_tokens, len(st.tokens)) // self.shape.chunk_tokens
                 self.metrics.add("dropped_saves", max(0, min(held, len(st.keys[0])) - st.saved_chunks))
         # Other saves need no blocks kept: workers gather a step's chunks in that step, on
-        # the engine's stream, before any later write to those blocks.
-        return final, None
+        # the engine's stream, before any later write to those blocks. A handoff keeps
+        # them until its saves settled, and returns its params.
+        handed, params = self.handoff.finished(request, st.keys, st.saved_chunks)
+        return final or handed, params
 
     def reset_cache(self) -> bool:
         """vLLM's ``reset_prefix_cache(reset_connector=True)`` (weight updates,

@@ -72,7 +72,7 @@ class KVStoreConnector(KVConnectorBase_V1):
                             "loaded (evicted, corrupt, unreachable) fails its request; set "
                             "\"kv_load_failure_policy\": \"recompute\" to recompute it instead")
             self._scheduler = SchedulerSide(self.config, self.shape, self.store, self.metrics, do_load=do_load,
-                                            do_save=do_save)
+                                            do_save=do_save, producer=tc.kv_role == "kv_producer")
         else:
             tp_rank, key_rank = _worker_rank(vllm_config, self.shape)
             self._worker = WorkerSide(self.config, self.shape, self.store, self.metrics, key_rank,

@@ -72,10 +72,11 @@ class StoreAPI(Protocol):
         ``dst`` are verified (fail-closed)."""
 
     def lookup(self, keys: Sequence[BlockKey], lease_s: float | None = None, *,
-               hint: Hint | None = None) -> int:
+               hint: Hint | None = None, wait_s: float | None = None) -> int:
         """Length of the cached prefix of ``keys``; with ``lease_s`` those blocks are
         leased (not evicted) until loaded, released, or the lease expires. ``hint``: a
-        retention hint for the blocks of that prefix."""
+        retention hint for the blocks of that prefix. ``wait_s``: first wait up to that
+        long for every key to be stored, woken by the saves that land them (not polling)."""
 
     def hint(self, keys: Sequence[BlockKey], hint: Hint) -> int:
         """Give a retention hint to the cached blocks of ``keys``; returns how many."""

@@ -16,6 +16,10 @@ COUNTERS = {
     "deleted_saves": "stored chunks deleted because they were computed over a failed load",
     "uncached_requests": "requests neither offered nor saved: inputs the keys do not cover (prompt embeddings)",
     "unreachable_lookups": "lookups answered as a miss because the cache server was unreachable",
+    "handoffs_sent": "P/D producer: requests finished with kvstore handoff params (prompt KV left in the store)",
+    "handoffs_received": "P/D consumer: handed-off prompts loaded, verified, from the store",
+    "failed_handoffs": "P/D consumer: handed-off loads that failed (keys not stored by the params' deadline, or "
+                       "not verified) and went to kv_load_failure_policy",
 }
 GAUGES = {"staging_bytes": "host and device staging memory held by the connector"}
 

@@ -48,7 +48,7 @@ def store_config(capacity: str = "64MiB", name: str = "hot") -> dict[str, Any]:
 def vllm_config(model: str, extra: dict[str, Any] | None, *, layout: str = "LBHNC",
                 connector: str = "KVStoreConnector", module: str | None = "kvstore.connectors.vllm",
                 prefix_caching: bool = True, policy: str = "recompute", max_model_len: int = 4096,
-                parallel=None):
+                parallel=None, role: str = "kv_both"):
     from vllm.config import (CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, ParallelConfig,
                              SchedulerConfig, VllmConfig)
 
@@ -57,7 +57,7 @@ def vllm_config(model: str, extra: dict[str, Any] | None, *, layout: str = "LBHN
     cc.kv_cache_layout = layout
     sc = SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=1024, max_model_len=max_model_len,
                          enable_chunked_prefill=True, is_encoder_decoder=False)
-    kt = KVTransferConfig(kv_connector=connector, kv_connector_module_path=module, kv_role="kv_both",
+    kt = KVTransferConfig(kv_connector=connector, kv_connector_module_path=module, kv_role=role,
                           kv_connector_extra_config=extra or {}, kv_load_failure_policy=policy)
     return VllmConfig(model_config=mc, cache_config=cc, scheduler_config=sc, device_config=DeviceConfig("cpu"),
                       kv_transfer_config=kt, parallel_config=parallel or ParallelConfig())
@@ -103,14 +103,18 @@ def scheduler(vc, kcc, *, async_scheduling: bool = False):
                      block_size=BLOCK, log_stats=False)
 
 
-def request(req_id: str, tokens: list[int], *, max_tokens: int = 1, cache_salt: str | None = None):
+def request(req_id: str, tokens: list[int], *, max_tokens: int = 1, cache_salt: str | None = None,
+            kv_transfer_params: dict | None = None):
+    """A vLLM Request; ``kv_transfer_params`` ride in ``SamplingParams.extra_args``, as
+    vLLM's offline API carries them."""
     from vllm.sampling_params import SamplingParams
     from vllm.utils.hashing import sha256
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
     from vllm.v1.request import Request
 
     init_none_hash(sha256)
-    params = SamplingParams(max_tokens=max_tokens)
+    extra = {"kv_transfer_params": kv_transfer_params} if kv_transfer_params is not None else None
+    params = SamplingParams(max_tokens=max_tokens, extra_args=extra)
     return Request(req_id, list(tokens), params, None, cache_salt=cache_salt,
                    block_hasher=get_request_block_hasher(BLOCK, sha256))
 

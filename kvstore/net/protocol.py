@@ -18,6 +18,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from kvstore._wait import MAX_WAIT_S
 from kvstore.errors import InvalidArgumentError, ProtocolError
 from kvstore.hint import Hint
 from kvstore.keys import KEY_WIRE_BYTES, BlockKey, _trusted
@@ -28,6 +29,7 @@ HEADER = struct.Struct("<2sBBIIIQ")  # magic, version, op, request id, status, b
 HEADER_BYTES = HEADER.size           # 24
 _U32 = struct.Struct("<I")
 _LOOKUP = struct.Struct("<dI")
+_LOOKUP_WAIT = struct.Struct("<dd")   # lease_s, wait_s (then the keys)
 _U64 = struct.Struct("<Q")
 _COMMIT = struct.Struct("<QBI")  # reservation id, 1 = commit / 0 = abort, count of checksums that follow
 _ZERO = bytes(32)
@@ -73,6 +75,7 @@ class Op(enum.IntEnum):
     SHM_COMMIT = 25   # reservation id, commit/abort -> one byte per key
     CLEAR = 26        # namespace digests (none: all) -> u64 blocks removed
     HINT = 27         # retention hint, keys -> u32 cached blocks hinted
+    LOOKUP_WAIT = 28  # lease_s, wait_s, keys -> prefix length, once all are stored or wait_s passed
 
 
 NO_REPLY = frozenset({Op.SHM_DONE})
@@ -214,6 +217,23 @@ def decode_lookup(body: Any, limits: Limits) -> tuple[float | None, list[BlockKe
     if not (lease_s == lease_s) or lease_s < 0 or lease_s > 86400:  # NaN, negative, absurd
         raise ProtocolError(f"lookup lease of {lease_s} s is out of range [0, 86400]")
     return (lease_s or None), decode_keys(mv, limits, offset=8)
+
+
+def encode_lookup_wait(keys: Sequence[BlockKey], lease_s: float | None, wait_s: float) -> bytes:
+    return _LOOKUP_WAIT.pack(float(lease_s or 0.0), float(wait_s)) + encode_keys(keys)
+
+
+def decode_lookup_wait(body: Any, limits: Limits) -> tuple[float | None, float, list[BlockKey]]:
+    """``(lease_s, wait_s, keys)`` of a LOOKUP_WAIT body."""
+    mv = memoryview(body).cast("B")
+    if mv.nbytes < _LOOKUP_WAIT.size:
+        raise ProtocolError("LOOKUP_WAIT body too short")
+    lease_s, wait_s = _LOOKUP_WAIT.unpack_from(mv, 0)
+    if not (lease_s == lease_s) or lease_s < 0 or lease_s > 86400:
+        raise ProtocolError(f"lookup lease of {lease_s} s is out of range [0, 86400]")
+    if not (wait_s == wait_s) or wait_s < 0 or wait_s > MAX_WAIT_S:
+        raise ProtocolError(f"lookup wait of {wait_s} s is out of range [0, {MAX_WAIT_S:g}]")
+    return (lease_s or None), wait_s, decode_keys(mv, limits, offset=_LOOKUP_WAIT.size)
 
 
 _HINT = struct.Struct("<dIB3x")   # retain_s (0: none), priority, discard
@@ -383,6 +403,8 @@ def decode_request(header: Header, body: Any, limits: Limits) -> Any:
         args = None
     elif op is Op.LOOKUP:
         args = decode_lookup(body, limits)
+    elif op is Op.LOOKUP_WAIT:
+        args = decode_lookup_wait(body, limits)
     elif op in (Op.CONTAINS, Op.DELETE, Op.RELEASE):
         args = decode_keys(body, limits)
     elif op is Op.CLEAR:
@@ -436,6 +458,7 @@ __all__ = ["HEADER", "HEADER_BYTES", "Header", "Limits", "MAGIC", "MISS", "NIXL_
            "Op", "PLACED", "PRESENT", "PUT_REC", "SUMMED", "decode_summed", "encode_summed", "decode_commit", "encode_commit", "decode_nixl", "encode_nixl",
            "SIZED", "SIZE_MISMATCH", "STAGED", "Status", "VERSION", "WHERE_ARENA", "WHERE_SOCKET",
            "WHERE_STAGING", "decode_flags", "decode_hint", "decode_json", "decode_keys", "decode_lookup", "encode_hint",
+           "decode_lookup_wait", "encode_lookup_wait",
            "decode_placed", "decode_records", "decode_request", "decode_sizes", "decode_u32",
            "decode_u64", "encode_json", "parse_requests", "encode_keys", "encode_lookup", "encode_placed",
            "encode_records", "encode_sizes", "encode_u32", "encode_u64", "pack_header", "parse_header"]

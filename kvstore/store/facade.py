@@ -29,6 +29,7 @@ from kvstore.buffers import nbytes_of
 from kvstore.buffers.streams import capture, submit
 from kvstore.config import EventsConfig, StoreConfig, load_config
 from kvstore.errors import BufferSizeError, ConfigError, InvalidArgumentError, StoreClosedError
+from kvstore._wait import check_wait
 from kvstore.hint import Hint, check_hint
 from kvstore.keys import BlockKey
 from kvstore.store.build import build_admission, build_eviction, build_tiers
@@ -203,14 +204,22 @@ class Store:
         return submit(self._pool, capture(dsts), self._data.load, list(keys), list(dsts))
 
     def lookup(self, keys: Sequence[BlockKey], lease_s: float | None = None, *,
-               hint: Hint | None = None) -> int:
+               hint: Hint | None = None, wait_s: float | None = None) -> int:
         """Length of the prefix of ``keys`` cached in any tier. With ``lease_s``, those
         blocks cannot be evicted until loaded or until the lease expires. ``hint``
-        (:class:`kvstore.Hint`) applies to the blocks of that prefix."""
+        (:class:`kvstore.Hint`) applies to the blocks of that prefix. ``wait_s``: wait
+        up to that long (real time) for every key to be stored, woken by the saves that
+        land them (a disaggregated prefill's consumer asking before the producer's
+        saves arrived); the answer is then the prefix held when they all landed or the
+        time was up."""
         self._check_open()
         check_hint(hint)
+        wait_s = check_wait(wait_s)
         where = self._where
         persist = None
+        if wait_s:
+            with self._lock:
+                self._index.wait_for_prefix(keys, wait_s)
         if self._discovery.shared:
             with self._lock:
                 n = self._index.held_prefix(keys)
@@ -235,6 +244,22 @@ class Store:
         if self._trace is not None:
             self._trace.lookup(keys, self._index.sizes.get(keys[0]) if n else None)
         return n
+
+    def add_landed_listener(self, listener: Callable[[], None]) -> None:
+        """Call ``listener()`` whenever blocks enter the index (under the index lock:
+        it must only schedule work). The cache server wakes its waiting lookups so."""
+        with self._lock:
+            self._index.listeners.append(listener)
+
+    def remove_landed_listener(self, listener: Callable[[], None]) -> None:
+        with self._lock:
+            if listener in self._index.listeners:
+                self._index.listeners.remove(listener)
+
+    def held_prefix(self, keys: Sequence[BlockKey]) -> int:
+        """Length of the prefix of ``keys`` some tier holds: no counters, no lease."""
+        with self._lock:
+            return self._index.held_prefix(keys)
 
     @property
     def discovers(self) -> bool:

@@ -13,6 +13,7 @@ into one atomic step.
 from __future__ import annotations
 
 import threading
+import time
 from typing import Iterable, Sequence
 
 from kvstore.keys import BlockKey
@@ -39,6 +40,12 @@ class Index:
         self.leases: dict[BlockKey, list] = {}
         self.pins: dict[BlockKey, int] = {}
         self.hit_counts: dict[BlockKey, int] = {}
+
+        # Notified whenever blocks enter the index (note_landed): lookups that wait for
+        # keys (wait_for_prefix). ``listeners`` are told the same, under the lock, so they
+        # must only schedule work (the cache server's loop.call_soon_threadsafe).
+        self.landed = threading.Condition(self.lock)
+        self.listeners: list = []
 
     def mask(self, key: BlockKey) -> int:
         """The levels holding ``key`` (0: none)."""
@@ -86,6 +93,26 @@ class Index:
             if not where.get(key):
                 break
             n += 1
+        return n
+
+    def note_landed(self) -> None:
+        """Blocks entered the index: wake every waiter (:meth:`wait_for_prefix`) and
+        listener, which look again."""
+        self.landed.notify_all()
+        for listener in list(self.listeners):
+            listener()
+
+    def wait_for_prefix(self, keys: Sequence[BlockKey], timeout_s: float) -> int:
+        """Wait (at most ``timeout_s``, real time) until some level holds every key,
+        woken by each save that lands blocks (never polling); the held prefix length."""
+        deadline = time.monotonic() + timeout_s
+        n = self.held_prefix(keys)
+        while n < len(keys):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            self.landed.wait(left)
+            n = self.held_prefix(keys)
         return n
 
     def lease(self, keys: Iterable[BlockKey], expiry: float) -> None:

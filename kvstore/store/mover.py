@@ -321,6 +321,8 @@ class Mover:
             counters["bytes_written"] += written
             if self.events is not None and fresh:
                 self.events.stored(i, fresh)
+            if fresh:
+                self.index.note_landed()    # lookups waiting for these keys look again
             if self.hints.records:
                 self.hints.entering(i, [keys[j] for j, good in zip(plan.chosen, ok) if good], persist)
             self._settle(i, plan)

@@ -50,6 +50,7 @@ from kvstore.buffers import nbytes_of
 from kvstore.buffers.streams import capture, submit
 from kvstore.errors import (InvalidArgumentError, KVStoreError, NotSupportedError, StoreClosedError,
                             TierUnavailableError)
+from kvstore._wait import check_wait
 from kvstore.hint import Hint, check_hint
 from kvstore.keys import BlockKey
 from kvstore.net import protocol as P
@@ -278,22 +279,44 @@ class Client:
         return time.perf_counter() - t0
 
     def lookup(self, keys: Sequence[BlockKey], lease_s: float | None = None, *,
-               hint: Hint | None = None) -> int:
+               hint: Hint | None = None, wait_s: float | None = None) -> int:
         """Length of the prefix of ``keys`` the server holds; with ``lease_s`` those
         blocks are protected from eviction until loaded or the lease expires. ``hint``
-        goes to that prefix in a second request (HINT), answered before this returns."""
+        goes to that prefix in a second request (HINT), answered before this returns.
+        ``wait_s``: the server first waits up to that long for every key to be stored,
+        woken by the saves that land them (LOOKUP_WAIT); the call then takes up to
+        ``wait_s`` plus the client's ``timeout_s``. A server that predates LOOKUP_WAIT
+        answers without waiting."""
         _check_keys(keys)
         check_hint(hint)
+        wait_s = check_wait(wait_s)
+        if wait_s and not self.info.get("lookup_wait"):
+            wait_s = None
         total = 0
+        deadline = time.monotonic() + (wait_s or 0.0)
         for part in self._chunks(keys):
-            body = P.encode_lookup(part, lease_s)
-            n = P.decode_u32(self._run(lambda c: c.call(P.Op.LOOKUP, body))[1])
+            if wait_s:
+                body = P.encode_lookup_wait(part, lease_s, max(0.0, deadline - time.monotonic()))
+                n = P.decode_u32(self._run(lambda c: self._call_waiting(c, P.Op.LOOKUP_WAIT, body, wait_s))[1])
+            else:
+                body = P.encode_lookup(part, lease_s)
+                n = P.decode_u32(self._run(lambda c: c.call(P.Op.LOOKUP, body))[1])
             total += n
             if n < len(part):
                 break
         if hint is not None and total:
             self._hint_quietly(keys[:total], hint)
         return total
+
+    def _call_waiting(self, conn: Conn, op: int, body: bytes, wait_s: float) -> tuple[P.Header, bytes]:
+        """``conn.call`` with the socket's timeout stretched by ``wait_s`` (the server
+        answers a waiting lookup up to that much later)."""
+        conn.sock.settimeout(self._timeout_s + wait_s)
+        try:
+            return conn.call(op, body)
+        finally:
+            if not conn.broken:
+                conn.sock.settimeout(self._timeout_s)
 
     def hint(self, keys: Sequence[BlockKey], hint: Hint) -> int:
         """Give a retention hint to the blocks of ``keys`` the server holds (as

@@ -354,14 +354,23 @@ class Connection(SameHostOps):
         stats = await self.loop.run_in_executor(None, self.ctx.stats, self.tenant)
         await self._reply(P.Op.STATS, rid, P.encode_json(stats))
 
-    async def _op_lookup(self, rid: int, args: tuple, header: P.Header) -> None:
+    async def _op_lookup(self, rid: int, args: tuple, header: P.Header, op: P.Op = P.Op.LOOKUP) -> None:
         lease_s, keys = args
         store = self.ctx.store
         if getattr(store, "discovers", False):   # may ask shared tiers (Redis, S3, Mooncake) over the network
             n = await self.loop.run_in_executor(None, store.lookup, keys, lease_s)
         else:
             n = store.lookup(keys, lease_s)
-        await self._reply(P.Op.LOOKUP, rid, P.encode_u32(n))
+        await self._reply(op, rid, P.encode_u32(n))
+
+    async def _op_lookup_wait(self, rid: int, args: tuple, header: P.Header) -> None:
+        """A LOOKUP that first waits up to ``wait_s`` for every key to be stored (woken
+        by the saves that land them, see :mod:`kvstore.net.server._landing`); then
+        answers, and leases, as LOOKUP does."""
+        lease_s, wait_s, keys = args
+        if wait_s and self.ctx.landing is not None and keys:
+            await self.ctx.landing.wait_for(keys, wait_s)
+        await self._op_lookup(rid, (lease_s, keys), header, op=P.Op.LOOKUP_WAIT)
 
     async def _op_hint(self, rid: int, args: tuple, header: P.Header) -> None:
         hint, keys = args

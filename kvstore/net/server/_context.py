@@ -14,6 +14,7 @@ from kvstore.net import protocol as P
 
 if TYPE_CHECKING:
     from kvstore.net.server._budget import TenantBudgets
+    from kvstore.net.server._landing import Landing
     from kvstore.net.server._metrics import ServerMetrics
     from kvstore.net.server._nixl import NixlService
     from kvstore.net.server._send import Sender
@@ -34,7 +35,7 @@ class ConnContext:
     loop's executor), ``reclaim_buffers(tenant)`` (that tenant's idle connections give
     their scratch buffers back), ``authenticated(conn)`` (a connection's HELLO
     succeeded), ``closing()`` (shutdown began) and ``forget(conn)`` (a connection
-    closed)."""
+    closed). ``landing``: wakes lookups that wait for keys (LOOKUP_WAIT)."""
 
     served: ServedStore
     metrics: ServerMetrics
@@ -53,6 +54,7 @@ class ConnContext:
     authenticated: Callable[[Any], None]
     closing: Callable[[], bool]
     forget: Callable[[Any], None]
+    landing: "Landing | None" = None   # LOOKUP_WAIT's wake-ups (None: such lookups answer at once)
 
     @property
     def store(self) -> Any:

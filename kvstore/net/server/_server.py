@@ -29,6 +29,7 @@ from kvstore.net.server._admin import (MAX_CONNECTIONS as ADMIN_MAX_CONNECTIONS,
                                       require_aiohttp)
 from kvstore.net.server._budget import TenantBudgets
 from kvstore.net.server._conn import Connection
+from kvstore.net.server._landing import Landing
 from kvstore.net.server._context import ConnContext
 from kvstore.net.server._metrics import ServerMetrics
 from kvstore.net.server._paths import (ARENA_PREFIX, SHM_DIR, is_loopback, remove_stale_arenas, remove_stale_sockets,
@@ -128,13 +129,14 @@ class Server:
         # server behind the Unix socket is the one whose arena it mapped.
         self.instance_id = secrets.token_hex(8)
         self._admin = AdminServer(self.admin_context()) if cfg.admin_port is not None else None
+        self.landing = Landing(self.store)   # LOOKUP_WAIT: woken by the saves that land the keys
         self._conn_context = ConnContext(
             served=self.served, metrics=self.metrics, tenants=self.tenants, limits=self.limits,
             max_inflight_bytes=cfg.max_inflight_bytes, idle_timeout_s=cfg.idle_timeout_s,
             tls_context=self.tls_context, sender=self.sender, buffers=self.buffers, nixl=self.nixl,
             arena=self.arena, hello_info=self.hello_info, stats=self.stats, reclaim_buffers=self.reclaim_buffers,
             authenticated=lambda conn: self.unauthed.pop(conn, None), closing=lambda: self.closing,
-            forget=self._forget)
+            forget=self._forget, landing=self.landing)
 
     def admin_context(self) -> AdminContext:
         """What an admin port (:class:`AdminServer`) serves of this server. ``stats`` is
@@ -242,6 +244,7 @@ class Server:
             except FileNotFoundError:
                 pass
         admin = asyncio.ensure_future(self._admin.close()) if self._admin is not None else None
+        self.landing.close()    # lookups waiting for keys answer now
         idle = [c for c in self.conns if not c.busy and c.task is not None]
         for c in idle:
             c.task.cancel()
@@ -369,7 +372,7 @@ class Server:
                 "max_inflight_bytes": self.config.server.max_inflight_bytes,
                 "shm": self.arena.describe() if self.arena is not None and local else None,
                 "socket_path": self.socket_path if local else None,
-                "nixl": self.nixl.offered()}
+                "nixl": self.nixl.offered(), "lookup_wait": hasattr(self.store, "add_landed_listener")}
 
     def stats(self, tenant: Tenant | None = None) -> dict[str, Any]:
         """The Store's stats and the server's; with tenants, a ``tenants`` section (only

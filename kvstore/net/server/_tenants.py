@@ -49,7 +49,7 @@ DEFAULT = "default"        # the tenant of server.token
 _KEYS_ARG = frozenset({P.Op.CONTAINS, P.Op.DELETE, P.Op.RELEASE})            # keys
 _KEYS_SECOND = frozenset({P.Op.LOOKUP, P.Op.HINT})                            # (x, keys)
 _KEYS_FIRST = frozenset({P.Op.GET, P.Op.PUT, P.Op.SHM_GET, P.Op.SHM_PUT, P.Op.SHM_RESERVE})  # (keys, rec)
-_KEYS_THIRD = frozenset({P.Op.NIXL_GET, P.Op.NIXL_PUT})                       # (kind, device, keys, rec)
+_KEYS_THIRD = frozenset({P.Op.NIXL_GET, P.Op.NIXL_PUT, P.Op.LOOKUP_WAIT})   # (kind, device, keys, rec), (lease, wait, keys)
 # No keys: a reservation or lease id names state this connection made with its mapped keys.
 KEYLESS = frozenset({P.Op.HELLO, P.Op.PING, P.Op.STATS, P.Op.SHM_ATTACH, P.Op.SHM_DONE, P.Op.SHM_COMMIT,
                      P.Op.NIXL_HELLO})
