@@ -151,10 +151,12 @@ def test_corrupt_chunks_are_recomputed(story, reference):
     assert story["corrupted_files"] > 0
     res = story["recompute"]
     steps = _steps(res)
-    step = _ok(steps[0], res)
-    assert step["tokens"] == reference["prompts"]
-    assert step["connector"]["failed_loads"] > 0 or step["vllm"]["vllm:external_prefix_cache_hits"] == 0
-    assert _ok(steps[1], res)["tokens"] == reference["prompts"]
+    # Whichever chunks are still offered (the server drops a damaged copy once a read finds it;
+    # until then a save of that key is skipped as already stored), every load of one fails
+    # closed and is recomputed.
+    for step in steps:
+        assert _ok(step, res)["tokens"] == reference["prompts"]
+        assert step["connector"]["loaded_tokens"] <= step["vllm"]["vllm:external_prefix_cache_hits"]
     assert res["alive"]
 
 
@@ -166,6 +168,8 @@ def test_fail_policy_fails_the_request_not_the_engine(story, reference):
     step = _ok(steps[0], res)
     for tokens, finish, want in zip(step["tokens"], step["finish"], reference["prompts"]):
         assert finish == "error" or tokens == want, (finish, tokens, want)
-    assert "error" in step["finish"] or step["connector"]["failed_loads"] == 0
+    # The first read after the damage: the first prompt's 4 chunks are offered, fail, are counted.
+    assert step["connector"]["failed_loads"] > 0, step["connector"]
+    assert step["finish"][0] == "error", step["finish"]
     assert _ok(steps[1], res)["finish"] == ["length"]
     assert res["alive"], res.get("probe_error")
