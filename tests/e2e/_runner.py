@@ -122,8 +122,8 @@ class EngineRun:
             return None
 
 
-def build_model(python: Path, path: Path) -> None:
-    out = subprocess.run([str(python), str(DRIVER), "build-model", str(path)], env=engine_env(),
+def build_model(python: Path, path: Path, size: str = "tiny") -> None:
+    out = subprocess.run([str(python), str(DRIVER), "build-model", str(path), size], env=engine_env(),
                          capture_output=True, text=True, timeout=300)
     if out.returncode != 0:
         raise AssertionError(f"building the tiny model failed:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
