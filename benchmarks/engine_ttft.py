@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import random
+import signal
 import statistics
 import sys
 import tempfile
@@ -53,13 +54,15 @@ def _prompts(lengths: list[int], reps: int) -> dict[int, list[list[int]]]:
     return {n: [[r.randrange(3, 2048) for _ in range(n)] for _ in range(reps)] for n in lengths}
 
 
-def _steps(prompts: dict[int, list[list[int]]]) -> list[dict]:
+def _steps(prompts: dict[int, list[list[int]]], connector: bool) -> list[dict]:
+    """Per prompt a miss, then (vLLM's prefix cache reset) a hit: saves finish on the store's
+    threads, so a try that finds nothing is repeated after a moment."""
     steps = []
-    for n, group in prompts.items():
+    for group in prompts.values():
         for p in group:
             steps.append({"prompts": [p], "max_tokens": 2, "reset_prefix_cache": True})
             steps.append({"prompts": [p], "max_tokens": 2, "reset_prefix_cache": True,
-                          "until_hit": {"tries": 6, "sleep_s": 0.5}})
+                          "until_hit": {"tries": 6, "sleep_s": 0.5} if connector else None})
     return steps
 
 
@@ -72,7 +75,7 @@ def run_row(py: Path, model: str, row: str, prompts, tmp: Path) -> list[dict]:
     else:
         server = CacheServer(tmp, transport="tcp" if row == "server-tcp" else "auto", name=row).start()
         ktc = kv_config({"server": server.address})
-    run = EngineRun(py, tmp, {"model": model, "kv_transfer_config": ktc, "steps": _steps(prompts),
+    run = EngineRun(py, tmp, {"model": model, "kv_transfer_config": ktc, "steps": _steps(prompts, ktc is not None),
                               "max_model_len": 8192, "max_num_seqs": 1},
                     multiprocessing=False, name=f"engine-{row}")
     try:
@@ -98,6 +101,8 @@ def main() -> None:
     py = engine_python()
     if py is None:
         raise SystemExit(missing_reason())
+    # SIGTERM unwinds like Ctrl-C, so every engine's process group is killed on the way out.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     prompts = _prompts(args.lengths, args.reps)
     with tempfile.TemporaryDirectory(prefix="engine-ttft-") as d:
         tmp = Path(d)

@@ -45,7 +45,8 @@ SIZES = {   # hidden, intermediate, layers, heads (x 64), kv heads
 
 def build_model(path: str, size: str = "tiny") -> None:
     """A random-init Llama (``tiny``: hidden 256, 4 layers, 4 heads x 64, 2 KV heads, vocab 2048,
-    fp32, ~14 MB) and a word-level tokenizer whose tokens ``t0`` … ``t2047`` are the model's ids.
+    fp32, ~14 MB) and a word-level tokenizer whose words ``t3`` … ``t2047`` are the model's ids
+    (0-2: ``<s>``, ``</s>``, ``<unk>``).
     ``initializer_range=0.1`` (not transformers' 0.02): with 0.02 greedy decoding settles on one
     token after a few steps and the top two logits lie close; 0.1 gives varied tokens and a wide
     margin, so a wrong KV shows in the tokens."""
@@ -62,10 +63,13 @@ def build_model(path: str, size: str = "tiny") -> None:
                          bos_token_id=0, eos_token_id=1, pad_token_id=None, tie_word_embeddings=False,
                          initializer_range=0.1, torch_dtype="float32")
     LlamaForCausalLM(config).to(torch.float32).save_pretrained(path)
-    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab)}, unk_token="t2"))
+    # The special tokens get names no word starts with: a tokenizer splits added tokens out of
+    # the text before anything else, so an eos named "t1" would cut "t17" into "t1" "7".
+    words = {"<s>": 0, "</s>": 1, "<unk>": 2, **{f"t{i}": i for i in range(3, vocab)}}
+    tok = Tokenizer(models.WordLevel(words, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)   # joins tokens with spaces
-    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="t0", eos_token="t1", unk_token="t2",
+    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
                             model_max_length=8192).save_pretrained(path)
 
 
