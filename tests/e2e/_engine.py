@@ -123,9 +123,9 @@ def _step(llm, step: dict, with_connector: bool) -> dict:
 
 
 def _run_step(llm, step: dict, with_connector: bool) -> dict:
-    """One step; with ``until_hit: {"tries": n, "sleep_s": s}`` it is repeated (after ``s``
-    seconds, vLLM's prefix cache reset) until it gets external hits, every try kept under
-    ``tries`` and the last one's fields at the top."""
+    """One step; with ``until_hit: {"tries": n, "sleep_s": s, "min_hits": m}`` it is repeated
+    (after ``s`` seconds, vLLM's prefix cache reset) until it gets external hits (at least ``m``,
+    default 1), every try kept under ``tries`` and the last one's fields at the top."""
     until = step.get("until_hit")
     tries: list[dict] = []
     for i in range(until["tries"] if until else 1):
@@ -136,7 +136,9 @@ def _run_step(llm, step: dict, with_connector: bool) -> dict:
         except Exception:
             rec = {"error": traceback.format_exc()[-4000:]}
         tries.append(rec)
-        if rec.get("error") or rec["vllm"]["vllm:external_prefix_cache_hits"] > 0:
+        if rec.get("error") or not until:
+            break
+        if rec["vllm"]["vllm:external_prefix_cache_hits"] >= until.get("min_hits", 1):
             break
     return {**tries[-1], "tries": tries}
 

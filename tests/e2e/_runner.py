@@ -59,13 +59,13 @@ class EngineRun:
     ``pause``; ``go(name)`` lets it continue; ``result()`` waits for the JSON result."""
 
     def __init__(self, python: Path, workdir: Path, spec: dict[str, Any], *, multiprocessing: bool = True,
-                 name: str = "engine") -> None:
+                 name: str = "engine", env: dict[str, str] | None = None) -> None:
         self.dir = workdir / name
         self.dir.mkdir(parents=True)
         self.out, self.log_path = self.dir / "result.json", self.dir / "engine.log"
         spec = {**spec, "out": str(self.out), "signals": str(self.dir)}
         (self.dir / "spec.json").write_text(json.dumps(spec))
-        env = engine_env(VLLM_ENABLE_V1_MULTIPROCESSING="1" if multiprocessing else "0")
+        env = engine_env(VLLM_ENABLE_V1_MULTIPROCESSING="1" if multiprocessing else "0", **(env or {}))
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen([str(python), str(DRIVER), "run", str(self.dir / "spec.json")],
                                          cwd=str(self.dir), env=env, stdout=log, stderr=subprocess.STDOUT,
