@@ -21,7 +21,7 @@ _TOP_LEVEL = re.compile(r"^\s*(?:from|import)\s+(tiers|policies|connectors)\b", 
 
 def _folder_packages() -> set[str]:
     out = set()
-    for init in ROOT.glob("**/__init__.py"):
+    for init in (i for top in ("kvstore", *MAPPED) for i in (ROOT / top).glob("**/__init__.py")):
         parts = init.parent.relative_to(ROOT).parts
         if parts[0] == "kvstore":
             out.add(".".join(parts))
