@@ -202,3 +202,21 @@ def test_a_large_tier_watches_a_bounded_sample():
     for i in range(300_000):
         t.evicted(i, False, held)
     assert t.stats()["watched"] <= (1 << 16) + 1
+
+
+def test_a_lucky_streak_does_not_restore_full_protection():
+    """Issue 39: after a client's hints proved wrong, a short run of right ones (30
+    seconds, about two tiers' worth of blocks) must not swing the tier back to full
+    protection: protection comes back only on sustained evidence
+    (test_trust_comes_back_when_hints_turn_right)."""
+    clock = Clock()
+    with store_of("lru", clock) as store:
+        wrong_client(store, clock, 200)
+        assert trust(store)["protect_s"] < 6
+        right_client(store, clock, 30, start=1000)
+        assert trust(store)["protect_s"] is not None      # still bounded by the hint age
+
+
+def test_trust_starts_unearned():
+    """Before any evidence a tier's hints protect nothing (plain policy order)."""
+    assert HintTrust().protect_s == 0.0
