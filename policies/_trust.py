@@ -21,8 +21,8 @@ _MAX_WATCH = 1 << 16   # a larger tier watches every k-th block, so at most ~64K
 
 class HintTrust:
     """One tier's evidence on whether live hints are right, and the age up to which it
-    lets a hint protect: ``protect_s`` (``0.0`` at the start: hints protect nothing
-    until they have earned it; ``inf``: for as long as hints live).
+    lets a hint protect: ``protect_s`` (``inf``, the start: for as long as hints live;
+    ``0.0``: not at all).
 
     The walk reports the blocks at the eviction end (:meth:`passed`, :meth:`distrusted`,
     :meth:`evicted`), the layer their reuse (:meth:`reused`). A watched block
@@ -41,11 +41,14 @@ class HintTrust:
       them), and goes to ``inf`` once it is four times the hint age at the eviction end;
     - ``d < 0`` (hinted blocks are reused no more often than unhinted): it shrinks 1%,
       starting from the oldest hint age the walk protected;
-    - in between it stays.
+    - in between it stays;
+    - the first comparison is a verdict: hints that are not ahead there (``d < 0``)
+      drop straight to ``protect_s = 0`` (plain policy order) rather than 1% at a time.
 
-    So a client's hints start in plain policy order (the early phase costs nothing
-    against the policy alone), earn protection only on strong evidence, and lose it on
-    mere doubt: a short lucky streak of a wrong client moves the decayed posteriors
+    So before evidence hints protect in full (a tier with a handful of hinted blocks
+    keeps them), the early phase of a wrong client costs only the blocks watched
+    until the first verdict (16 of each class), protection is earned back only on
+    strong evidence and lost on mere doubt: a short lucky streak of a wrong client moves the decayed posteriors
     too little to clear three standard errors for the ~200 events it takes to climb
     from half the eviction-end age back to ``inf``.
 
@@ -53,7 +56,8 @@ class HintTrust:
     """
 
     def __init__(self, parks: bool = False) -> None:
-        self.protect_s = 0.0
+        self.protect_s = math.inf
+        self._judged = False         # the rates were compared once (the first verdict)
         self._watch: OrderedDict[Hashable, list] = OrderedDict()  # key -> [hinted, stamp, reused]
         self._evictions = 0
         self._memory = 1.0 - 1.0 / _MIN_MEMORY
@@ -139,6 +143,11 @@ class HintTrust:
         hinted, unhinted = (got[1] + 1) / (seen[1] + 2), (got[0] + 1) / (seen[0] + 2)
         spread = math.sqrt(hinted * (1 - hinted) / (seen[1] + 3) + unhinted * (1 - unhinted) / (seen[0] + 3))
         lead = hinted - unhinted
+        if not self._judged:
+            self._judged = True
+            if lead < 0:           # unproven hints that fail their first test protect nothing
+                self.protect_s = 0.0
+                return
         if lead > _Z_GROW * spread:
             if math.isfinite(self.protect_s):
                 # from below the ages at the eviction end (where it protects nothing),
