@@ -33,7 +33,8 @@ class HintTrust:
 
     On each event, with at least 16 blocks of each class seen, the rates are compared
     as Beta posteriors (a uniform prior on each class's reuse rate): ``d`` is the
-    difference of their means (hinted minus unhinted), ``se`` its standard deviation.
+    difference of the observed rates (hinted minus unhinted), ``se`` the standard
+    deviation of the difference of the posteriors.
 
     - ``d > 3 se`` (the lower confidence bound of ``d`` above zero: hints are clearly
       worth more than the blocks they displace): ``protect_s`` grows 1% (from below the
@@ -139,10 +140,11 @@ class HintTrust:
         seen, got = self._seen, self._reused
         if seen[0] < _MIN_SAMPLES or seen[1] < _MIN_SAMPLES:
             return
-        # Beta(1 + reused, 1 + not reused) posteriors of each class's reuse rate
+        # the observed rates, and the spread of their Beta(1 + reused, 1 + not reused)
+        # posteriors (never zero, so that no streak of a few is certain)
+        lead = got[1] / seen[1] - got[0] / seen[0]
         hinted, unhinted = (got[1] + 1) / (seen[1] + 2), (got[0] + 1) / (seen[0] + 2)
         spread = math.sqrt(hinted * (1 - hinted) / (seen[1] + 3) + unhinted * (1 - unhinted) / (seen[0] + 3))
-        lead = hinted - unhinted
         if not self._judged:
             self._judged = True
             if lead < 0:           # unproven hints that fail their first test protect nothing
