@@ -22,11 +22,15 @@ Belady's offline optimum for prefix hits runs in the same replay
 by reference count and recency can get (see :func:`count_ttl_bound`).
 
 ``--hints`` replays instead LRU with simulated client retention hints ("this
-conversation continues") at precision/recall 1.0, 0.8, 0.6, a wrong-hint client at
-precision 0.3 and one that hints everything, at 1%, 5% and 25% of the distinct blocks,
-beside LRU and Belady (``benchmarks/_policy_hints.py``; ``--seed`` seeds the simulated
-client, ``--hint-scope`` picks the blocks a hint covers; writes
-``policy_replay_hints.json``).
+conversation continues") at precision/recall 1.0/1.0, 1.0/0.8, 0.8/0.8, 0.6/0.6, a
+wrong-hint client at precision 0.3 (at five client seeds: ``--seed`` and
+``--wrong-seeds``) and one that hints everything, at 1%, 5% and 25% of the distinct
+blocks, beside LRU and Belady (``benchmarks/_policy_hints.py``; ``--hint-scope`` picks
+the blocks a hint covers; writes ``policy_replay_hints.json``), on ``--trace`` and on
+the two generated traces of ``benchmarks/trace_gen.py`` (single-turn, agent; seeded by
+``--trace-seed``, cached in the temp dir; ``--no-generated`` skips them). Each trace's
+table ends with the two target figures: the share of the P1.0/R0.8 client's gain over
+LRU that the P0.8/R0.8 client keeps, and the worst wrong-hint seed.
 
 ``--synthetic`` adds a seeded synthetic workload (Zipf-popular shared system prompts,
 multi-turn conversations that extend their own previous prompt, one-off requests) to
@@ -317,9 +321,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                              "(benchmarks/_policy_hints.py), through a real Store")
     parser.add_argument("--hint-retain-s", type=float, default=600.0,
                         help="the retain_s a hinting client sends (default 600)")
-    parser.add_argument("--wrong-seeds", default="2,3",
+    parser.add_argument("--wrong-seeds", default="2,3,4,5",
                         help="with --hints: client seeds at which the wrong-hint client is replayed again "
-                             "(comma-separated; default 2,3)")
+                             "(comma-separated; default 2,3,4,5)")
+    parser.add_argument("--no-generated", action="store_true",
+                        help="with --hints: only --trace, not also the generated single-turn and agent "
+                             "traces (benchmarks/trace_gen.py, cached in the temp dir)")
+    parser.add_argument("--trace-seed", type=int, default=1,
+                        help="with --hints: seed of the generated traces (default 1)")
     parser.add_argument("--hint-scope", choices=("full-blocks", "request"), default="full-blocks",
                         help="the blocks a hint covers: up to the request's last full block (default), "
                              "or every block of the request")
@@ -327,16 +336,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     command = " ".join(["python", "-m", "benchmarks.policy_replay", *(argv or sys.argv[1:])])
     if args.hints:
+        from benchmarks import trace_gen
         from benchmarks._policy_hints import hints_table, load_timed_trace, run_hints
 
-        requests, times = load_timed_trace(args.trace, args.requests)
         fractions = [float(f) for f in (args.capacities or "0.01,0.05,0.25").split(",") if f]
-        results = run_hints(requests, times, args.hint_retain_s, args.seed, fractions, args.hint_scope,
-                            [int(x) for x in args.wrong_seeds.split(",") if x])
-        results["command"] = command
-        print(hints_table(results))
+        paths = {} if args.no_generated else {
+            name: trace_gen.cached(name, args.trace_seed) for name in trace_gen.WORKLOADS}
+        paths[args.trace.stem] = args.trace
+        everything = {"command": command, "traces": {}}
+        for name, path in paths.items():
+            requests, times = load_timed_trace(path, args.requests)
+            print(f"{name} ({path}):", file=sys.stderr, flush=True)
+            results = run_hints(requests, times, args.hint_retain_s, args.seed, fractions, args.hint_scope,
+                                [int(x) for x in args.wrong_seeds.split(",") if x])
+            results["path"] = str(path)
+            everything["traces"][name] = results
+            print(f"== {name}\n{hints_table(results)}", flush=True)
         args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "policy_replay_hints.json").write_text(json.dumps(results, indent=2) + "\n")
+        (args.out / "policy_replay_hints.json").write_text(json.dumps(everything, indent=2) + "\n")
         print(f"wrote {args.out / 'policy_replay_hints.json'}")
         return 0
 

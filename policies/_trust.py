@@ -14,14 +14,15 @@ _WINDOW = 2            # a watched block counts as reused if reused within 2W ev
 _MEMORY = 4            # reuse rates: decayed counts over the last 4W blocks watched
 _MIN_MEMORY = 64       # ... at least 64
 _MIN_SAMPLES = 16      # per class (decayed) before protect_s moves at all
-_Z = 2.0               # protect_s moves only when the rates differ by two standard errors
-_STEP = 0.01           # ... by 1% per event
+_Z_GROW = 3.0          # protect_s grows only while hinted beats unhinted by 3 standard errors
+_STEP = 0.01           # ... by 1% per event (and shrinks by as much)
 _MAX_WATCH = 1 << 16   # a larger tier watches every k-th block, so at most ~64K are watched
 
 
 class HintTrust:
     """One tier's evidence on whether live hints are right, and the age up to which it
-    lets a hint protect: ``protect_s`` (``inf``, the start: for as long as hints live).
+    lets a hint protect: ``protect_s`` (``inf``, the start: for as long as hints live;
+    ``0.0``: not at all).
 
     The walk reports the blocks at the eviction end (:meth:`passed`, :meth:`distrusted`,
     :meth:`evicted`), the layer their reuse (:meth:`reused`). A watched block
@@ -31,19 +32,33 @@ class HintTrust:
     class (hinted, unhinted) is decayed counts over the last ``4W`` blocks watched.
 
     On each event, with at least 16 blocks of each class seen, the rates are compared
-    (a two-proportion test: they must differ by two standard errors, so that one long
-    prompt reused at once does not flip the tier):
+    as Beta posteriors (a uniform prior on each class's reuse rate): ``d`` is the
+    difference of the observed rates (hinted minus unhinted), ``se`` the standard
+    deviation of the difference of the posteriors.
 
-    - hinted reused more often: ``protect_s`` grows 1% (from below the hint ages at the
-      eviction end, where it protects nothing, straight back to half of them), and
-      returns to ``inf`` once it is four times the hint age at the eviction end;
-    - less often: it shrinks 1%, starting from the oldest hint age the walk protected.
+    - ``d > 3 se`` (the lower confidence bound of ``d`` above zero: hints are clearly
+      worth more than the blocks they displace): ``protect_s`` grows 1% (from below the
+      hint ages at the eviction end, where it protects nothing, straight to half of
+      them), and goes to ``inf`` once it is four times the hint age at the eviction end;
+    - ``d < 0`` (hinted blocks are reused no more often than unhinted): it shrinks 1%,
+      starting from the oldest hint age the walk protected;
+    - in between it stays;
+    - the first comparison is a verdict: hints that are not ahead there (``d < 0``)
+      drop straight to ``protect_s = 0`` (plain policy order) rather than 1% at a time.
+
+    So before evidence hints protect in full (a tier with a handful of hinted blocks
+    keeps them), the early phase of a wrong client costs only the blocks watched
+    until the first verdict (16 of each class), protection is earned back only on
+    strong evidence and lost on mere doubt: a short lucky streak of a wrong client moves the decayed posteriors
+    too little to clear three standard errors for the ~200 events it takes to climb
+    from half the eviction-end age back to ``inf``.
 
     Pure bookkeeping, O(1) amortised per event. Not thread-safe (the Store's lock).
     """
 
     def __init__(self, parks: bool = False) -> None:
         self.protect_s = math.inf
+        self._judged = False         # the rates were compared once (the first verdict)
         self._watch: OrderedDict[Hashable, list] = OrderedDict()  # key -> [hinted, stamp, reused]
         self._evictions = 0
         self._memory = 1.0 - 1.0 / _MIN_MEMORY
@@ -125,16 +140,23 @@ class HintTrust:
         seen, got = self._seen, self._reused
         if seen[0] < _MIN_SAMPLES or seen[1] < _MIN_SAMPLES:
             return
-        hinted, unhinted = got[1] / seen[1], got[0] / seen[0]
-        pooled = (got[0] + got[1]) / (seen[0] + seen[1])
-        margin = _Z * math.sqrt(pooled * (1 - pooled) * (1 / seen[0] + 1 / seen[1]))
-        if hinted > unhinted + margin:
+        # the observed rates, and the spread of their Beta(1 + reused, 1 + not reused)
+        # posteriors (never zero, so that no streak of a few is certain)
+        lead = got[1] / seen[1] - got[0] / seen[0]
+        hinted, unhinted = (got[1] + 1) / (seen[1] + 2), (got[0] + 1) / (seen[0] + 2)
+        spread = math.sqrt(hinted * (1 - hinted) / (seen[1] + 3) + unhinted * (1 - unhinted) / (seen[0] + 3))
+        if not self._judged:
+            self._judged = True
+            if lead < 0:           # unproven hints that fail their first test protect nothing
+                self.protect_s = 0.0
+                return
+        if lead > _Z_GROW * spread:
             if math.isfinite(self.protect_s):
                 # from below the ages at the eviction end (where it protects nothing),
                 # straight back to half of them
                 grown = max(self.protect_s * (1 + _STEP), self._floor)
                 self.protect_s = math.inf if grown > 4 * self._tail_age else grown
-        elif hinted < unhinted - margin:
+        elif lead < 0:
             base = min(self.protect_s, self.oldest) if self.oldest > 0 else self.protect_s
             if math.isfinite(base):
                 shrunk = base * (1 - _STEP)

@@ -45,7 +45,8 @@ def test_run_hints_reports_every_accuracy_beside_lru_and_belady():
     results = run_hints(requests, [float(i) for i in range(len(requests))], retain_s=30, seed=1,
                         fractions=[0.5])
     (row,) = results["rows"]
-    assert [(h["precision"], h["recall"]) for h in row["hinted"]] == [(1.0, 1.0), (0.8, 0.8), (0.6, 0.6), (0.3, 0.5), (0.0, 1.0)]
+    assert [(h["precision"], h["recall"]) for h in row["hinted"]] == [(1.0, 1.0), (1.0, 0.8), (0.8, 0.8), (0.6, 0.6), (0.3, 0.5),
+                                                                     (0.0, 1.0)]
     assert all(0 <= h["prefix_hit_rate"] <= row["belady"] + 1e-9 for h in row["hinted"])
     assert row["lru"] <= row["belady"]
 
@@ -74,3 +75,4 @@ def test_run_hints_replays_the_wrong_client_at_more_seeds_and_tables_it():
     assert all("protect_s" in h["hint_trust"] for h in row["hinted"])
     table = hints_table(results)
     assert "by client seed 1, 2, 3" in table and "scope full-blocks" in table
+    assert "of the P1/R0.8 gain over LRU" in table and "worst of 3 seeds" in table

@@ -165,3 +165,55 @@ def test_distinct_blocks_past_max_blocks_are_refused_before_the_replay(tmp_path,
     assert code == 2 and "more than --max-blocks 120 distinct blocks (within its first 3 lines)" in err
     code, out, _ = _run(capsys, trace, "--config", config, "--max-blocks", "500", "--policies", "lru", "--png", "")
     assert code == 0 and "Belady" in out
+
+
+def _two_tier(tmp_path):
+    config = tmp_path / "kvstore.yaml"
+    config.write_text("tiers:\n"
+                      "  - {name: hot, kind: dram, capacity: 32MiB, eviction: lru}\n"
+                      f"  - {{name: warm, kind: nvme, path: {tmp_path / 'unused'}, capacity: 128MiB}}\n")
+    return config
+
+
+def test_replay_defaults_to_the_whole_trace_and_says_why_steps_were_not_taken(tmp_path, capsys):
+    """Issue 39: no --limit replays every line; each eviction and admission step not
+    recommended is listed with its reason; the table never cuts a label."""
+    code, out, _ = _run(capsys, TRACE, "--config", _two_tier(tmp_path), "--block-bytes", "1MiB",
+                        "--policies", "lru,fifo", "--png", "", "--json", tmp_path / "r.json")
+    assert code == 0
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert report["trace_lines"] == len(TRACE.read_text().splitlines()) == 400
+    assert report["objective"] == "hit"
+    listed = {e["variant"] for e in report["not_recommended"]}
+    recommended = next((r["variant"] for r in report["rows"] if r["kind"] == "recommended"), "")
+    steps = {r["variant"] for r in report["rows"] if r["kind"] in ("eviction", "admission")}
+    assert listed == {s for s in steps if s not in recommended}
+    assert "Not recommended (--objective hit):" in out
+    for entry in report["not_recommended"]:
+        assert f"{entry['variant']}" in out and entry["reason"] in out
+        assert "points" in entry["reason"]
+    for row in report["rows"]:
+        assert any(line.startswith(row["variant"] + " ") for line in out.splitlines())   # whole label
+
+
+def test_objective_wear_recommends_a_write_cut_that_hit_alone_does_not(tmp_path, capsys):
+    """--objective wear=W: a change that cuts a tier's writes for a little hit rate is
+    worth it once writes weigh enough; under 'hit' it is not taken for that."""
+    args = (TRACE, "--config", _two_tier(tmp_path), "--block-bytes", "1MiB", "--policies", "lru", "--png", "")
+    _run(capsys, *args, "--json", tmp_path / "hit.json")
+    _run(capsys, *args, "--objective", "wear=100", "--json", tmp_path / "wear.json")
+    hit, wear = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("hit", "wear"))
+    assert wear["objective"] == "wear=100"
+    rows = {r["variant"]: r for r in wear["rows"]}
+    base = rows["as configured"]["tier_bytes_written"]["warm"]
+    cut = rows["warm: min_hits 3"]["tier_bytes_written"]["warm"]
+    assert cut < base
+    chosen = next(r for r in wear["rows"] if r["kind"] == "recommended")
+    assert "warm: min_hits" in chosen["variant"]                    # writes weigh: a write cut wins
+    assert chosen["tier_bytes_written"]["warm"] < base
+
+
+def test_a_bad_objective_is_named(tmp_path, capsys):
+    for bad in ("speed", "wear=-1", "wear=x"):
+        code, _, err = _run(capsys, TRACE, "--block-bytes", "1MiB", "--objective", bad, "--png", "")
+        assert code == 2 and f"--objective: unknown objective '{bad}'" in err

@@ -33,8 +33,12 @@ def register(sub: argparse._SubParsersAction) -> None:
                         help="JSONL trace file(s), oldest first (a recorded path also reads its rotated files)")
     parser.add_argument("--config", help="YAML config (default: $KVSTORE_CONFIG or built-in)")
     parser.add_argument("--block-bytes", help="bytes per block (default: the block_bytes the trace recorded)")
-    parser.add_argument("--limit", type=int, default=3000,
-                        help="replay the first N trace lines (default 3000; 0: all)")
+    parser.add_argument("--limit", type=int, default=0,
+                        help="replay only the first N trace lines (default 0: the whole trace)")
+    parser.add_argument("--objective", default="hit",
+                        help="what a recommended change must improve: 'hit' (default: prefix hit rate, or "
+                             "a tenth fewer bytes written for under 0.1 point) or 'wear=W' (W points of hit "
+                             "rate per 100%% change in a tier's bytes written; e.g. wear=1)")
     parser.add_argument("--max-blocks", type=int, default=MAX_BLOCKS,
                         help=f"refuse a trace of more distinct blocks than this (default {MAX_BLOCKS:,}; a "
                              "replay holds about 4 KiB per distinct block in each tier)")
@@ -47,11 +51,15 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from kvstore._replay import belady, replay_store, to_keys
-    from kvstore._replay_plan import recommend, replay_config, variants, yaml_change
+    from kvstore._replay_plan import Objective, recommend, replay_config, variants, why_not, yaml_change
     from kvstore.config import load_config, parse_size
     from kvstore.trace import read_trace, trace_files
     from kvstore.policies import EVICTION_NAMES
 
+    try:
+        objective = Objective.parse(args.objective)
+    except ValueError as exc:
+        raise InvalidArgumentError(f"--objective: {exc}") from None
     config = load_config(args.config)
     if args.limit < 0:
         raise InvalidArgumentError(f"--limit must be >= 0, got {args.limit}")
@@ -73,8 +81,12 @@ def run(args: argparse.Namespace) -> int:
         raise _too_many(args.max_blocks, len(requests))
 
     tried = variants(config, block_bytes, policies)
+    if not args.no_progress:
+        print(f"replaying {len(requests)} trace lines through {len(tried)} configurations (and up to 3 "
+              "combinations); the bar shows the time left", file=sys.stderr, flush=True)
     bar = tqdm(total=len(tried) * len(trace), unit="req", desc="replay", disable=args.no_progress,
-               mininterval=0.5, file=sys.stderr)
+               mininterval=0.5, file=sys.stderr,
+               bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} requests [{elapsed}<{remaining} left, {rate_fmt}]")
 
     def replay(variant):
         return replay_store(replay_config(config, variant, distinct), trace, saves, bar.update)
@@ -82,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
     for variant in tried:
         variant.result = replay(variant)
     bar.total += 3 * len(trace)     # combinations the recommendation may replay
-    best = recommend(config, tried, replay)
+    best = recommend(config, tried, replay, objective)
     if best is not None:
         tried.append(best)
     bar.close()
@@ -93,6 +105,14 @@ def run(args: argparse.Namespace) -> int:
     print(_table(report))
     print()
     print(_advice(config, tried, best, block_bytes, yaml_change), flush=True)
+    reasons = why_not(config, tried, best, objective)
+    if reasons:
+        print(f"\nNot recommended (--objective {objective}):")
+        width = max(len(label) for label, _ in reasons)
+        for label, reason in reasons:
+            print(f"  {label:<{width}}  {reason}")
+    report["objective"] = str(objective)
+    report["not_recommended"] = [{"variant": label, "reason": reason} for label, reason in reasons]
     if args.json_path:
         Path(args.json_path).write_text(json.dumps(report, indent=2) + "\n")
     if args.png:
@@ -151,12 +171,13 @@ def _report(config, tried, optimum, block_bytes, distinct, lines) -> dict:
 
 def _table(report: dict) -> str:
     names = report["tiers"]
-    head = (f"{'variant':<34}{'hit':>7}" + "".join(f"{'hit ' + n[:8]:>14}" for n in names)
+    width = max(34, *(len(row["variant"]) + 1 for row in report["rows"]))
+    head = (f"{'variant':<{width}}{'hit':>7}" + "".join(f"{'hit ' + n[:8]:>14}" for n in names)
             + "".join(f"{'GB to ' + n[:8]:>16}" for n in names))
     lines = [f"{report['trace_lines']} trace lines, {report['block_refs']} block references, "
              f"{report['distinct_blocks']} distinct blocks of {report['block_bytes']} bytes", head, "-" * len(head)]
     for row in report["rows"]:
-        lines.append(f"{row['variant'][:33]:<34}{row['prefix_hit_rate']:>7.2%}"
+        lines.append(f"{row['variant']:<{width}}{row['prefix_hit_rate']:>7.2%}"
                      + "".join(f"{row['tier_hit_rates'][n]:>14.2%}" for n in names)
                      + "".join(f"{row['tier_bytes_written'][n] / 1e9:>16.2f}" for n in names))
     lines.append("-" * len(head))
@@ -201,8 +222,11 @@ def _plot(report: dict, path: str) -> None:
     import matplotlib.pyplot as plt
 
     rows, names = report["rows"], report["tiers"]
-    labels = [r["variant"][:40] for r in rows]
-    figure, (hits, wear) = plt.subplots(1, 2, figsize=(14, 0.28 * len(rows) + 2), sharey=True)
+    import textwrap
+
+    labels = ["\n".join(textwrap.wrap(r["variant"], 44)) for r in rows]    # whole, never cut
+    lines = sum(label.count("\n") + 1 for label in labels)
+    figure, (hits, wear) = plt.subplots(1, 2, figsize=(15, 0.28 * lines + 2), sharey=True)
     left = [0.0] * len(rows)
     for name in names:
         values = [100 * r["tier_hit_rates"][name] for r in rows]
