@@ -41,22 +41,14 @@ def engines(tmp_path, server):
     model = vs.model_dir(tmp_path)
     with Client(server) as c:
         c.clear()
-    made = []
+    made = vs.Engines()
 
     def make(role, seed=None, policy="recompute", **options):
         extra = {"server": server, "chunk_tokens": CHUNK, **options}
-        vc = vs.vllm_config(model, extra, role=role, policy=policy)
-        kcc = vs.kv_cache_config(vc)
-        sched, worker = vs.scheduler(vc, kcc), vs.worker_connector(vc, kcc)
-        caches = vs.kv_caches(kcc, "LBHNC", seed=seed)
-        worker.register_kv_caches(caches)
-        made.append((sched, worker))
-        return sched, worker, caches
+        return made.make(vs.vllm_config(model, extra, role=role, policy=policy), seed)
 
     yield make
-    for sched, worker in made:
-        worker.shutdown()
-        sched.connector.shutdown()
+    made.shutdown()
 
 
 class Run:

@@ -25,22 +25,14 @@ def server():
 @pytest.fixture
 def engines(tmp_path, server):
     model = vs.model_dir(tmp_path)
-    made = []
+    made = vs.Engines()
 
     def make(seed=None, **options):
         extra = {"server": server.address, "token": TOKEN, "chunk_tokens": CHUNK, **options}
-        vc = vs.vllm_config(model, extra)
-        kcc = vs.kv_cache_config(vc)
-        sched, worker = vs.scheduler(vc, kcc), vs.worker_connector(vc, kcc)
-        caches = vs.kv_caches(kcc, "LBHNC", seed=seed)
-        worker.register_kv_caches(caches)
-        made.append((sched, worker))
-        return sched, worker, caches
+        return made.make(vs.vllm_config(model, extra), seed)
 
     yield make
-    for sched, worker in made:
-        worker.shutdown()
-        sched.connector.shutdown()
+    made.shutdown()
 
 
 def test_prefix_saved_by_one_engine_loads_in_another(engines, server):

@@ -22,7 +22,7 @@ if _missing:
 
 from kvstore.testing import free_port  # noqa: E402
 from tests._serve import start_server, stop_server  # noqa: E402
-from tests.test_connector_vllm import CHUNK, PROMPT, blocks_of, same_pages, step  # noqa: E402
+from tests.test_connector_vllm import CHUNK, PROMPT, blocks_of, run_to_completion, same_pages, step  # noqa: E402
 
 
 @pytest.fixture
@@ -57,36 +57,21 @@ tiers:
 
 @pytest.fixture
 def engine(tmp_path, server):
-    made = []
+    made = vs.Engines()
 
     def make(seed=None, prefix_caching=True):
         vc = vs.vllm_config(vs.model_dir(tmp_path), {"server": server.address, "chunk_tokens": CHUNK},
                             prefix_caching=prefix_caching)
-        kcc = vs.kv_cache_config(vc)
-        sched, worker = vs.scheduler(vc, kcc), vs.worker_connector(vc, kcc)
-        caches = vs.kv_caches(kcc, "LBHNC", seed=seed)
-        worker.register_kv_caches(caches)
-        made.append((sched, worker))
-        return sched, worker, caches
+        return made.make(vc, seed)
 
     yield make
-    for sched, worker in made:
-        worker.shutdown()
-        sched.connector.shutdown()
+    made.shutdown()
 
 
 def finish(sched, worker, req):
-    """Schedule ``req`` until vLLM finishes it; the connector's saves of it, by step."""
-    sched.add_request(req)
-    saves = []
-    deadline = time.monotonic() + 30
-    while sched.has_unfinished_requests() or req.request_id in sched.requests:
-        out, _ = step(sched, worker)
-        saves += out.kv_connector_metadata.saves
-        if not out.num_scheduled_tokens:
-            time.sleep(0.005)
-        assert time.monotonic() < deadline, "request did not finish"
-    return saves
+    """Schedule ``req`` until vLLM finishes it (its saves may be dropped: never waits for
+    them to land); the connector's saves of it."""
+    return run_to_completion(sched, worker, req, landed=False)
 
 
 def counters(connector) -> dict[str, int]:

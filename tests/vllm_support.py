@@ -126,6 +126,28 @@ def worker_connector(vc, kcc):
     return KVConnectorFactory.create_connector(vc, KVConnectorRole.WORKER, kcc)
 
 
+class Engines:
+    """Scheduler + worker pairs of vLLM's real classes on CPU caches, shut down together:
+    ``make(vc, seed=None)`` returns ``(scheduler, worker connector, caches)``."""
+
+    def __init__(self, layout: str = "LBHNC"):
+        self.layout = layout
+        self.made: list[tuple[Any, Any]] = []
+
+    def make(self, vc, seed: int | None = None):
+        kcc = kv_cache_config(vc)
+        sched, worker = scheduler(vc, kcc), worker_connector(vc, kcc)
+        caches = kv_caches(kcc, self.layout, seed=seed)
+        worker.register_kv_caches(caches)
+        self.made.append((sched, worker))
+        return sched, worker, caches
+
+    def shutdown(self) -> None:
+        for sched, worker in self.made:
+            worker.shutdown()
+            sched.connector.shutdown()
+
+
 _tok = itertools.count(100)
 
 
