@@ -35,19 +35,20 @@ from kvstore.errors import ConfigError, InvalidArgumentError
 from kvstore.keys import BlockKey, Namespace
 
 
-def shard_of(cfg: Any) -> tuple[int, int, str]:
+def shard_of(cfg: Any, tp_sharded: bool = False) -> tuple[int, int, str]:
     """(rank, world_size, extra) of the KV shard this SGLang rank holds.
 
     MLA KV is replicated over TP, so all TP ranks share rank 0 of 1 (DCP splits it
     into ``dcp_size`` shards). Pipeline and attention-CP stages hold different bytes
-    and go into ``extra``.
+    and go into ``extra``. ``tp_sharded``: bytes that differ per TP rank even in an
+    MLA model (Mamba state).
     """
     extra = []
     if cfg.pp_size > 1:
         extra.append(f"pp{cfg.pp_rank}/{cfg.pp_size}")
     if cfg.attn_cp_size > 1:
         extra.append(f"cp{cfg.attn_cp_rank}/{cfg.attn_cp_size}")
-    if cfg.is_mla_model:
+    if cfg.is_mla_model and not tp_sharded:
         dcp_size = getattr(cfg, "dcp_size", 1)
         if dcp_size > 1:
             extra.append(f"page{cfg.logical_page_size}")
@@ -167,8 +168,8 @@ def engine_identity(server_args: Any, model: str, weights_version: str | None) -
 
 
 def make_namespace(model: str, dtype: str, layout: str, page_tokens: int, cfg: Any, salt: str,
-                   identity: dict[str, str] | None = None) -> Namespace:
-    rank, world, extra = shard_of(cfg)
+                   identity: dict[str, str] | None = None, tp_sharded: bool = False) -> Namespace:
+    rank, world, extra = shard_of(cfg, tp_sharded)
     fields: dict[str, Any] = {"shard": extra, "user": salt}
     if identity:
         fields["engine"] = identity

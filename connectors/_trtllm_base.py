@@ -78,6 +78,7 @@ def scheme_of(llm_args: Any) -> KeyScheme:
         raise ConfigError("trtllm connector: an NVFP4 KV cache is not supported: TensorRT-LLM keeps its block "
                           "scales in a second pool, and this connector moves only the primary pool (the scales "
                           "would not match the blocks)")
+    check_vswa(llm_args)
     spec = getattr(llm_args, "speculative_config", None)
     if spec is not None and str(getattr(spec, "decoding_type", "")) != "NGram":
         raise ConfigError(f"trtllm connector: speculative decoding with a draft model (speculative_config "
@@ -96,16 +97,34 @@ def scheme_of(llm_args: Any) -> KeyScheme:
                      fields=fields)
 
 
+def _windows(llm_args: Any) -> list[int]:
+    windows = getattr(getattr(llm_args, "kv_cache_config", None), "max_attention_window", None) or []
+    return [int(windows)] if isinstance(windows, int) else [int(w) for w in windows]
+
+
+def check_vswa(llm_args: Any) -> None:
+    """Refuse variable sliding window attention (VSWA: ``max_attention_window`` names
+    two or more window sizes, one of them shorter than the sequence). TensorRT-LLM then
+    keeps one KV pool per window size, with blocks of each window freed at their own
+    pace; this connector moves one pool through the documented connector API, so it
+    could key only some layers' KV or load into pages one window no longer has."""
+    windows = _windows(llm_args)
+    max_seq_len = getattr(llm_args, "max_seq_len", None)
+    if len(set(windows)) > 1 and (max_seq_len is None or min(windows) < int(max_seq_len)):
+        raise ConfigError(f"trtllm connector: variable sliding window attention (VSWA: "
+                          f"kv_cache_config.max_attention_window={windows}) is not supported: TensorRT-LLM keeps "
+                          "one KV pool per window size and this connector moves a single pool; use one window "
+                          "size for every layer, or serve this model without the kvstore connector")
+
+
 def windowed_pool(llm_args: Any) -> bool:
     """Whether the pool holds a sliding (or chunked) attention window:
     ``kv_cache_config.max_attention_window`` names a window shorter than the sequence
     (or the sequence length is unknown). TensorRT-LLM reports the blocks such a
     window has passed as ``-1``."""
-    windows = getattr(getattr(llm_args, "kv_cache_config", None), "max_attention_window", None) or []
-    if isinstance(windows, int):
-        windows = [windows]
+    windows = _windows(llm_args)
     max_seq_len = getattr(llm_args, "max_seq_len", None)
-    return bool(windows) and (max_seq_len is None or min(int(w) for w in windows) < int(max_seq_len))
+    return bool(windows) and (max_seq_len is None or min(windows) < int(max_seq_len))
 
 
 def _present(value: Any) -> bool:
@@ -200,4 +219,4 @@ def record_event(stream: Any, tensors: list) -> Any:
 __all__ = ["KvCacheConnectorScheduler", "KvCacheConnectorWorker", "LEASE_S", "STAGING_BYTES", "STORE_FAILURES",
            "load_staging_bytes",
            "acquire_store", "check_store_reach", "connector_config", "leading", "on_stream", "record_event",
-           "release_store", "request_key", "scheme_of", "server_url", "text_of", "windowed_pool"]
+           "release_store", "request_key", "scheme_of", "check_vswa", "server_url", "text_of", "windowed_pool"]

@@ -52,6 +52,8 @@ from kvstore.connectors._metrics import ConnectorMetrics
 from kvstore.connectors._store_handle import open_store, release_store
 from kvstore.connectors._sglang_pages import (LeaseBook, PageKeys, PoolSegments, Staging, engine_identity, kv_dtype,
                                               make_namespace, pool_signature)
+from kvstore.connectors._sglang_pools import (KV_POOLS, TP_SHARDED_POOLS, check_pool, page_starts, pool_name,
+                                              restorable_prefixes, side_pool_signature)
 from kvstore.api import StoreAPI
 from kvstore.buffers import copy_bytes, nbytes_of
 from kvstore.config import parse_size
@@ -139,7 +141,8 @@ class KVStoreHiCacheStorage(HiCacheStorage):
         self._staging: Staging | None = None
         self._lock = threading.Lock()
         self._counters = dict.fromkeys(("pages_loaded", "pages_missed", "pages_saved", "pages_save_failed",
-                                        "store_failures"), 0)
+                                        "store_failures", "side_pages_loaded", "side_pages_missed",
+                                        "side_pages_saved", "side_pages_save_failed"), 0)
         self._metrics: dict[str, list] = {"prefetch_pgs": [], "backup_pgs": [],
                                           "prefetch_bandwidth": [], "backup_bandwidth": []}
         self.mem_pool_host = None
@@ -151,6 +154,9 @@ class KVStoreHiCacheStorage(HiCacheStorage):
         self._v1: PageKeys | None = None
         self._page_tokens = page
         self._namespaces = [self._v0.ns.digest]   # every key space this backend used (clear)
+        # v2 side pools (Mamba, SWA, indexer): name -> (host pool, keys, pool page slots)
+        self._side: dict[str, tuple[Any, PageKeys, int]] = {}
+        self._pools_registered = False
         self._closed = False
 
     # -- registration -------------------------------------------------------------------
@@ -175,6 +181,34 @@ class KVStoreHiCacheStorage(HiCacheStorage):
                 page_bytes = self._segments.page_bytes
                 nbytes = max(self._staging_bytes // page_bytes, 1) * page_bytes
                 self._staging = Staging(nbytes, lambda held: self.metrics.set("staging_bytes", held))
+
+    def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
+        """A hybrid model's host pool (SGLang registers the anchor KV pool here too, which
+        keeps its v0/v1 key spaces). A side pool gets a key space of its own; one this
+        backend cannot store is refused by name at start-up (see
+        :mod:`~connectors._sglang_pools`). One registered later (SGLang's dynamic
+        sidecars) is logged and reads as a miss: raising there would stop the scheduler."""
+        super().register_mem_host_pool_v2(host_pool, host_pool_name)
+        name = pool_name(host_pool_name)
+        if name == "kv":
+            return
+        try:
+            check_pool(name, host_pool)
+        except ConfigError as exc:
+            if not self._pools_registered:
+                raise
+            log.error("%s; its pages are reported as misses", exc)
+            return
+        dtype, layout, slots, _ = side_pool_signature(name, host_pool)
+        kv = self._kv_cache_dtype
+        dtype = kv_dtype(dtype, kv) if name in KV_POOLS else (f"{dtype}/{kv}" if kv and kv != "auto" else dtype)
+        ns = make_namespace(self.model, dtype, layout, self._page_tokens, self.storage_config, self._salt,
+                            self._identity, tp_sharded=name in TP_SHARDED_POOLS)
+        self._side[name] = (host_pool, PageKeys(ns, 1), slots)
+        self._namespaces.append(ns.digest)
+
+    def on_host_pools_registered(self) -> None:
+        self._pools_registered = True
 
     @property
     def store(self) -> StoreAPI:
@@ -290,6 +324,123 @@ class KVStoreHiCacheStorage(HiCacheStorage):
                 self._failure("delete", exc)
         self._count_save(ok, sum(v.nbytes for v in views), start)
         return ok
+
+    # -- hybrid (v2) path: side pools beside the KV pool ---------------------------------
+
+    def batch_exists_v2(self, keys: List[str], pool_transfers: Optional[List[Any]] = None,
+                        extra_info: Optional[Any] = None) -> Any:
+        """The longest prefix of ``keys`` (KV page hashes) that the KV pool AND every
+        side pool in ``pool_transfers`` can restore, under each pool's hit policy
+        (``all_pages``: every page of the prefix; ``trailing_pages``: its last
+        ``len(transfer.keys)`` pages, e.g. the Mamba state at the prefix's end).
+        ``restorable_prefix_pages`` lists every such length; only the KV pages of the
+        longest are leased. A pool this backend does not hold restores nothing."""
+        from sglang.srt.mem_cache.hicache_storage import PoolTransferResult
+
+        space = self._space()
+        prefix = getattr(extra_info, "prefix_keys", None) if extra_info is not None else None
+        block_keys = space.keys(keys, prefix)
+        lease_s = self.lease_s or None
+        try:
+            n = self._store.lookup(block_keys, lease_s=lease_s, hint=_hint_of(extra_info))
+        except _STORE_FAILURES as exc:
+            self._failure("lookup", exc)
+            return PoolTransferResult(0, {}, [])
+        seg = space.segments
+        kv_pages = n // seg
+        restorable = set(range(1, kv_pages + 1))
+        hits: dict[str, int] = {"kv": kv_pages} if kv_pages else {}
+        for transfer in pool_transfers or ():
+            name = pool_name(transfer.name)
+            if name == "kv" or not restorable:
+                continue
+            side = self._side.get(name)
+            if side is None:
+                log.warning("sglang: no kvstore key space for host pool %r; the query is a miss", name)
+                restorable = set()
+                break
+            try:
+                present = self._store.contains(side[1].keys(keys[:kv_pages], prefix)) if kv_pages else []
+            except _STORE_FAILURES as exc:
+                self._failure("contains", exc)
+                present = [False] * kv_pages
+            pool_ok = restorable_prefixes(kv_pages, list(present), pool_name(transfer.hit_policy),
+                                          len(transfer.keys or ()))
+            if pool_ok:
+                hits[name] = max(pool_ok)
+            restorable &= pool_ok
+        final = max(restorable, default=0)
+        if lease_s and n:
+            leased = final * seg
+            if final:
+                self._leases.add(keys[:final], [block_keys[i * seg:(i + 1) * seg] for i in range(final)])
+            self._leases.drop_unheld(block_keys[leased:n])
+        self.metrics.add("hit_tokens", final * self._page_tokens)
+        return PoolTransferResult(final, hits, sorted(restorable))
+
+    def batch_get_v2(self, transfers: List[Any], extra_info: Optional[Any] = None) -> dict:
+        """Load each side pool's pages into its host slots. ``True`` per page only when
+        the page's block verified and was written into the pool; a pool this backend
+        does not hold, or slots that are not whole pages of it, read as misses."""
+        prefix = getattr(extra_info, "prefix_keys", None) if extra_info is not None else None
+        out: dict = {}
+        for transfer in transfers:
+            side, keys, starts = self._side_batch(transfer, "load")
+            ok = [False] * len(keys)
+            if side is not None and keys:
+                pool, space, _ = side
+                dsts = [pool.get_dummy_flat_data_page() for _ in keys]
+                ok = self._load(space.keys(keys, prefix), dsts)
+                for start, dst, hit in zip(starts, dsts, ok):
+                    if hit:
+                        pool.set_from_flat_data_page(int(start), dst)
+            self._count_side("loaded", "missed", ok)
+            out[transfer.name] = ok
+        return out
+
+    def batch_set_v2(self, transfers: List[Any], extra_info: Optional[Any] = None) -> dict:
+        """Store each side pool's pages (one block per page) from its host slots."""
+        prefix = getattr(extra_info, "prefix_keys", None) if extra_info is not None else None
+        hint = _hint_of(extra_info)
+        out: dict = {}
+        for transfer in transfers:
+            name = pool_name(transfer.name)
+            side, keys, starts = self._side_batch(transfer, "save")
+            if side is not None and not self.is_writer and name not in TP_SHARDED_POOLS:
+                out[transfer.name] = [True] * len(keys)   # MLA: another rank writes the shared copy
+                continue
+            ok = [False] * len(keys)
+            if side is not None and keys:
+                pool, space, _ = side
+                srcs = [pool.get_data_page(int(start), flat=True).contiguous() for start in starts]
+                ok = self._save(space.keys(keys, prefix), srcs, hint)
+            self._count_side("saved", "save_failed", ok)
+            out[transfer.name] = ok
+        return out
+
+    def _side_batch(self, transfer: Any, op: str) -> tuple[Any, list, Any]:
+        """(side pool or None, keys, first slot per page) of one transfer; None where
+        this backend holds no such pool or the slots are not whole pages of it."""
+        name = pool_name(transfer.name)
+        keys = list(transfer.keys or ())
+        side = self._side.get(name)
+        if side is None:
+            log.warning("sglang: no kvstore key space for host pool %r; %d pages not %sed", name, len(keys),
+                        "load" if op == "load" else "sav")
+            return None, keys, None
+        pool, _, slots = side
+        try:
+            starts = page_starts(transfer.host_indices, len(keys), slots, int(getattr(pool, "size", 0) or 0))
+        except InvalidArgumentError as exc:
+            log.error("sglang: %s pool %r: %s; reported as failed", op, name, exc)
+            return None, keys, None
+        return side, keys, starts
+
+    def _count_side(self, good_name: str, bad_name: str, ok: list[bool]) -> None:
+        good = sum(ok)
+        with self._lock:
+            self._counters[f"side_pages_{good_name}"] += good
+            self._counters[f"side_pages_{bad_name}"] += len(ok) - good
 
     # -- management ---------------------------------------------------------------------
 

@@ -19,6 +19,7 @@ import os
 import shutil
 import sys
 import tempfile
+from contextlib import contextmanager
 from types import ModuleType
 from unittest import mock
 
@@ -47,12 +48,11 @@ def _drop_torchvision_modules() -> None:
         del sys.modules[name]
 
 
-def import_host_pool():
-    """(MHATokenToKVPoolHost, MHABufferInfo, KVBuffers, KVBufferLayout) from SGLang.
-
-    The placeholder is in place only while SGLang's modules import, then removed
-    again, so later tests in the same session (other engines) see no torchvision.
-    """
+@contextmanager
+def _sglang_imports():
+    """SGLang's modules import inside this block with the placeholder in place; it is
+    removed again after, so later tests in the same session (other engines) see no
+    torchvision."""
     try:
         import torchvision  # noqa: F401  (a working torchvision needs no placeholder)
         placeholder = None
@@ -69,15 +69,43 @@ def import_host_pool():
         sys.path.append(meta)
         sys.meta_path.insert(0, placeholder)
     try:
-        from sglang.srt.mem_cache.device_pool_info import KVBufferLayout, KVBuffers, MHABufferInfo
-        from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
+        yield
     finally:
         if placeholder is not None:
             sys.meta_path.remove(placeholder)
             sys.path.remove(meta)
             shutil.rmtree(meta, ignore_errors=True)
             _drop_torchvision_modules()
+
+
+def import_host_pool():
+    """(MHATokenToKVPoolHost, MHABufferInfo, KVBuffers, KVBufferLayout) from SGLang."""
+    with _sglang_imports():
+        from sglang.srt.mem_cache.device_pool_info import KVBufferLayout, KVBuffers, MHABufferInfo
+        from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
     return MHATokenToKVPoolHost, MHABufferInfo, KVBuffers, KVBufferLayout
+
+
+def make_mamba_host_pool(*, layers: int = 2, slots: int = 8, heads: int = 2, state_dim: int = 4,
+                         conv_width: int = 3, conv_dim: int = 6, layout: str = "page_first",
+                         temporal_dtype=None, conv_dtype=None):
+    """A real SGLang ``MambaPoolHost`` on CPU (one state slot per page) over
+    device-side Mamba state tensors of a hybrid model's geometry: a temporal (SSM)
+    state ``[layers, slots, heads, state_dim, state_dim]`` and one conv state
+    ``[layers, slots, conv_dim, conv_width]``, as SGLang's ``MambaStateBufferInfo``."""
+    import torch
+
+    with _sglang_imports():
+        from sglang.srt.mem_cache.device_pool_info import MambaStateBufferInfo
+        from sglang.srt.mem_cache.pool_host.base import host_memory_budget_scope
+        from sglang.srt.mem_cache.pool_host.mamba import MambaPoolHost
+    temporal = torch.zeros(layers, slots, heads, state_dim, state_dim, dtype=temporal_dtype or torch.float32)
+    conv = (torch.zeros(layers, slots, conv_dim, conv_width, dtype=conv_dtype or torch.bfloat16),)
+    info = MambaStateBufferInfo(temporal=temporal, conv=conv)
+    with host_memory_budget_scope(_POOL_BUDGET_BYTES):
+        pool = MambaPoolHost(info, 2.0, 0, device_capacity=slots, pin_memory=False, device="cpu", layout=layout)
+    pool._kvstore_device_state = (temporal, conv)
+    return pool
 
 
 def make_mha_host_pool(layout: str, *, layers: int = 2, heads: int = 2, head_dim: int = 8,
@@ -105,4 +133,23 @@ def make_mha_host_pool(layout: str, *, layers: int = 2, heads: int = 2, head_dim
         pool = pool_cls(info, 2.0, 0, page_size, layout, pin_memory=False, device="cpu",
                         device_capacity_tokens=device_tokens, start_layer=0, end_layer=layers)
     pool._kvstore_device_kv = (k, v)  # keep the device-side tensors alive with the pool
+    return pool
+
+
+def make_paged_indexer_host_pool(kv_pool, *, layers: int = 2, item_bytes: int = 48):
+    """A real SGLang ``DeepSeekV4PagedHostPool`` on CPU: the host pool class behind
+    SGLang's sparse-attention indexer side pool (``QSAIndexerPoolHost`` is it over a
+    QSA device pool), one byte row per page of ``kv_pool``'s slots, addressed by them."""
+    import torch
+
+    with _sglang_imports():
+        from sglang.srt.mem_cache.memory_pool_host import DeepSeekV4PagedHostPool
+        from sglang.srt.mem_cache.pool_host.base import host_memory_budget_scope
+    device = [torch.zeros(kv_pool.page_num, item_bytes, dtype=torch.uint8) for _ in range(layers)]
+    with host_memory_budget_scope(_POOL_BUDGET_BYTES):
+        pool = DeepSeekV4PagedHostPool(pool_name="qsa_indexer", device_buffers=device, item_bytes=item_bytes,
+                                       num_host_pages=kv_pool.page_num, slot_page_size=kv_pool.page_size,
+                                       layout=kv_pool.layout, device="cpu", pin_memory=False,
+                                       page_aligned_only=True)
+    pool._kvstore_device = device
     return pool

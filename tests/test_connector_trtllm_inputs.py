@@ -153,6 +153,31 @@ def test_a_window_as_long_as_the_sequence_is_no_window(trt):
         sched.close()
 
 
+@pytest.mark.parametrize("windows,max_seq_len", [([512, 4096], 4096), ([256, 1024, 1024], None)])
+def test_variable_sliding_window_is_refused_by_name_at_start_up(trt, windows, max_seq_len):
+    """VSWA (several window sizes: TensorRT-LLM keeps one pool per size) is refused by
+    the scheduler and the worker when they are built, naming the feature."""
+    args = base.llm_args()
+    args.kv_cache_config.max_attention_window = windows
+    args.max_seq_len = max_seq_len
+    with pytest.raises(ConfigError, match=r"variable sliding window attention \(VSWA"):
+        trt.KVStoreConnectorScheduler(args)
+    with pytest.raises(ConfigError, match="VSWA"):
+        trt.KVStoreConnectorWorker(args)
+
+
+def test_one_window_size_for_every_layer_is_not_vswa(trt):
+    for windows, max_seq_len in (([512, 512], 4096), ([4096, 8192], 4096)):
+        args = base.llm_args()
+        args.kv_cache_config.max_attention_window = windows
+        args.max_seq_len = max_seq_len
+        sched = trt.KVStoreConnectorScheduler(args)
+        try:
+            assert sched.windowed is (windows == [512, 512])
+        finally:
+            sched.close()
+
+
 def test_blocks_a_window_has_passed_are_never_load_targets(engine):
     """The engine reports the leading blocks as -1 (its window has passed them): the
     in-window blocks of the promised range are loaded, none into a -1, and from then
