@@ -80,6 +80,7 @@ from typing import Any, Callable, Container, Hashable, Iterator, Mapping
 
 from kvstore.policies._order import iter_live
 from kvstore.policies._parking import Parking
+from kvstore.policies._ranked import RankedHeld
 from kvstore.policies._trust import HintTrust
 from kvstore.policies.base import EvictionPolicy
 
@@ -146,7 +147,7 @@ class RetentionClasses(EvictionPolicy):
         # class 3 by hint age, per priority: key -> its record, in the order the tier got
         # the hints (lineage keeps its own leaf-first order instead: see _held_walk)
         self._by_age = not inner.uses_parent
-        self._held: dict[int, OrderedDict[Hashable, Any]] = {}
+        self._held: dict[int, RankedHeld] = {}      # by priority, ranked by next use
         self._held_at: dict[Hashable, int] = {}      # key -> its priority in _held
         # stamped policies (LRU, FIFO): hinted keys the walk passed leave the policy's
         # queue while their hint holds, so a walk does not step over them again; policies
@@ -203,15 +204,18 @@ class RetentionClasses(EvictionPolicy):
             return
         self._discard.pop(key, None)
         if hint is not None and self._by_age and key in self:
-            self._held.setdefault(hint.priority, OrderedDict())[key] = hint
+            held = self._held.get(hint.priority)
+            if held is None:
+                held = self._held[hint.priority] = RankedHeld()
+            held.add(key, hint)
             self._held_at[key] = hint.priority
 
     def _unhold(self, key: Hashable) -> None:
         priority = self._held_at.pop(key, None)
         if priority is not None:
-            bucket = self._held[priority]
-            del bucket[key]
-            if not bucket:
+            held = self._held[priority]
+            held.remove(key)
+            if not len(held):
                 del self._held[priority]
 
     def set_capacity(self, capacity_bytes: int) -> None:
@@ -301,7 +305,7 @@ class RetentionClasses(EvictionPolicy):
         if settled:                                       # the held keys passed too
             kept.update(rec.priority for rec in map(hints.get, parking.held) if rec is not None)
         for priority in sorted(kept):
-            for key in self._held_walk(priority):
+            for key in self._held_walk(priority, now):
                 hint = hints.get(key)
                 if (hint is not None and not hint.discard and hint.expires > now and hint.priority == priority
                         and now - hint.given < limit and (unprotected is None or key not in unprotected)):
@@ -325,30 +329,16 @@ class RetentionClasses(EvictionPolicy):
             parking.loosen_many(list(dict.fromkeys(key for key in joined if key in parking.held)))
         return True
 
-    def _held_walk(self, priority: int) -> Iterator[Hashable]:
-        """Class 3 candidates of one priority, in the order of the module docstring
-        (lineage: its own walk). The caller re-checks each key's hint."""
+    def _held_walk(self, priority: int, now: float) -> Iterator[Hashable]:
+        """Class 3 candidates of one priority, lowest expected value of keeping first
+        (:mod:`kvstore.policies._ranked`; lineage: its own walk). The caller re-checks
+        each key's hint."""
         if not self._by_age:
             yield from (self.inner.held_victims() if self._holding else self.inner.victims())
             return
-        bucket = self._held.get(priority)
-        if bucket is None:
-            return
-        # a snapshot: the walk reaches class 3 only after passing every block the tier
-        # holds, so one more O(n) costs nothing extra, and evictions between yields
-        # leave it intact
-        group: list[Hashable] = []
-        at = None
-        for key in list(bucket):
-            rec = bucket.get(key)
-            if rec is None:
-                continue
-            if group and rec.given != at:
-                yield from (k for k in reversed(group) if k in bucket)
-                group = []
-            group.append(key)
-            at = rec.given
-        yield from (k for k in reversed(group) if k in bucket)
+        held = self._held.get(priority)
+        if held is not None:
+            yield from held.walk(now, self.trust.hinted_rate())
 
     def hint_stats(self) -> dict[str, Any]:
         """This tier's :class:`HintTrust` state (``stats()["tiers"][i]["hint_trust"]``)."""
