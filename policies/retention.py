@@ -8,13 +8,16 @@ Victims come in three classes:
    block sits wherever the policy's own history puts it), and blocks whose hint is
    older than the tier's trust in hints (``protect_s``, below), in the wrapped
    policy's own order;
-3. blocks held by a live hint, lowest priority class first; within a class the oldest
-   hint first (in the order the tier got them), and of the hints the tier got at one
-   time (one request's blocks) the last first, so a request's deepest blocks leave
-   before its prefix. Reads since the hint do not count: the hint a client gave last
-   is its latest word on a block's future (a conversation that came back without
-   hinting again has had its turn). Lineage keeps its own order here (leaves first,
-   which a prefix-aware policy needs within a class).
+3. blocks held by a live hint, lowest priority class first; within a class by what
+   the hint says about the block's next use (:mod:`kvstore.policies._ranked`: the
+   hint's window and age and the tier's observed reuse of hinted blocks), lowest
+   expected value first: of hints with one window the oldest first (in the order the
+   tier got them), of hints of one age the longest window first, a hint with no expiry
+   first of all; of the hints the tier got at one time (one request's blocks) the last
+   first, so a request's deepest blocks leave before its prefix. Reads since the hint
+   do not count: the hint a client gave last is its latest word on a block's future (a
+   conversation that came back without hinting again has had its turn). Lineage keeps
+   its own order here (leaves first, which a prefix-aware policy needs within a class).
 
 A hint protects no block in ``unprotected`` (``None``, the default: a hint may protect
 every block). The Store sets it for the cache server's tenants
@@ -30,8 +33,9 @@ without hints; the layer only filters its walk. A class-3 block is offered only 
 the walk has passed every block of classes 1 and 2. Walking past a hinted block is a
 skip as far as the policy can tell (as for a leased block: S3-FIFO and SIEVE move such
 keys on). Cost (LFU, S3-FIFO, SIEVE, ARC): a victim walk steps over the live-hinted
-blocks ahead of the first unhinted one; class 3 then walks a snapshot of the hinted
-blocks of each priority class present (lineage: its own order once more per class).
+blocks ahead of the first unhinted one; class 3 then walks the hinted blocks of each
+priority class present, comparing only the heads of a fixed number of buckets per
+victim, with no snapshot (lineage: its own order once more per class).
 
 Over a stamped policy (LRU, FIFO: ``EvictionPolicy.stamped``) it steps over each of them
 once: every key the walk steps past in the policy's queue (held by a hint, skipped by the
