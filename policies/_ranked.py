@@ -113,6 +113,9 @@ class RankedHeld:
     def walk(self, now: float, p: float) -> Iterator[Hashable]:
         """Candidates, lowest value first (the caller re-checks each key's hint and
         evicts or skips it between yields)."""
+        if len(self._buckets) == 1:                 # one window length: oldest hint first
+            yield from self._bucket_walk(next(iter(self._buckets)))
+            return
         heads: dict[int, tuple[Hashable, Iterator[Hashable]]] = {}
         for b in list(self._buckets):
             it = self._bucket_walk(b)
