@@ -8,13 +8,16 @@ Victims come in three classes:
    block sits wherever the policy's own history puts it), and blocks whose hint is
    older than the tier's trust in hints (``protect_s``, below), in the wrapped
    policy's own order;
-3. blocks held by a live hint, lowest priority class first; within a class the oldest
-   hint first (in the order the tier got them), and of the hints the tier got at one
-   time (one request's blocks) the last first, so a request's deepest blocks leave
-   before its prefix. Reads since the hint do not count: the hint a client gave last
-   is its latest word on a block's future (a conversation that came back without
-   hinting again has had its turn). Lineage keeps its own order here (leaves first,
-   which a prefix-aware policy needs within a class).
+3. blocks held by a live hint, lowest priority class first; within a class by what
+   the hint says about the block's next use (:mod:`kvstore.policies._ranked`: the
+   hint's window and age and the tier's observed reuse of hinted blocks), lowest
+   expected value first: of hints with one window the oldest first (in the order the
+   tier got them), of hints of one age the longest window first, a hint with no expiry
+   first of all; of the hints the tier got at one time (one request's blocks) the last
+   first, so a request's deepest blocks leave before its prefix. Reads since the hint
+   do not count: the hint a client gave last is its latest word on a block's future (a
+   conversation that came back without hinting again has had its turn). Lineage keeps
+   its own order here (leaves first, which a prefix-aware policy needs within a class).
 
 A hint protects no block in ``unprotected`` (``None``, the default: a hint may protect
 every block). The Store sets it for the cache server's tenants
@@ -30,8 +33,9 @@ without hints; the layer only filters its walk. A class-3 block is offered only 
 the walk has passed every block of classes 1 and 2. Walking past a hinted block is a
 skip as far as the policy can tell (as for a leased block: S3-FIFO and SIEVE move such
 keys on). Cost (LFU, S3-FIFO, SIEVE, ARC): a victim walk steps over the live-hinted
-blocks ahead of the first unhinted one; class 3 then walks a snapshot of the hinted
-blocks of each priority class present (lineage: its own order once more per class).
+blocks ahead of the first unhinted one; class 3 then walks the hinted blocks of each
+priority class present, comparing only the heads of a fixed number of buckets per
+victim, with no snapshot (lineage: its own order once more per class).
 
 Over a stamped policy (LRU, FIFO: ``EvictionPolicy.stamped``) it steps over each of them
 once: every key the walk steps past in the policy's queue (held by a hint, skipped by the
@@ -80,6 +84,7 @@ from typing import Any, Callable, Container, Hashable, Iterator, Mapping
 
 from kvstore.policies._order import iter_live
 from kvstore.policies._parking import Parking
+from kvstore.policies._ranked import RankedHeld
 from kvstore.policies._trust import HintTrust
 from kvstore.policies.base import EvictionPolicy
 
@@ -146,7 +151,7 @@ class RetentionClasses(EvictionPolicy):
         # class 3 by hint age, per priority: key -> its record, in the order the tier got
         # the hints (lineage keeps its own leaf-first order instead: see _held_walk)
         self._by_age = not inner.uses_parent
-        self._held: dict[int, OrderedDict[Hashable, Any]] = {}
+        self._held: dict[int, RankedHeld] = {}      # by priority, ranked by next use
         self._held_at: dict[Hashable, int] = {}      # key -> its priority in _held
         # stamped policies (LRU, FIFO): hinted keys the walk passed leave the policy's
         # queue while their hint holds, so a walk does not step over them again; policies
@@ -203,15 +208,18 @@ class RetentionClasses(EvictionPolicy):
             return
         self._discard.pop(key, None)
         if hint is not None and self._by_age and key in self:
-            self._held.setdefault(hint.priority, OrderedDict())[key] = hint
+            held = self._held.get(hint.priority)
+            if held is None:
+                held = self._held[hint.priority] = RankedHeld()
+            held.add(key, hint)
             self._held_at[key] = hint.priority
 
     def _unhold(self, key: Hashable) -> None:
         priority = self._held_at.pop(key, None)
         if priority is not None:
-            bucket = self._held[priority]
-            del bucket[key]
-            if not bucket:
+            held = self._held[priority]
+            held.remove(key)
+            if not len(held):
                 del self._held[priority]
 
     def set_capacity(self, capacity_bytes: int) -> None:
@@ -301,7 +309,7 @@ class RetentionClasses(EvictionPolicy):
         if settled:                                       # the held keys passed too
             kept.update(rec.priority for rec in map(hints.get, parking.held) if rec is not None)
         for priority in sorted(kept):
-            for key in self._held_walk(priority):
+            for key in self._held_walk(priority, now):
                 hint = hints.get(key)
                 if (hint is not None and not hint.discard and hint.expires > now and hint.priority == priority
                         and now - hint.given < limit and (unprotected is None or key not in unprotected)):
@@ -325,30 +333,16 @@ class RetentionClasses(EvictionPolicy):
             parking.loosen_many(list(dict.fromkeys(key for key in joined if key in parking.held)))
         return True
 
-    def _held_walk(self, priority: int) -> Iterator[Hashable]:
-        """Class 3 candidates of one priority, in the order of the module docstring
-        (lineage: its own walk). The caller re-checks each key's hint."""
+    def _held_walk(self, priority: int, now: float) -> Iterator[Hashable]:
+        """Class 3 candidates of one priority, lowest expected value of keeping first
+        (:mod:`kvstore.policies._ranked`; lineage: its own walk). The caller re-checks
+        each key's hint."""
         if not self._by_age:
             yield from (self.inner.held_victims() if self._holding else self.inner.victims())
             return
-        bucket = self._held.get(priority)
-        if bucket is None:
-            return
-        # a snapshot: the walk reaches class 3 only after passing every block the tier
-        # holds, so one more O(n) costs nothing extra, and evictions between yields
-        # leave it intact
-        group: list[Hashable] = []
-        at = None
-        for key in list(bucket):
-            rec = bucket.get(key)
-            if rec is None:
-                continue
-            if group and rec.given != at:
-                yield from (k for k in reversed(group) if k in bucket)
-                group = []
-            group.append(key)
-            at = rec.given
-        yield from (k for k in reversed(group) if k in bucket)
+        held = self._held.get(priority)
+        if held is not None:
+            yield from held.walk(now, self.trust.hinted_rate())
 
     def hint_stats(self) -> dict[str, Any]:
         """This tier's :class:`HintTrust` state (``stats()["tiers"][i]["hint_trust"]``)."""

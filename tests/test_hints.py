@@ -243,6 +243,46 @@ def test_hinted_blocks_leave_oldest_hint_first_whatever_was_read_since(policy):
         assert gone == [0, 4, 3, 2, 5, 1]
 
 
+@pytest.mark.parametrize("policy", [p for p in EVICTION_NAMES if p != "lineage"])
+def test_of_hints_of_one_age_the_longest_window_leaves_first(policy):
+    """Issue 39: hinted blocks rank by their expected next use, not by hint age alone.
+    "Back within a minute" is kept over "back within the hour" until it expires, even
+    when it is the older hint; hints of one window still leave oldest first."""
+    clock = FakeClock()
+    with dram_store(policy, 4, clock) as store:
+        save(store, [0], Hint(3600))
+        clock.now += 1
+        save(store, [1], Hint(60))                    # older than 2 and 3, but due soon
+        clock.now += 1
+        save(store, [2], Hint(3600))
+        clock.now += 1
+        save(store, [3], Hint(3600))
+        gone = []
+        for filler in range(10, 13):
+            clock.now += 1
+            save(store, [filler], Hint(3600))
+            gone += [i for i, h in zip(range(4), held(store, range(4))) if not h and i not in gone]
+        assert gone == [0, 2, 3]
+        assert held(store, [1]) == [True]
+        clock.now = 1000 + 1 + 60                     # 1's hint expired: policy order, first out
+        save(store, [20], Hint(3600))
+        assert held(store, [1]) == [False]
+
+
+@pytest.mark.parametrize("policy", [p for p in EVICTION_NAMES if p != "lineage"])
+def test_a_priority_only_hint_leaves_first_of_its_priority(policy):
+    """A hint with no expiry says nothing about when the block comes back: of one
+    priority it ranks below every hint with a window, older or not."""
+    clock = FakeClock()
+    with dram_store(policy, 2, clock) as store:
+        save(store, [0], Hint(600, priority=1))
+        clock.now += 1
+        save(store, [1], Hint(None, priority=1))
+        clock.now += 1
+        save(store, [2], Hint(600, priority=2))
+        assert held(store, [0, 1, 2]) == [True, False, True]
+
+
 def test_lineage_keeps_its_leaf_first_order_among_hinted_blocks():
     clock = FakeClock()
     chain = NS.chunk_keys(np.arange(100, 104))
