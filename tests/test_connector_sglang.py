@@ -461,7 +461,8 @@ def test_connector_metrics_reach_store_stats(make_backend, host_pool_factory):
     got = backend.store.stats()["connectors"]["sglang"]
     assert got == {"hit_tokens": 4 * P, "loaded_tokens": 3 * P, "failed_loads": 1, "dropped_saves": 2,
                    "deleted_saves": 0, "staging_bytes": 0, "uncached_requests": 0,
-                   "unreachable_lookups": 0}
+                   "unreachable_lookups": 0, "handoffs_sent": 0, "handoffs_received": 0,
+                   "failed_handoffs": 0}
     store = backend.store
     backend.close()
     assert "sglang" not in store.stats()["connectors"]
